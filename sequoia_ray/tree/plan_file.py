@@ -1,0 +1,143 @@
+"""Planned trees as versioned JSON: the tree, what it was built from, and where it applies.
+
+A plan file is data, never code: it is parsed as JSON and every field is validated on load, so a
+truncated, foreign or tampered file gives an error naming the file and the field, never a wrong tree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector
+from sequoia_ray.tree.plan import PlanError, TreePlan, expected_tokens
+
+SCHEMA_VERSION = 1
+KIND = "sequoia-ray/tree-plan"
+F_TOLERANCE = 1e-9
+
+
+class PlanFormatError(ValueError):
+    """A plan file that cannot be trusted; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    draft: str | None = None
+    target: str | None = None
+    temperature: float | None = None
+    hardware: str | None = None
+
+
+@dataclass(frozen=True)
+class PlannedTree:
+    plan: TreePlan
+    acceptance: AcceptanceVector
+    budget: int  # the node budget n the plan was chosen for (plan.n <= budget)
+    max_depth: int | None  # the level limit d (root included); None = unbounded
+    expected_tokens: float  # G(n, d) = F(plan) under ``acceptance``
+    provenance: Provenance = field(default_factory=Provenance)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": KIND,
+            "expected_tokens": self.expected_tokens,
+            "budget": self.budget,
+            "max_depth": self.max_depth,
+            "depth": self.plan.num_levels,
+            "nodes": self.plan.n,
+            "parents": list(self.plan.parents),
+            "acceptance": self.acceptance.to_dict(),
+            "provenance": {k: v for k, v in vars(self.provenance).items()},
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.dumps())
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, source: str = "plan") -> PlannedTree:
+        return _parse(obj, source)
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, source: str = "plan") -> PlannedTree:
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PlanFormatError(f"{source}: not valid JSON (truncated or corrupt?): {exc}") from None
+        return _parse(obj, source)
+
+    @classmethod
+    def load(cls, path: Path) -> PlannedTree:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise PlanFormatError(f"{path}: cannot read plan file ({exc.strerror})") from None
+        return cls.loads(data, source=str(path))
+
+
+def _parse(obj: Any, source: str) -> PlannedTree:
+    def bad(name: str, why: str) -> PlanFormatError:
+        return PlanFormatError(f"{source}: field '{name}': {why}")
+
+    if not isinstance(obj, dict):
+        raise PlanFormatError(f"{source}: expected a JSON object, got {type(obj).__name__}")
+    if obj.get("schema_version") != SCHEMA_VERSION:
+        raise bad("schema_version", f"{obj.get('schema_version')!r} is not {SCHEMA_VERSION}; re-create the plan")
+    if obj.get("kind", KIND) != KIND:
+        raise bad("kind", f"{obj.get('kind')!r} is not {KIND!r}")
+    try:
+        plan = TreePlan(tuple(_int_list(obj.get("parents"))))
+    except (PlanError, TypeError) as exc:
+        raise bad("parents", str(exc)) from None
+    try:
+        acceptance = AcceptanceVector.from_dict(obj.get("acceptance"), source="acceptance")
+    except AcceptanceError as exc:
+        raise bad("acceptance", str(exc)) from None
+    budget = _int_field(obj, "budget", bad, minimum=plan.n)
+    max_depth = obj.get("max_depth")
+    if max_depth is not None:
+        max_depth = _int_field(obj, "max_depth", bad, minimum=plan.num_levels)
+    value = obj.get("expected_tokens")
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad("expected_tokens", f"{value!r} must be a finite number")
+    actual = expected_tokens(plan, acceptance)
+    if abs(actual - value) > F_TOLERANCE * max(1.0, actual):
+        raise bad("expected_tokens", f"{value!r} but the tree is worth {actual!r} under its acceptance vector")
+    return PlannedTree(plan, acceptance, budget, max_depth, float(value), _provenance(obj.get("provenance"), bad))
+
+
+def _int_list(x: Any) -> list[int]:
+    if not isinstance(x, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        raise TypeError(f"must be a list of integers, got {x!r:.80}")
+    return x
+
+
+def _int_field(obj: dict, name: str, bad, *, minimum: int) -> int:
+    v = obj.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise bad(name, f"{v!r} must be an integer >= {minimum}")
+    return v
+
+
+def _provenance(obj: Any, bad) -> Provenance:
+    if obj is None:
+        return Provenance()
+    if not isinstance(obj, dict) or set(obj) - set(Provenance.__dataclass_fields__):
+        raise bad("provenance", f"{obj!r:.80} must be an object with keys {sorted(Provenance.__dataclass_fields__)}")
+    temp = obj.get("temperature")
+    if temp is not None and (not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0):
+        raise bad("provenance.temperature", f"{temp!r} must be a finite number >= 0")
+    for key in ("draft", "target", "hardware"):
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            raise bad(f"provenance.{key}", f"{obj[key]!r} must be a string")
+    return Provenance(**obj)

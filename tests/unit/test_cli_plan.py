@@ -1,0 +1,51 @@
+"""``sequoia-ray plan``: JSON output, plan file, plot, and exit code 2 with one line on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sequoia_ray.cli import main
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.dp import solve
+from sequoia_ray.tree.plan_file import PlannedTree
+
+
+def test_plan_json_output_and_files(tmp_path, capsys):
+    acc = tmp_path / "acc.json"
+    acc.write_text(json.dumps({"p": [0.6, 0.2, 0.1], "reject": 0.1, "temperature": 0.6}))
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code = main(["plan", "--acceptance", str(acc), "--budget", "24", "--max-depth", "5", "--json",
+                 "--out", str(out), "--plot", str(png)])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = solve(AcceptanceVector.from_p([0.6, 0.2, 0.1]), 24, 5).value(24, 5)
+    assert printed["expected_tokens"] == pytest.approx(expected, abs=1e-12)
+    assert printed["budget"] == 24 and printed["max_depth"] == 5 and printed["depth"] <= 5
+    assert len(printed["parents"]) <= 24
+    assert PlannedTree.load(out).to_dict() == printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plan_unbounded_text_output(capsys):
+    assert main(["plan", "--acceptance", "0.8", "--budget", "6"]) == 0
+    text = capsys.readouterr().out
+    assert "d=unbounded" in text and "6 levels" in text  # p = [0.8]: the best 6-node tree is a chain
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--acceptance", "0.7,0.6", "--budget", "8"], "sum of p is 1.3"),
+        (["--acceptance", "x,y", "--budget", "8"], "neither a JSON file"),
+        (["--acceptance", "0.5", "--budget", "0"], "must be >= 1"),
+        (["--acceptance", "0.5", "--budget", "8", "--max-depth", "zero"], "not an integer"),
+        (["--acceptance", "/nonexistent/acc.json", "--budget", "8"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, needle, capsys):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert len(err.splitlines()) == 1, err

@@ -1,0 +1,132 @@
+"""The DP against brute force over every rank-labelled tree of <= 8 nodes, closed forms and the reference."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.dp import DPError, solve
+from sequoia_ray.tree.dp_reference import solve_reference
+from sequoia_ray.tree.plan import expected_tokens, from_nested
+
+MAX_NODES = 8
+
+
+def ordered_trees(n: int) -> list:
+    """Every ordered (rank-labelled) tree with exactly n nodes, as nested child lists."""
+    return [children for children in ordered_forests(n - 1)]
+
+
+def ordered_forests(m: int) -> list:
+    if m == 0:
+        return [[]]
+    out = []
+    for first in range(1, m + 1):  # size of the rank-1 child's subtree
+        for head in ordered_trees(first):
+            for rest in ordered_forests(m - first):
+                out.append([head] + rest)
+    return out
+
+
+ALL_TREES = [from_nested(t) for n in range(1, MAX_NODES + 1) for t in ordered_trees(n)]
+
+
+def test_enumeration_counts_catalan():
+    counts = [sum(1 for t in ALL_TREES if t.n == n) for n in range(1, MAX_NODES + 1)]
+    assert counts == [math.comb(2 * (n - 1), n - 1) // n for n in range(1, MAX_NODES + 1)]
+
+
+def random_vector(rng: np.random.Generator, rows: int = 1, sort: bool = True) -> AcceptanceVector:
+    width = int(rng.integers(1, 6))
+    out = []
+    for _ in range(rows):
+        p = rng.dirichlet(np.ones(width + 1))[:width]
+        out.append(sorted(p, reverse=True) if sort else list(p))
+    return AcceptanceVector.from_rows(out)
+
+
+def brute_force(acceptance: AcceptanceVector, n: int, d: int) -> float:
+    return max(expected_tokens(t, acceptance) for t in ALL_TREES if t.n <= n and t.num_levels <= d)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("rows,sort", [(1, True), (1, False), (3, True), (2, False)])
+def test_dp_equals_brute_force_and_tree_attains_it(seed: int, rows: int, sort: bool):
+    acceptance = random_vector(np.random.default_rng(seed), rows, sort)
+    table = solve(acceptance, MAX_NODES, MAX_NODES)
+    for n, d in itertools.product(range(1, MAX_NODES + 1), range(1, MAX_NODES + 1)):
+        best = brute_force(acceptance, n, d)
+        assert table.value(n, d) == pytest.approx(best, abs=1e-12), (n, d)
+        tree = table.tree(n, d)
+        assert tree.n <= n and tree.num_levels <= d
+        assert expected_tokens(tree, acceptance) == pytest.approx(best, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unbounded_equals_deepest(seed: int):
+    acceptance = random_vector(np.random.default_rng(100 + seed), rows=int(seed % 3) + 1)
+    bounded = solve(acceptance, MAX_NODES, MAX_NODES)
+    unbounded = solve(acceptance, MAX_NODES, None)
+    for n in range(1, MAX_NODES + 1):
+        assert unbounded.value(n) == pytest.approx(bounded.value(n, n), abs=1e-12)
+        assert unbounded.value(n, 50) == pytest.approx(brute_force(acceptance, n, MAX_NODES), abs=1e-12)
+        assert expected_tokens(unbounded.tree(n), acceptance) == pytest.approx(unbounded.value(n), abs=1e-12)
+
+
+@pytest.mark.parametrize("a", [0.1, 0.5, 0.8, 0.95])
+def test_chain_closed_form(a: float):
+    table = solve(AcceptanceVector.from_p([a]), 12, 12)
+    for length in range(12):  # a chain of L draft tokens is L + 1 nodes and L + 1 levels
+        expected = (1 - a ** (length + 1)) / (1 - a)
+        assert table.value(length + 1, length + 1) == pytest.approx(expected, rel=1e-14)
+        assert table.value(12, length + 1) == pytest.approx(expected, rel=1e-14)
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_matches_reference_on_larger_tables(sort: bool):
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        acceptance = random_vector(rng, sort=sort)
+        fast = solve(acceptance, 60, 9).G
+        slow = solve_reference(list(acceptance.rows[0]), 60, 9)
+        np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-12)
+
+
+def test_monotone_in_n_and_d_on_a_big_table():
+    p = sorted(np.random.default_rng(3).dirichlet(np.ones(17))[:16], reverse=True)
+    G = solve(AcceptanceVector.from_p(p), 300, 12).G[1:, 1:]
+    assert np.all(np.diff(G, axis=0) >= -1e-12)
+    assert np.all(np.diff(G, axis=1) >= -1e-12)
+    assert G[-1, -1] > G[-1, 1]
+
+
+def test_zero_acceptance_never_grows_the_tree():
+    table = solve(AcceptanceVector.from_p([0.0, 0.0]), 10, 4)
+    assert table.value(10, 4) == 1.0
+    assert table.tree(10, 4).n == 1
+
+
+def test_width_wider_than_budget():
+    p = [0.05] * 20
+    table = solve(AcceptanceVector.from_p(p), 5, 3)
+    assert table.value(5, 3) == pytest.approx(brute_force(AcceptanceVector.from_p(p[:8]), 5, 3), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "n,d,message",
+    [(0, 3, "budget n = 0"), (11, 3, "max_nodes >= 11"), (5, 0, "depth d = 0"), (5, 9, "max_depth >= 9")],
+)
+def test_out_of_table_queries_name_the_fix(n: int, d: int, message: str):
+    table = solve(AcceptanceVector.from_p([0.5]), 10, 4)
+    with pytest.raises(DPError, match=message):
+        table.value(n, d)
+
+
+@pytest.mark.parametrize("nodes,depth", [(0, 3), (5, 0), (2.5, 3)])
+def test_bad_arguments(nodes, depth):
+    with pytest.raises(DPError):
+        solve(AcceptanceVector.from_p([0.5]), nodes, depth)

@@ -1,0 +1,145 @@
+"""Tree plans: structure, F(T), baselines, and the versioned JSON file with its validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector
+from sequoia_ray.tree.plan import PlanError, TreePlan, chain, expected_tokens, from_nested, k_ary, specinfer
+from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree, Provenance
+from sequoia_ray.tree.planning import plan_for
+
+
+def test_structure_of_a_small_tree():
+    plan = TreePlan((-1, 0, 0, 1, 1, 2, 3))
+    assert plan.depth == (0, 1, 1, 2, 2, 2, 3)
+    assert plan.rank == (0, 1, 2, 1, 2, 1, 1)
+    assert plan.levels == ((0,), (1, 2), (3, 4, 5), (6,))
+    assert plan.children[1] == (3, 4)
+    assert plan.path(6) == (0, 1, 3, 6)
+    mask = plan.ancestor_mask()
+    for i in range(plan.n):
+        assert set(np.flatnonzero(mask[i])) == set(plan.path(i))
+
+
+@pytest.mark.parametrize(
+    "parents,message",
+    [((0, 0), "parents\\[0\\] must be -1"), ((-1, 1), "before its child"), ((-1, 0, 2), "before its child"),
+     ((-1, 0, 0, 1, 2, 1), "breadth-first"), ((), "must be -1")],
+)
+def test_invalid_trees_are_rejected(parents, message):
+    with pytest.raises(PlanError, match=message):
+        TreePlan(parents)
+
+
+def test_expected_tokens_by_hand():
+    a = AcceptanceVector.from_p([0.5, 0.3])
+    plan = from_nested([[[]], []])  # root -> (c1 -> g1), c2
+    assert expected_tokens(plan, a) == pytest.approx(1 + 0.5 + 0.3 + 0.25)
+    deep = AcceptanceVector.from_rows([[0.5, 0.3], [0.9, 0.0]])
+    assert expected_tokens(plan, deep) == pytest.approx(1 + 0.5 + 0.3 + 0.5 * 0.9)
+    assert expected_tokens(from_nested([[], [], []]), a) == pytest.approx(1.8)  # rank 3 beyond W: worth 0
+
+
+@pytest.mark.parametrize("a,L", [(0.7, 4), (0.9, 7), (0.2, 1)])
+def test_baselines(a: float, L: int):
+    p = AcceptanceVector.from_p([a, (1 - a) * a])
+    assert chain(L).n == L + 1 and chain(L).num_levels == L + 1
+    assert expected_tokens(chain(L), p) == pytest.approx((1 - a ** (L + 1)) / (1 - a))
+    two = specinfer(2, L)
+    assert two.n == 2 * L + 1 and two.num_levels == L + 1
+    assert expected_tokens(two, p) == pytest.approx(1 + a * (1 - a**L) / (1 - a) + p.rows[0][1] * (1 - a**L) / (1 - a))
+    full = k_ary(2, L)
+    assert full.n == 2 ** (L + 1) - 1
+    s = a + p.rows[0][1]
+    assert expected_tokens(full, p) == pytest.approx((1 - s ** (L + 1)) / (1 - s))
+
+
+def planned(budget=12, depth=4) -> PlannedTree:
+    acceptance = AcceptanceVector.from_p([0.62, 0.17, 0.06])
+    prov = Provenance(draft="d", target="t", temperature=0.6, hardware="cpu-test-2c")
+    return plan_for(acceptance, budget, depth, prov)[0]
+
+
+def test_json_round_trip_is_exact(tmp_path):
+    original = planned()
+    path = tmp_path / "plan.json"
+    original.save(path)
+    loaded = PlannedTree.load(path)
+    assert loaded == original
+    assert loaded.expected_tokens == original.expected_tokens  # bit-exact float
+    assert json.loads(path.read_text())["schema_version"] == 1
+
+
+def corrupt(obj: dict, path: tuple, value) -> dict:
+    obj = json.loads(json.dumps(obj))
+    target = obj
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return obj
+
+
+@pytest.mark.parametrize(
+    "path,value,field",
+    [
+        (("schema_version",), 2, "schema_version"),
+        (("parents",), [-1, 2, 0], "parents"),
+        (("parents",), [-1, 0, 1, 0], "parents"),
+        (("parents",), "abc", "parents"),
+        (("expected_tokens",), float("nan"), "expected_tokens"),
+        (("expected_tokens",), 9.0, "expected_tokens"),
+        (("acceptance", "p"), [0.5, float("nan")], "acceptance"),
+        (("acceptance", "reject"), 0.9, "acceptance"),
+        (("budget",), 2, "budget"),
+        (("max_depth",), 1, "max_depth"),
+        (("provenance", "temperature"), -1, "provenance.temperature"),
+        (("provenance",), {"gpu": "x"}, "provenance"),
+    ],
+)
+def test_corrupted_fields_name_the_field_and_file(tmp_path, path, value, field):
+    bad = corrupt(planned().to_dict(), path, value)
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(bad))
+    with pytest.raises(PlanFormatError) as info:
+        PlannedTree.load(file)
+    assert str(file) in str(info.value) and f"'{field}'" in str(info.value)
+
+
+def test_truncated_and_missing_files(tmp_path):
+    file = tmp_path / "plan.json"
+    file.write_text(planned().dumps()[:50])
+    with pytest.raises(PlanFormatError, match="not valid JSON"):
+        PlannedTree.load(file)
+    with pytest.raises(PlanFormatError, match="cannot read"):
+        PlannedTree.load(tmp_path / "nope.json")
+    file.write_text("[1, 2]")
+    with pytest.raises(PlanFormatError, match="expected a JSON object"):
+        PlannedTree.load(file)
+
+
+@pytest.mark.parametrize(
+    "p,reject,message",
+    [([0.5, -0.1], None, "p\\[2\\] = -0.1"), ([0.7, 0.6], None, "sum of p is 1.3"), ([float("inf")], None, "p\\[1\\]"),
+     ([0.5], 0.2, "sum\\(p\\) \\+ reject = 0.7"), ([], None, "no rows|non-empty")],
+)
+def test_invalid_acceptance_vectors(p, reject, message):
+    with pytest.raises(AcceptanceError, match=message):
+        AcceptanceVector.from_p(p, reject)
+
+
+def test_acceptance_parse_forms(tmp_path):
+    assert AcceptanceVector.parse("0.5, 0.25").reject == (0.25,)
+    file = tmp_path / "acc.json"
+    file.write_text(json.dumps({"p": [[0.5, 0.2], [0.7]], "reject": [0.3, 0.3]}))
+    depth_indexed = AcceptanceVector.parse(str(file))
+    assert depth_indexed.rows == ((0.5, 0.2), (0.7, 0.0)) and depth_indexed.depth_indexed
+    with pytest.raises(AcceptanceError, match="neither a JSON file"):
+        AcceptanceVector.parse("0.5,abc")
+    with pytest.raises(AcceptanceError, match="does not exist"):
+        AcceptanceVector.parse(str(tmp_path / "missing.json"))
+    assert math.isclose(sum(AcceptanceVector.parse("0.3,0.3,0.4").rows[0]), 1.0)
