@@ -159,3 +159,11 @@ def _check_positive(**values: int) -> None:
     for name, v in values.items():
         if v < 1:
             raise PlanError(f"{name} = {v} must be >= 1")
+
+
+def first_levels(plan: TreePlan, levels: int) -> TreePlan:
+    """The sub-tree of ``plan``'s first ``levels`` levels (a prefix of the breadth-first node order)."""
+    if levels >= plan.num_levels:
+        return plan
+    _check_positive(levels=levels)
+    return TreePlan(plan.parents[: sum(len(x) for x in plan.levels[:levels])])

@@ -1,0 +1,180 @@
+"""``SpeculativeDecoder``: the loop grow -> verify -> commit, with exact stop conditions and statistics.
+
+The decoder talks to its draft and target through two small protocols, so in-process workers and Ray
+actor handles are interchangeable. Each step: the draft grows the plan's tree, the target verifies it in
+one forward pass and returns the kept path and tokens (accepted + one residual/bonus), the draft keeps the
+same path. Tokens are then emitted one by one so EOS, stop strings and ``max_tokens`` end generation
+exactly, even inside an accepted path. Without a draft every step is a root-only tree (target alone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftTree
+from sequoia_ray.stopping import StopChecker
+from sequoia_ray.tree.plan import TreePlan, first_levels
+from sequoia_ray.verify import Verdict
+
+ROOT_ONLY = TreePlan((-1,))
+
+
+class Draft(Protocol):
+    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None: ...
+    def grow(self, request_id: str, plan: TreePlan) -> DraftTree: ...
+    def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None: ...
+    def finish(self, request_id: str) -> None: ...
+
+
+class Target(Protocol):
+    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None: ...
+    def verify(self, request_id: str, plan: TreePlan, draft: DraftTree) -> Verdict: ...
+    def finish(self, request_id: str) -> None: ...
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    tokens: int = 0
+    accepted_hist: Counter = field(default_factory=Counter)  # accepted draft tokens per step -> steps
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    plan_nodes: int = 0
+    plan_levels: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens_per_step,
+            "tokens_per_second": self.tokens_per_second, "draft_s": self.draft_s, "verify_s": self.verify_s,
+            "total_s": self.total_s, "accepted_histogram": {int(k): v for k, v in sorted(self.accepted_hist.items())},
+            "plan_nodes": self.plan_nodes, "plan_levels": self.plan_levels,
+        }
+
+
+@dataclass
+class Chunk:
+    """A streamed piece: new token ids and the text they complete; the last chunk has finish_reason."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+    stats: Stats | None = None
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: Stats
+    seed: int
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus max_tokens) that does not fit the model's context window."""
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: Target, draft: Draft | None, plan: TreePlan, *, tokenizer=None,
+                 eos_ids: tuple[int, ...] = (), max_context: int | None = None) -> None:
+        self.target, self.draft, self.plan = target, draft, plan
+        self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
+
+    def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Generation:
+        params = with_seed(params)
+        ids, text = [], []
+        for chunk in self.stream(prompt, params, request_id):
+            ids += chunk.token_ids
+            text.append(chunk.text)
+        return Generation(ids, "".join(text), chunk.finish_reason, chunk.stats, params.seed)
+
+    def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Iterator[Chunk]:
+        self._check_prompt(prompt, params)
+        params = with_seed(params)
+        rid = request_id or uuid.uuid4().hex
+        seed = params.seed
+        self.target.start(rid, prompt, params, _salt(seed, "verify"))
+        if self.draft is not None:
+            self.draft.start(rid, prompt, params, _salt(seed, "draft"))
+        try:
+            yield from self._loop(rid, params, prompt[-1])
+        finally:
+            self.target.finish(rid)
+            if self.draft is not None:
+                self.draft.finish(rid)
+
+    def _loop(self, rid: str, params: SamplingParams, last_token: int) -> Iterator[Chunk]:
+        stats = Stats(plan_nodes=self.plan.n, plan_levels=self.plan.num_levels)
+        stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
+        start = time.perf_counter()
+        while True:
+            plan = first_levels(self.plan if self.draft else ROOT_ONLY, params.max_tokens - stats.tokens)
+            verdict = self._step(rid, plan, stats, last_token)
+            last_token = verdict.tokens[-1]
+            stats.steps += 1
+            stats.accepted_hist[len(verdict.path) - 1] += 1
+            ids, text, reason = stop.feed(verdict.tokens, params.max_tokens)
+            stats.tokens = stop.count
+            stats.total_s = time.perf_counter() - start
+            if reason is not None:
+                yield Chunk(ids, text, reason, stats)
+                return
+            if ids or text:
+                yield Chunk(ids, text)
+
+    def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int) -> Verdict:
+        t0 = time.perf_counter()
+        tree = self.draft.grow(rid, plan) if self.draft is not None and plan.n > 1 else None
+        t1 = time.perf_counter()
+        if tree is None:
+            plan = ROOT_ONLY
+            tree = DraftTree(torch.tensor([last_token]), {})
+        verdict = self.target.verify(rid, plan, tree)
+        t2 = time.perf_counter()
+        if self.draft is not None:
+            self.draft.commit(rid, verdict.path, verdict.tokens)
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        return verdict
+
+    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one token")
+        if self.max_context is not None and len(prompt) + params.max_tokens > self.max_context:
+            raise ContextLengthError(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the model's context of "
+                f"{self.max_context} tokens; shorten the prompt or lower max_tokens"
+            )
+
+
+
+def with_seed(params: SamplingParams) -> SamplingParams:
+    """``params`` with a concrete seed (a fresh random one when none was given), so runs can be replayed."""
+    if params.seed is not None:
+        return params
+    return params.model_copy(update={"seed": int.from_bytes(os.urandom(7), "little")})
+
+
+def _salt(seed: int, stream: str) -> int:
+    """Independent generator seeds for the draft and verify streams of one request."""
+    digest = hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -1,0 +1,74 @@
+"""Tree forward passes and KV compaction over any transformers causal LM that accepts 4D masks.
+
+One ``KVSession`` per request and model: a ``DynamicCache`` whose first ``length`` slots hold the K/V of
+committed tokens. ``forward`` appends q new tokens that may attend to every cached slot plus the new
+tokens allowed by ``allowed`` (a tree: each node sees its ancestors), with explicit positions; the mask is a
+*float additive* 4D mask (0 = attend, finfo.min = blocked), correct under both eager and SDPA attention.
+``keep`` compacts the cache to a chosen list of slots (the accepted path), contiguous, in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass
+class KVSession:
+    model: PreTrainedModel
+    cache: DynamicCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [q] int64
+        positions: torch.Tensor,  # [q] int64, absolute positions
+        allowed: torch.Tensor | None = None,  # [q, past + q - tree_start] bool, True = may attend
+        tree_start: int | None = None,  # slots before this are visible to all new tokens (default: past)
+    ) -> torch.Tensor:  # [q, V] float32 logits
+        """Append ``tokens``; slots >= ``tree_start`` (cached or new) are visible as ``allowed`` says."""
+        q, past = tokens.shape[0], self.length
+        start = past if tree_start is None else tree_start
+        if allowed is None:
+            assert start == past, "a causal forward has no tree region in the cache"
+            allowed = torch.ones(q, q, dtype=torch.bool).tril_()
+        assert allowed.shape == (q, past + q - start), f"allowed {tuple(allowed.shape)} != {(q, past + q - start)}"
+        assert bool(allowed[:, past - start :].diagonal().all()), "every token must attend to itself"
+        dtype = self.model.dtype
+        mask = torch.zeros(1, 1, q, past + q, dtype=dtype)
+        mask[0, 0, :, start:].masked_fill_(~allowed, torch.finfo(dtype).min)
+        out = self.model(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            attention_mask=mask,
+            past_key_values=self.cache,
+            cache_position=torch.arange(past, past + q),
+            use_cache=True,
+        )
+        return out.logits[0].float()
+
+    def keep(self, slots: torch.Tensor) -> None:  # slots: [m] int64, increasing, into the current cache
+        """Compact the cache to ``slots`` (in order), dropping every other slot."""
+        assert slots.ndim == 1 and (slots.numel() < 2 or bool((slots[1:] > slots[:-1]).all()))
+        if slots.numel() == self.length and bool((slots == torch.arange(self.length)).all()):
+            return
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            assert not layer.is_sliding, "KV compaction supports full-attention layers only"
+            layer.keys = layer.keys.index_select(-2, slots)
+            layer.values = layer.values.index_select(-2, slots)
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot at or after ``length``."""
+        self.keep(torch.arange(min(length, self.length)))
+

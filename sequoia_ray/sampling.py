@@ -1,0 +1,131 @@
+"""Sampling without replacement and the Sequoia verifier (paper Algorithm 2), lossless by construction.
+
+Vocabulary. At a tree node, P is the target's distribution (temperature and top-p applied) and D the
+draft's distribution the children were drawn from. The children s_1..s_k are drawn *without replacement*
+from D; when D's support is exhausted the next draws are uniform over the tokens not drawn yet.
+
+Verification at one node (temperature > 0): R <- P. For each child s_i in draw order accept it with
+probability min(1, R[s_i] / D_i[s_i]); on rejection R <- norm(max(R - D_i, 0)) and D_{i+1} is D_i with s_i
+removed, renormalised (uniform over the undrawn tokens once it is empty). If no child is accepted the node
+emits a *residual* token drawn from R. An accepted node with no children emits a *bonus* token from its P.
+Greedy (T = 0): the children are the draft's top-k; the child equal to argmax P is accepted; else argmax P.
+
+Randomness is always a ``torch.Generator`` passed in; nothing here seeds or reads global RNG state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+_NEG = -1e30  # key offset that puts tokens outside D's support after every token inside it
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-p nucleus and renormalised.  logits: [..., V] -> [..., V]."""
+    assert temperature > 0, "greedy decoding uses argmax, not probabilities"
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))  # the top token always stays
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A distribution over the vocabulary stored by its support (what crosses between actors)."""
+
+    tokens: torch.Tensor  # [K] int64, distinct
+    probs: torch.Tensor  # [K] float, sums to 1
+
+    def dense(self, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [V]
+        out = torch.zeros(vocab, dtype=dtype)
+        out[self.tokens] = self.probs.to(dtype)
+        return out
+
+
+def truncate(probs: torch.Tensor, k: int) -> SparseDist:
+    """The top-k of ``probs`` [V], renormalised: the exact D a draft samples from and the verifier uses."""
+    values, tokens = torch.topk(probs, min(k, probs.shape[-1]))
+    keep = values > 0
+    values, tokens = values[keep], tokens[keep]
+    return SparseDist(tokens=tokens, probs=values / values.sum())
+
+
+def draw_without_replacement(dist: SparseDist, k: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """k distinct tokens [k]: sequential draws from ``dist`` (Gumbel-top-k), then uniform over the rest."""
+    gumbel = -torch.log(-torch.log(torch.rand(len(dist.tokens), generator=generator, dtype=torch.float64)))
+    keys = torch.log(dist.probs.double()) + gumbel
+    order = torch.argsort(keys, descending=True)[:k]
+    drawn = dist.tokens[order]
+    if len(drawn) == k:
+        return drawn
+    rest = torch.randperm(vocab, generator=generator)
+    rest = rest[~torch.isin(rest, drawn)]
+    return torch.cat([drawn, rest[: k - len(drawn)]])
+
+
+@dataclass(frozen=True)
+class NodeStep:
+    accept_prob: float  # min(1, R[s] / D[s]) for this child
+    residual_after: torch.Tensor  # [V] R if this child is rejected
+
+
+def node_steps(
+    p: torch.Tensor,  # [V] target distribution at the node
+    d: torch.Tensor,  # [V] draft distribution the first child was drawn from
+    children: list[int],  # tokens in draw order
+) -> Iterator[NodeStep]:
+    """The deterministic part of the verifier at one node: acceptance chances and residuals, lazily."""
+    r = p
+    drawn = torch.zeros_like(p, dtype=torch.bool)
+    for s in children:
+        assert d[s] > 0, f"child token {s} has draft probability 0: it was not drawn from this D"
+        accept = min(1.0, float(r[s] / d[s]))
+        r = _normalise(torch.clamp(r - d, min=0), fallback=p)
+        drawn[s] = True
+        d = d.clone()
+        d[s] = 0
+        if d.sum() <= 0:
+            d = (~drawn).to(p.dtype)
+        d = d / d.sum()
+        yield NodeStep(accept, r)
+
+
+def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = x.sum()
+    if not torch.isfinite(total) or total <= 0:
+        return fallback  # R = D exactly (float round-off) or NaN: the target's own P is the safe answer
+    return x / total
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    accepted: int | None  # index into the node's children, or None
+    token: int | None  # the residual token when no child was accepted
+
+
+def verify_node(
+    p: torch.Tensor,  # [V] target distribution at the node
+    d: torch.Tensor,  # [V] draft distribution of the first draw
+    children: list[int],  # tokens in draw order
+    generator: torch.Generator,
+) -> NodeVerdict:
+    """Accept one child (fresh uniforms per child) or emit a residual token drawn from R."""
+    residual = p
+    for i, step in enumerate(node_steps(p, d, children)):
+        u = torch.rand((), generator=generator, dtype=torch.float64)
+        if u < step.accept_prob:
+            return NodeVerdict(accepted=i, token=None)
+        residual = step.residual_after
+    return NodeVerdict(accepted=None, token=sample(residual, generator))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from ``probs`` [V]."""
+    return int(torch.multinomial(probs.float(), 1, generator=generator))

@@ -1,0 +1,66 @@
+"""Exact stop conditions applied token by token: EOS, stop strings (not returned) and max_tokens.
+
+Text is streamed as it becomes final: a tail that could still begin a stop string, or that ends in an
+incomplete UTF-8 character, is held back until it is resolved.
+"""
+
+from __future__ import annotations
+
+
+class StopChecker:
+    def __init__(self, tokenizer, stop: tuple[str, ...], eos_ids: frozenset[int]) -> None:
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode text; load the model with its tokenizer")
+        self.tokenizer, self.stop, self.eos_ids = tokenizer, stop, eos_ids
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already emitted
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    def feed(self, tokens: list[int], max_tokens: int) -> tuple[list[int], str, str | None]:
+        """Take one step's tokens; return the ids and text to emit and the finish reason, if any."""
+        new: list[int] = []
+        reason = None
+        for token in tokens:
+            if token in self.eos_ids:
+                reason = "stop"
+                break
+            new.append(token)
+            self.ids.append(token)
+            if self._decode_and_find_stop():
+                reason = "stop"
+                break
+            if self.count >= max_tokens:
+                reason = "length"
+                break
+        return new, self._delta(final=reason is not None), reason
+
+    def _decode_and_find_stop(self) -> bool:
+        if self.tokenizer is None:
+            return False
+        before = len(self.text)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = self.text.find(s, max(0, min(before, len(self.text)) - len(s) + 1))
+            if at >= 0:
+                self.text = self.text[:at]
+                return True
+        return False
+
+    def _delta(self, final: bool) -> str:
+        end = len(self.text)
+        if not final:
+            end -= self.holdback
+            while end > self.sent and self.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def flush(self) -> str:
+        return self._delta(final=True)

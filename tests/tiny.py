@@ -1,0 +1,41 @@
+"""Tiny randomly initialised causal LMs for tests (fp32, fixed seeds; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 97
+
+
+def tiny_model(kind: str = "qwen2", *, seed: int = 0, attn: str = "sdpa", vocab: int = VOCAB, layers: int = 2):
+    torch.manual_seed(seed)  # test-only: builds fixed weights
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, attn_implementation=attn))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, attn_implementation=attn))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def noisy_copy(model, *, scale: float, seed: int):
+    """A draft that agrees with ``model`` often: the same weights plus Gaussian noise."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
+    return draft.eval()
+
+
+def sharpen(model, factor: float):
+    """Scale the LM head so the model is more confident (random models are nearly uniform)."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    return model
