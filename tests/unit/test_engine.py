@@ -1,0 +1,139 @@
+"""SpeculativeDecoder on tiny models: greedy identity with the target, exact stops, seeds, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.engine import ContextLengthError, SpeculativeDecoder
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.plan import chain, from_nested, k_ary, specinfer
+from tests.tiny import noisy_copy, sharpen, tiny_model
+
+PLANS = {
+    "chain4": chain(4),
+    "wide": k_ary(8, 1),
+    "binary3": k_ary(2, 3),
+    "specinfer": specinfer(3, 3),
+    "deep-ragged": from_nested([[[[[[]]]], []], [[]], []]),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
+    good = noisy_copy(target, scale=0.03, seed=1)
+    bad = tiny_model("qwen2", seed=7)
+    return target, good, bad
+
+
+def decoder(target, draft, plan, **kw):
+    return SpeculativeDecoder(TargetWorker(target), DraftWorker(draft) if draft is not None else None, plan, **kw)
+
+
+def target_greedy(target, prompt, n, eos=()):
+    return decoder(target, None, chain(0), eos_ids=eos).generate(prompt, SamplingParams(max_tokens=n)).token_ids
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("which", ["good", "bad"])
+def test_greedy_is_token_for_token_the_target(models, plan_name, which):
+    target, good, bad = models
+    draft = good if which == "good" else bad
+    spec = decoder(target, draft, PLANS[plan_name])
+    for seed in range(4):
+        prompt = [(seed * 13 + i * 7) % 97 for i in range(3 + seed)]
+        expected = target_greedy(target, prompt, 30)
+        got = spec.generate(prompt, SamplingParams(max_tokens=30, seed=seed))
+        assert got.token_ids == expected, (plan_name, which, seed)
+        assert got.finish_reason == "length"
+        assert got.stats.tokens == 30
+    if which == "good" and PLANS[plan_name].num_levels > 2:
+        assert got.stats.tokens_per_step > 1.5  # the noisy copy is accepted most of the time
+
+
+@pytest.mark.parametrize("cut", [1, 4, 7, 13])
+def test_eos_inside_an_accepted_path_stops_exactly(models, cut):
+    target, good, _ = models
+    prompt = [3, 1, 4, 1, 5]
+    reference = target_greedy(target, prompt, 20)
+    eos = reference[cut]
+    first = reference.index(eos)  # EOS ends at its first occurrence
+    got = decoder(target, good, k_ary(3, 4), eos_ids=(eos,)).generate(prompt, SamplingParams(max_tokens=20))
+    assert got.token_ids == reference[:first]
+    assert got.finish_reason == "stop"
+    ignored = decoder(target, good, k_ary(3, 4), eos_ids=(eos,)).generate(
+        prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert ignored.token_ids == reference
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
+def test_max_tokens_inside_a_path(models, max_tokens):
+    target, good, _ = models
+    prompt = [9, 9, 8]
+    got = decoder(target, good, chain(6)).generate(prompt, SamplingParams(max_tokens=max_tokens))
+    assert got.token_ids == target_greedy(target, prompt, 20)[:max_tokens]
+    assert got.finish_reason == "length"
+
+
+class CharTokenizer:
+    """token t <-> the letter chr(97 + t % 26); enough to test stop strings."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_stop_string_inside_a_path_is_cut_and_not_returned(models):
+    target, good, _ = models
+    prompt = [2, 7, 1, 8]
+    reference = target_greedy(target, prompt, 24)
+    text = CharTokenizer().decode(reference)
+    stop = text[9:12]
+    at = text.find(stop)
+    spec = decoder(target, good, k_ary(2, 4), tokenizer=CharTokenizer())
+    chunks = list(spec.stream(prompt, SamplingParams(max_tokens=24, stop=[stop, "zzzzzzz"])))
+    assert "".join(c.text for c in chunks) == text[:at]
+    assert chunks[-1].finish_reason == "stop"
+    assert [t for c in chunks for t in c.token_ids] == reference[: at + len(stop)]
+
+
+def test_same_seed_same_tokens_and_different_seed_differs(models):
+    target, good, _ = models
+    spec = decoder(target, good, k_ary(3, 3))
+    runs = [spec.generate([1, 2, 3], SamplingParams(max_tokens=40, temperature=1.0, seed=s)).token_ids
+            for s in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_random_seed_is_reported_and_replays(models):
+    target, good, _ = models
+    spec = decoder(target, good, k_ary(2, 2))
+    first = spec.generate([4, 4], SamplingParams(max_tokens=25, temperature=1.0))
+    again = spec.generate([4, 4], SamplingParams(max_tokens=25, temperature=1.0, seed=first.seed))
+    assert first.token_ids == again.token_ids
+
+
+def test_prompt_errors(models):
+    target, good, _ = models
+    spec = decoder(target, good, chain(3), max_context=32)
+    with pytest.raises(ContextLengthError, match="prompt of 30 tokens \\+ max_tokens 5 exceeds"):
+        spec.generate(list(range(30)), SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        spec.generate([], SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        spec.generate([1], SamplingParams(max_tokens=5, stop=["x"]))
+
+
+def test_requests_are_freed(models):
+    target, good, _ = models
+    t, d = TargetWorker(target), DraftWorker(good)
+    spec = SpeculativeDecoder(t, d, chain(3))
+    stream = spec.stream([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    assert len(t.requests) == 1 and len(d.requests) == 1
+    stream.close()  # a client that goes away
+    assert not t.requests and not d.requests
+    spec.generate([1, 2], SamplingParams(max_tokens=5))
+    assert not t.requests and not d.requests

@@ -1,0 +1,101 @@
+"""Statistical proofs on tiny models: the joint law of the first two tokens, and tokens per step = F(T)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.engine import SpeculativeDecoder
+from sequoia_ray.sampling import node_steps
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.dp import solve
+from sequoia_ray.tree.plan import expected_tokens, k_ary
+from tests.tiny import noisy_copy, sharpen, tiny_model
+
+V = 8
+
+
+def next_probs(model, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:  # [V] float64
+    with torch.inference_mode():
+        return torch.softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1].double() / temperature, -1)
+
+
+def test_first_two_tokens_follow_the_target_exactly():
+    """N = 3000 requests (seeds 0..2999) at T = 1 with a 13-node tree; for each of the 64 cells of the
+    joint law of (token 1, token 2), |frequency - exact target probability| <= 5 SE + 0.004
+    (SE = sqrt(p (1 - p) / N)); a 5-sigma bound per cell keeps the false-failure chance below ~1e-4."""
+    target = sharpen(tiny_model("qwen2", seed=11, vocab=V), 25.0)
+    draft = noisy_copy(target, scale=0.6, seed=12)
+    prompt = [1, 5, 2]
+    p1 = next_probs(target, prompt)
+    exact = torch.stack([p1[a] * next_probs(target, prompt + [a]) for a in range(V)])  # [V, V]
+    q1 = next_probs(draft, prompt)
+    assert 0.5 * float((p1 - q1).abs().sum()) > 0.1, "the draft must differ from the target for power"
+    spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), k_ary(3, 2))
+    n = 3000
+    counts = torch.zeros(V, V)
+    two_in_one_step = 0
+    for seed in range(n):
+        out = spec.generate(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=seed, ignore_eos=True))
+        counts[out.token_ids[0], out.token_ids[1]] += 1
+        two_in_one_step += out.stats.steps == 1
+    freq = counts / n
+    se = torch.sqrt(exact * (1 - exact) / n)
+    assert torch.all((freq - exact).abs() <= 5 * se + 0.004), (freq - exact).abs().max()
+    assert two_in_one_step > n // 10, "accepted paths must really produce both tokens in one step"
+
+
+def context_free(model, seed: int):
+    """Every token embeds to the same vector, so the next-token law is the same in every context."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:] = torch.randn(model.config.hidden_size, generator=gen)
+    return model
+
+
+def exact_acceptance(p: torch.Tensor, q: torch.Tensor, width: int) -> list[float]:
+    """p[k] = P(the k-th child drawn without replacement from q is the accepted one), by enumeration."""
+    out = [0.0] * width
+    for order in itertools.permutations(range(len(p)), width):
+        w, drawn = 1.0, set()
+        for s in order:
+            w *= float(q[s]) / float(sum(q[t] for t in range(len(q)) if t not in drawn))
+            drawn.add(s)
+        reach = 1.0
+        for k, step in enumerate(node_steps(p, q, list(order))):
+            out[k] += w * reach * step.accept_prob
+            reach *= 1 - step.accept_prob
+    return out
+
+
+def test_tokens_per_step_equals_plan_value_on_a_context_free_pair():
+    """1200 steps (60 requests x 20 steps) with the DP's best 12-node tree; the mean of tokens per step
+    is within 4 standard errors (estimated from the sample) of F(T) computed from the exact p."""
+    target = sharpen(context_free(tiny_model("llama", seed=2, vocab=6), seed=3), 6.0)
+    draft = sharpen(context_free(tiny_model("llama", seed=4, vocab=6), seed=5), 6.0)
+    p, q = next_probs(target, [0]), next_probs(draft, [0])
+    acceptance = AcceptanceVector.from_p(exact_acceptance(p, q, 3))
+    plan = solve(acceptance, 12, 5).tree(12, 5)
+    value = expected_tokens(plan, acceptance)
+    target_w, draft_w = TargetWorker(target), DraftWorker(draft)
+    params = SamplingParams(temperature=1.0, max_tokens=10_000)
+    per_step = []
+    for r in range(60):
+        rid = str(r)
+        target_w.start(rid, [1, 2], params, seed=2 * r)
+        draft_w.start(rid, [1, 2], params, seed=2 * r + 1)
+        for _ in range(20):
+            verdict = target_w.verify(rid, plan, draft_w.grow(rid, plan))
+            draft_w.commit(rid, verdict.path, verdict.tokens)
+            per_step.append(len(verdict.tokens))
+        target_w.finish(rid)
+        draft_w.finish(rid)
+    x = torch.tensor(per_step, dtype=torch.float64)
+    se = float(x.std()) / math.sqrt(len(x))
+    assert abs(float(x.mean()) - value) <= 4 * se, (float(x.mean()), value, se)
+    assert value > 1.3  # the pair accepts often enough for the test to mean something
