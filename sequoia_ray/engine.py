@@ -47,6 +47,7 @@ class Stats:
     steps: int = 0
     tokens: int = 0
     accepted_hist: Counter = field(default_factory=Counter)  # accepted draft tokens per step -> steps
+    root_rank_hist: Counter = field(default_factory=Counter)  # rank of the accepted root child (0 = none)
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
@@ -66,6 +67,7 @@ class Stats:
             "steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens_per_step,
             "tokens_per_second": self.tokens_per_second, "draft_s": self.draft_s, "verify_s": self.verify_s,
             "total_s": self.total_s, "accepted_histogram": {int(k): v for k, v in sorted(self.accepted_hist.items())},
+            "root_rank_histogram": {int(k): v for k, v in sorted(self.root_rank_hist.items())},
             "plan_nodes": self.plan_nodes, "plan_levels": self.plan_levels,
         }
 
@@ -127,11 +129,13 @@ class SpeculativeDecoder:
         stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
         start = time.perf_counter()
         while True:
-            plan = first_levels(self.plan if self.draft else ROOT_ONLY, params.max_tokens - stats.tokens)
+            plan = first_levels(self.plan, params.max_tokens - stats.tokens) if self.draft else ROOT_ONLY
             verdict = self._step(rid, plan, stats, last_token)
             last_token = verdict.tokens[-1]
             stats.steps += 1
             stats.accepted_hist[len(verdict.path) - 1] += 1
+            if plan.n > 1:
+                stats.root_rank_hist[plan.rank[verdict.path[1]] if len(verdict.path) > 1 else 0] += 1
             ids, text, reason = stop.feed(verdict.tokens, params.max_tokens)
             stats.tokens = stop.count
             stats.total_s = time.perf_counter() - start
@@ -143,11 +147,11 @@ class SpeculativeDecoder:
 
     def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int) -> Verdict:
         t0 = time.perf_counter()
-        tree = self.draft.grow(rid, plan) if self.draft is not None and plan.n > 1 else None
-        t1 = time.perf_counter()
-        if tree is None:
-            plan = ROOT_ONLY
+        if plan.n > 1:
+            tree = self.draft.grow(rid, plan)
+        else:
             tree = DraftTree(torch.tensor([last_token]), {})
+        t1 = time.perf_counter()
         verdict = self.target.verify(rid, plan, tree)
         t2 = time.perf_counter()
         if self.draft is not None:

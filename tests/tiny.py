@@ -39,3 +39,36 @@ def sharpen(model, factor: float):
     with torch.no_grad():
         model.lm_head.weight.mul_(factor)
     return model
+
+
+def char_tokenizer(vocab: int = VOCAB):
+    """A character-level fast tokenizer: ids 0..2 are <pad>, <eos>, <unk>; the rest printable characters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + vocab - 3)]
+    table = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    return fast
+
+
+def save_tiny_pair(root, *, draft_noise: float = 0.03):
+    """Write tiny target and draft checkpoints (with a tokenizer) under ``root``; return their paths."""
+    from pathlib import Path
+
+    root = Path(root)
+    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
+    draft = noisy_copy(target, scale=draft_noise, seed=1)
+    tok = char_tokenizer()
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.config.eos_token_id = 1
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths.append(root / name)
+    return paths[0], paths[1]

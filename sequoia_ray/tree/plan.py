@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -68,7 +68,11 @@ class TreePlan:
         return tuple(tuple(x) for x in out)
 
     def ancestor_mask(self) -> np.ndarray:  # [n, n] bool, True = node i may attend to node j
-        """mask[i, j] is True iff j is i or an ancestor of i (the tree attention pattern)."""
+        """mask[i, j] is True iff j is i or an ancestor of i (the tree attention pattern). A fresh copy."""
+        return self._mask.copy()
+
+    @cached_property
+    def _mask(self) -> np.ndarray:
         mask = np.zeros((self.n, self.n), dtype=bool)
         for i in range(self.n):
             if i:
@@ -161,6 +165,7 @@ def _check_positive(**values: int) -> None:
             raise PlanError(f"{name} = {v} must be >= 1")
 
 
+@lru_cache(maxsize=256)
 def first_levels(plan: TreePlan, levels: int) -> TreePlan:
     """The sub-tree of ``plan``'s first ``levels`` levels (a prefix of the breadth-first node order)."""
     if levels >= plan.num_levels:

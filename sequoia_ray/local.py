@@ -1,0 +1,46 @@
+"""An in-process draft/target pair: load both models, check they share a vocabulary, build decoders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.engine import SpeculativeDecoder
+from sequoia_ray.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.plan import TreePlan
+
+
+@dataclass
+class LocalPair:
+    target: LoadedModel
+    draft: LoadedModel | None
+
+    @classmethod
+    def load(cls, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *, dtype: str = "float32",
+             draft_quantize: str | None = None, progress: bool = True) -> LocalPair:
+        t = load_model(target, dtype=dtype, progress=progress)
+        d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress) if draft else None
+        if d is not None:
+            check_same_vocab(t, d)
+        return cls(t, d)
+
+    def decoder(self, plan: TreePlan, *, speculate: bool = True) -> SpeculativeDecoder:
+        draft = DraftWorker(self.draft.model) if speculate and self.draft is not None else None
+        return SpeculativeDecoder(TargetWorker(self.target.model), draft, plan, tokenizer=self.target.tokenizer,
+                                  eos_ids=self.target.eos_ids, max_context=self.target.max_context)
+
+    def encode(self, text: str, *, chat: bool) -> list[int]:
+        tok = self.target.tokenizer
+        if chat:
+            out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return tok(text)["input_ids"]
+
+
+def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    tv, dv = target.model.config.vocab_size, draft.model.config.vocab_size
+    if tv != dv or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ValueError(f"draft {draft.name!r} (vocab {dv}) and target {target.name!r} (vocab {tv}) do not share "
+                         "a tokenizer; speculative decoding needs a same-tokenizer pair")

