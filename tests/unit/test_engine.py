@@ -137,3 +137,29 @@ def test_requests_are_freed(models):
     assert not t.requests and not d.requests
     spec.generate([1, 2], SamplingParams(max_tokens=5))
     assert not t.requests and not d.requests
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_cache_after_commits_equals_a_fresh_forward(models, temperature):
+    """A wrong draft cache would only lower acceptance (output stays right), so check it directly."""
+    import torch
+
+    from tests.unit.test_tree_forward import plain_logits
+
+    target, good, _ = models
+    t, d = TargetWorker(target), DraftWorker(good)
+    params = SamplingParams(max_tokens=100, temperature=temperature)
+    plan = from_nested([[[[[]]], [[]]], [[]], []])
+    t.start("r", [5, 6, 7], params, 1)
+    d.start("r", [5, 6, 7], params, 2)
+    for _ in range(6):
+        verdict = t.verify("r", plan, d.grow("r", plan))
+        d.commit("r", verdict.path, verdict.tokens)
+        req = d.requests["r"]
+        committed = req.committed
+        pending = torch.tensor(committed[req.cached:])
+        got = req.session.forward(pending, torch.arange(req.cached, len(committed)))
+        torch.testing.assert_close(got, plain_logits(good, committed)[req.cached:], atol=2e-5, rtol=1e-5)
+        req.session.truncate(req.cached)
+    assert t.requests["r"].committed == committed
+    assert t.requests["r"].session.length == len(committed) - 1
