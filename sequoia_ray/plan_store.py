@@ -1,0 +1,156 @@
+"""A shared store of tree plans and hardware profiles under any ``pyarrow.fs`` URI.
+
+Default is a local directory; on a cluster ``s3://bucket/prefix`` (add ``?endpoint_override=host:port&
+scheme=http`` for an S3-compatible server) or anything else ``pyarrow.fs.FileSystem.from_uri`` opens.
+
+Key layout (every file JSON with ``schema_version``, validated on every read)::
+
+    <root>/plans/<hardware>/<pair>/t<temperature>/<UTC timestamp>-<random>.json
+    <root>/profiles/<hardware>/<UTC timestamp>-<random>.json
+
+``<pair>`` is a readable slug of the draft and target names plus a short hash of both; ``<temperature>``
+is the request temperature rounded to one decimal (``t0.0`` = greedy). Publishing never overwrites: each
+publish writes a new uniquely named file (to a temporary name first, then moved into place), so
+concurrent publishers cannot corrupt each other and the latest plan is the last name in sort order.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from sequoia_ray.hardware import HardwareProfile, ProfileError
+from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree, Provenance
+
+
+class PlanNotFound(LookupError):
+    """No plan (or profile) is published for this key."""
+
+
+class StoreError(RuntimeError):
+    """The store is unreachable or holds a file that is not a valid plan/profile (names the key)."""
+
+
+def temperature_bucket(temperature: float) -> str:
+    if temperature < 0:
+        raise ValueError(f"temperature {temperature} must be >= 0")
+    return f"t{round(temperature, 1):.1f}"
+
+
+def pair_key(draft: str, target: str) -> str:
+    slug = "__".join(re.sub(r"[^A-Za-z0-9.]+", "-", Path(x.rstrip("/")).name or x).strip("-")[:40]
+                     for x in (draft, target))
+    digest = hashlib.sha256(f"{draft}\0{target}".encode()).hexdigest()[:8]
+    return f"{slug}-{digest}"
+
+
+def _safe(part: str, what: str) -> str:
+    if not part or not re.fullmatch(r"[A-Za-z0-9._\-]+", part) or part in (".", ".."):
+        raise ValueError(f"{what} {part!r} may hold only letters, digits, '.', '_' and '-'")
+    return part
+
+
+def _new_name() -> str:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return f"{stamp}-{uuid.uuid4().hex[:8]}.json"
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    hardware: str
+    draft: str
+    target: str
+    temperature: float
+
+    def folder(self) -> str:
+        return "/".join(["plans", _safe(self.hardware, "hardware id"), pair_key(self.draft, self.target),
+                         temperature_bucket(self.temperature)])
+
+
+class PlanStore:
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        try:
+            if "://" in uri:
+                self.fs, root = pafs.FileSystem.from_uri(uri)
+            else:
+                self.fs, root = pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+        except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise StoreError(f"cannot open plan store {uri!r}: {exc}") from None
+        self.root = root.rstrip("/")
+
+    # ---- plans ---------------------------------------------------------------------------------
+    def publish_plan(self, planned: PlannedTree, key: PlanKey) -> str:
+        prov = Provenance(draft=key.draft, target=key.target, temperature=key.temperature, hardware=key.hardware)
+        stamped = PlannedTree(planned.plan, planned.acceptance, planned.budget, planned.max_depth,
+                              planned.expected_tokens, prov)
+        return self._publish(key.folder(), stamped.dumps())
+
+    def fetch_plan(self, key: PlanKey) -> tuple[PlannedTree, str]:
+        """The latest plan for ``key`` and its path; PlanNotFound if none, StoreError if corrupt."""
+        path = self._latest(key.folder(), f"no plan for hardware {key.hardware!r}, pair {key.draft!r} -> "
+                                          f"{key.target!r}, temperature {key.temperature}; run tuning/profile.py")
+        try:
+            return PlannedTree.loads(self._read(path), source=self._display(path)), path
+        except PlanFormatError as exc:
+            raise StoreError(str(exc)) from None
+
+    def list_plans(self) -> list[str]:
+        return [p for p in self._files("plans") if p.endswith(".json")]
+
+    # ---- profiles ------------------------------------------------------------------------------
+    def publish_profile(self, profile: HardwareProfile) -> str:
+        return self._publish(f"profiles/{_safe(profile.hardware_id, 'hardware id')}",
+                             json.dumps(profile.to_dict(), indent=1))
+
+    def fetch_profile(self, hardware: str) -> HardwareProfile:
+        path = self._latest(f"profiles/{_safe(hardware, 'hardware id')}",
+                            f"no profile for hardware {hardware!r}; run tuning/profile.py")
+        try:
+            return HardwareProfile.from_dict(json.loads(self._read(path)), source=self._display(path))
+        except (ValueError, ProfileError) as exc:
+            raise StoreError(f"{self._display(path)}: {exc}") from None
+
+    # ---- the filesystem --------------------------------------------------------------------------
+    def _publish(self, folder: str, text: str) -> str:
+        final = f"{self.root}/{folder}/{_new_name()}"
+        tmp = f"{self.root}/{folder}/.tmp-{uuid.uuid4().hex}"
+        try:
+            self.fs.create_dir(f"{self.root}/{folder}", recursive=True)
+            with self.fs.open_output_stream(tmp) as out:
+                out.write(text.encode())
+            self.fs.move(tmp, final)
+        except OSError as exc:
+            raise StoreError(f"cannot publish to {self._display(final)}: {exc}") from None
+        return final
+
+    def _latest(self, folder: str, missing: str) -> str:
+        names = sorted(p for p in self._files(folder) if p.rsplit("/", 1)[-1][:1].isdigit() and p.endswith(".json"))
+        if not names:
+            raise PlanNotFound(missing)
+        return names[-1]
+
+    def _files(self, folder: str) -> list[str]:
+        selector = pafs.FileSelector(f"{self.root}/{folder}", recursive=True, allow_not_found=True)
+        try:
+            infos = self.fs.get_file_info(selector)
+        except OSError as exc:
+            raise StoreError(f"plan store {self.uri!r} is unreachable: {exc}") from None
+        return sorted(i.path for i in infos if i.type == pafs.FileType.File)
+
+    def _read(self, path: str) -> bytes:
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return f.read()
+        except OSError as exc:
+            raise StoreError(f"cannot read {self._display(path)}: {exc}") from None
+
+    def _display(self, path: str) -> str:
+        return f"{self.uri.split('?')[0].rstrip('/')}/{path[len(self.root) + 1:]}" if path.startswith(self.root) else path
