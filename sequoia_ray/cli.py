@@ -195,7 +195,29 @@ def _run_models(args: argparse.Namespace) -> int:
     return 0
 
 
-VERBS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_generate, _add_measure, _add_models]
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    from sequoia_ray.profiling import add_job_args
+
+    p = sub.add_parser("profile", help="profile this machine, choose the tree, publish plan + profile (no Ray)")
+    add_job_args(p)
+    p.set_defaults(run=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from sequoia_ray.hardware import hardware_id
+    from sequoia_ray.profiling import format_results, job_config, publish_heatmaps, run_trial
+
+    cfg = job_config(args)
+    hw = hardware_id(None, cfg.tp_size)
+    results, grids = run_trial(cfg, hw)
+    reports = publish_heatmaps(cfg, hw, grids)
+    print(format_results(results))
+    print("heatmaps: " + ", ".join(reports))
+    return 0
+
+
+VERBS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_plan, _add_generate, _add_measure, _add_profile, _add_models]
 
 
 class _Parser(argparse.ArgumentParser):

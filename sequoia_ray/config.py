@@ -38,3 +38,83 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class ProfileJobConfig(BaseModel):
+    """The profiling job: per hardware type, measure p, profile t(n) and c, run the DP, choose, validate,
+    publish the plan and the profile to the store serving reads."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    storage: str = Field(description="Plan store URI: a local directory or s3://bucket/prefix (pyarrow.fs).")
+    draft: str = Field("default-draft", description="Draft model source (HF dir, .gguf, hub id, default-draft).")
+    target: str = Field("default-target", description="Target model source.")
+    temperatures: tuple[float, ...] = Field((0.0, 0.6), description="Temperature buckets to plan for.")
+    budgets: tuple[int, ...] = Field((1, 2, 4, 8, 12, 16, 24, 32, 48, 64), description="Tree sizes n to profile.")
+    max_depth: int = Field(10, ge=1, le=64, description="Deepest tree considered (levels, root included).")
+    width: int = Field(8, ge=1, le=64, description="Star width W when measuring the acceptance vector.")
+    prompts: str | None = Field(None, description="Prompt file (.jsonl or lines); default: a built-in set.")
+    acceptance: dict[float, str] = Field(default_factory=dict, description="Temperature -> acceptance file to use instead of measuring.")
+    measure_tokens: int = Field(48, ge=1, description="Tokens generated per prompt while measuring p.")
+    validate_tokens: int = Field(48, ge=1, description="Tokens per prompt when validating the chosen plan.")
+    max_prompts: int = Field(6, ge=1, description="Prompts used for measuring and validating.")
+    context: int = Field(256, ge=1, description="Cached context length at which t(n) and c are profiled.")
+    dtype: str = Field("bfloat16", description="Model dtype on this hardware: float32 | bfloat16 | float16.")
+    draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel size of the target (part of the hardware id).")
+    hardware: tuple[str, ...] = Field((), description="Accelerator types to profile; default: every type in the cluster.")
+    smoke_test: bool = Field(False, description="Tiny random models and small sizes: seconds, for CI.")
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, value):
+        if not value or min(value) < 1:
+            raise ValueError(f"budgets {value} must be positive tree sizes")
+        return tuple(sorted(set(value) | {1}))
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temps(cls, value):
+        if not value or min(value) < 0:
+            raise ValueError(f"temperatures {value} must be >= 0")
+        return tuple(value)
+
+
+class ServeConfig(BaseModel):
+    """The Ray Serve application: models, tensor parallelism, resources per actor, plans, limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_name: str = Field("sequoia-default", description="The model id clients send and /v1/models lists.")
+    draft: str | None = Field("default-draft", description="Draft source; None serves the target alone.")
+    target: str = Field("default-target", description="Target source (HF dir, .gguf, hub id, default-target, tiny).")
+    dtype: str = Field("bfloat16", description="float32 (exact greedy identity) | bfloat16 | float16.")
+    draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
+    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the target (one actor each).")
+    tp_backend: str = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPU).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (each TP rank and the draft).")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per actor.")
+    accelerator_type: str | None = Field(None, description="Pin actors to this GPU type (e.g. A100, L4).")
+    plan_store: str | None = Field(None, description="Plan store URI; None = built-in plans only.")
+    hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
+    plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
+    max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
+    max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")
+    max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
+    request_idle_timeout_s: float = Field(300.0, gt=0, description="Free a request's KV state after this idle time.")
+    num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
+    autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the target deployment.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v):
+        if v not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {v!r} must be float32, bfloat16 or float16")
+        return v
+
+    @field_validator("tp_backend")
+    @classmethod
+    def _backend(cls, v):
+        if v not in ("gloo", "nccl"):
+            raise ValueError(f"tp_backend {v!r} must be gloo (CPU) or nccl (GPU)")
+        return v

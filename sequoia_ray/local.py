@@ -25,6 +25,18 @@ class LocalPair:
             check_same_vocab(t, d)
         return cls(t, d)
 
+    @classmethod
+    def tiny(cls) -> LocalPair:
+        """A tiny random pair (the draft is the target's first layers) with a character tokenizer: smoke tests."""
+        from sequoia_ray.models.loading import eos_ids
+        from sequoia_ray.models.tiny import char_tokenizer, layered_pair
+
+        target, draft = layered_pair()
+        tok = char_tokenizer()
+        loaded = [LoadedModel(m, tok, eos_ids(m, tok), name, m.config.max_position_embeddings)
+                  for m, name in ((target, "tiny-target"), (draft, "tiny-draft"))]
+        return cls(*loaded)
+
     def decoder(self, plan: TreePlan, *, speculate: bool = True) -> SpeculativeDecoder:
         draft = DraftWorker(self.draft.model) if speculate and self.draft is not None else None
         return SpeculativeDecoder(TargetWorker(self.target.model), draft, plan, tokenizer=self.target.tokenizer,

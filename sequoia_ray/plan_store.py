@@ -118,6 +118,18 @@ class PlanStore:
         except (ValueError, ProfileError) as exc:
             raise StoreError(f"{self._display(path)}: {exc}") from None
 
+    # ---- reports -------------------------------------------------------------------------------
+    def put_report(self, name: str, data: bytes) -> str:
+        """A human-facing artifact (a PNG heatmap, a table) under <root>/reports/; returns its path."""
+        path = f"{self.root}/reports/{_safe(name, 'report name')}"
+        try:
+            self.fs.create_dir(f"{self.root}/reports", recursive=True)
+            with self.fs.open_output_stream(path) as out:
+                out.write(data)
+        except OSError as exc:
+            raise StoreError(f"cannot write {self._display(path)}: {exc}") from None
+        return self._display(path)
+
     # ---- the filesystem --------------------------------------------------------------------------
     def _publish(self, folder: str, text: str) -> str:
         final = f"{self.root}/{folder}/{_new_name()}"

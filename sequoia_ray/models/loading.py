@@ -9,6 +9,7 @@ be dynamically quantised to int8 (Linear layers), which on CPU roughly halves a 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DRAFT = "default-draft"
 DEFAULT_TARGET = "default-target"
+TINY_DRAFT = "tiny-draft"  # tiny random models (sequoia_ray.models.tiny.layered_pair): tests, smoke runs
+TINY_TARGET = "tiny-target"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,6 +37,8 @@ def resolve(source: str, *, progress: bool = True) -> tuple[str, str | None]:
     """(directory or hub id, gguf file name or None) for a model source string."""
     from sequoia_ray.models import fetch
 
+    if source in (TINY_DRAFT, TINY_TARGET):
+        return str(_tiny_checkpoint(source)), None
     if source in (DEFAULT_DRAFT, DEFAULT_TARGET):
         which = fetch.DEFAULT_DRAFT if source == DEFAULT_DRAFT else fetch.DEFAULT_TARGET
         return str(fetch.fetch(which, progress=progress)), None
@@ -51,15 +56,17 @@ def resolve(source: str, *, progress: bool = True) -> tuple[str, str | None]:
 
 
 def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, tp_plan: str | None = None) -> LoadedModel:
+    """``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     where, gguf = resolve(source, progress=progress)
     local = Path(where).exists()
+    extra = {"tp_plan": tp_plan} if tp_plan else {}
     model = AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=local)
+        where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=local, **extra)
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=local)
     model.eval()
     if quantize == "int8":
@@ -67,6 +74,25 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
     elif quantize is not None:
         raise ValueError(f"quantize {quantize!r} is not supported; use 'int8' or leave it unset")
     return LoadedModel(model, tokenizer, eos_ids(model, tokenizer), source, model.config.max_position_embeddings)
+
+
+def _tiny_checkpoint(source: str) -> Path:
+    """The tiny pair written once per process to a temporary directory (deterministic weights)."""
+    import tempfile
+
+    from sequoia_ray.models.tiny import char_tokenizer, layered_pair
+
+    root = Path(tempfile.gettempdir()) / f"sequoia-ray-tiny-{os.getpid()}"
+    path = root / source
+    if not (path / "config.json").is_file():
+        target, draft = layered_pair()
+        tok = char_tokenizer()
+        for name, model in ((TINY_TARGET, target), (TINY_DRAFT, draft)):
+            model.config.eos_token_id = tok.eos_token_id
+            model.generation_config.eos_token_id = tok.eos_token_id
+            model.save_pretrained(root / name)
+            tok.save_pretrained(root / name)
+    return path
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:

@@ -1,0 +1,90 @@
+"""The profiling job end to end: `ray start --head`, `ray job submit ... tuning/profile.py --smoke-test`,
+wait, read the published plan from the store, `ray stop`. Also argument errors and the in-process verb."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sequoia_ray.cli import main as cli_main
+from sequoia_ray.plan_store import PlanKey, PlanStore
+from tuning.profile import discover_hardware, main as job_main, trial_bundles
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_discover_and_bundles():
+    assert discover_hardware({"CPU": 8, "accelerator_type:A100": 2, "accelerator_type:L4": 1}) == ["A100", "L4"]
+    assert discover_hardware({"CPU": 2}) == ["cpu"]
+    assert trial_bundles("A100", 2, 1) == [{"CPU": 1, "GPU": 1, "accelerator_type:A100": 0.001}] * 2
+    assert trial_bundles("cpu", 4, 2) == [{"CPU": 2}]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [(["--smoke-test"], "--storage"), (["--storage", "x", "--temperatures", "a,b"], "comma-separated numbers"),
+     (["--storage", "x", "--budgets", "0,4"], "budgets"), (["--storage", "x", "--acceptance", "nofile"], "T=FILE"),
+     (["--storage", "x", "--cpus-per-trial", "0"], "must be > 0")],
+)
+def test_job_bad_arguments_exit_2(args, needle, capsys):
+    assert job_main(args) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_profile_verb_in_process(tmp_path, capsys):
+    store = tmp_path / "store"
+    assert cli_main(["profile", "--smoke-test", "--storage", str(store), "--temperatures", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "pred" in out and "heatmap" in out
+    from sequoia_ray.hardware import hardware_id
+
+    planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware_id(), "tiny-draft", "tiny-target", 0.0))
+    assert planned.plan.n <= planned.budget
+    assert list((store / "reports").glob("heatmap-*.png"))
+
+
+@pytest.mark.integration
+def test_ray_job_submit_smoke_test(tmp_path):
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0")
+    ray = str(BIN / "ray")
+    dash = free_port()
+    store = tmp_path / "store"
+    start = [ray, "start", "--head", "--num-cpus=2", f"--port={free_port()}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dash}", "--include-dashboard=true", "--disable-usage-stats"]
+    subprocess.run(start, check=True, env=env, cwd=tmp_path, capture_output=True, timeout=180)
+    try:
+        begin = time.time()
+        job = subprocess.run(
+            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", str(REPO), "--",
+             "python", "tuning/profile.py", "--smoke-test", "--storage", str(store), "--temperatures", "0,0.6"],
+            env=env, capture_output=True, text=True, timeout=600)
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "succeeded" in job.stdout.lower()
+        assert "pred" in job.stdout  # the final table
+        print(f"job took {time.time() - begin:.0f}s")
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    plans = PlanStore(str(store)).list_plans()
+    assert len(plans) == 2, plans
+    hardware = plans[0].split("/plans/")[-1].split("/")[0]
+    assert hardware.startswith("cpu-")
+    for t in (0.0, 0.6):
+        planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware, "tiny-draft", "tiny-target", t))
+        assert planned.expected_tokens >= 1.0
+    assert list((store / "reports").glob("heatmap-*.png"))
+    assert (store / "tune").is_dir()
+    shutil.rmtree(store, ignore_errors=True)

@@ -1,0 +1,134 @@
+"""Ray Tune job: profile every hardware type of the fleet and publish per-hardware tree plans.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python tuning/profile.py --smoke-test --storage /tmp/sequoia-plans
+
+One Tune trial per hardware type present in the cluster (its ``accelerator_type:<X>`` resources) or given
+with ``--hardware``; a CPU-only cluster gets one CPU trial. Each trial is pinned to its type by a tiny
+``accelerator_type`` demand and reserves one bundle per tensor-parallel rank. A trial loads the pair,
+measures the acceptance vector per temperature, profiles t(n) and c, runs the DP, chooses (n, d), runs the
+chosen plan for real, and publishes the plan, the profile and a heatmap to the plan store. Tune's own
+results go under <storage>/tune. ``sequoia-ray profile`` runs the same trial in-process without Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# Run as a script, this folder is sys.path[0] and this file would shadow the standard library's `profile`
+# module (cProfile imports it, and torch imports cProfile): put the repo root there instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+from sequoia_ray.config import ProfileJobConfig  # noqa: E402
+
+ACCEL_PREFIX = "accelerator_type:"
+CPU = "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sequoia_ray.cli import _Parser
+    from sequoia_ray.profiling import add_job_args
+
+    p = _Parser(prog="tuning/profile.py", description=__doc__.splitlines()[0])
+    add_job_args(p)
+    p.add_argument("--hardware", default="", help="comma-separated accelerator types (default: all in cluster)")
+    p.add_argument("--cpus-per-trial", type=float, default=1.0)
+    return p
+
+
+def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, float]:
+    """The job config from the command line; bad input raises ValueError (or SystemExit(2) from argparse)."""
+    from sequoia_ray.profiling import job_config
+
+    args = build_parser().parse_args(argv)
+    if args.cpus_per_trial <= 0:
+        raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} must be > 0")
+    cfg = job_config(args, hardware=tuple(h for h in args.hardware.split(",") if h))
+    return cfg, args.cpus_per_trial
+
+
+def discover_hardware(resources: dict[str, float]) -> list[str]:
+    """Accelerator types present in the cluster (``accelerator_type:A100`` -> ``A100``), else ``[cpu]``."""
+    types = sorted(k[len(ACCEL_PREFIX):] for k in resources if k.startswith(ACCEL_PREFIX))
+    return types or [CPU]
+
+
+def trial_bundles(hw: str, tp_size: int, cpus: float) -> list[dict[str, float]]:
+    """One bundle per tensor-parallel rank, each pinned to the hardware type; CPU trials take CPUs only."""
+    if hw == CPU:
+        return [{"CPU": cpus}]
+    rank = {"CPU": cpus, "GPU": 1, f"{ACCEL_PREFIX}{hw}": 0.001}
+    return [dict(rank) for _ in range(tp_size)]
+
+
+def join_uri(uri: str, *parts: str) -> str:
+    base, _, query = uri.partition("?")
+    path = "/".join([base.rstrip("/"), *parts])
+    if "://" not in path:
+        path = str(Path(path).expanduser().resolve())
+    return f"{path}?{query}" if query else path
+
+
+def trainable(config: dict) -> None:
+    """One Tune trial: everything for one hardware type (runs on a node of that type)."""
+    from ray import tune
+
+    from sequoia_ray.hardware import hardware_id
+    from sequoia_ray.profiling import publish_heatmaps, run_trial
+
+    cfg = ProfileJobConfig(**config["job"])
+    hw = config["hw"]
+    hw_id = hardware_id(None if hw == CPU else hw, cfg.tp_size)
+    results, grids = run_trial(cfg, hw_id, progress=False)
+    publish_heatmaps(cfg, hw_id, grids)
+    tune.report({"results": json.dumps([asdict(r) for r in results]),
+                 "best_predicted_speedup": max(r.predicted_speedup for r in results)})
+
+
+def run(cfg: ProfileJobConfig, cpus: float) -> list[dict]:
+    import ray
+    from ray import tune
+    from ray.tune import RunConfig
+
+    ray.init(ignore_reinit_error=True, log_to_driver=True)
+    types = list(cfg.hardware) or discover_hardware(ray.cluster_resources())
+    print(f"profiling hardware types: {types}", flush=True)
+    resources = tune.with_resources(
+        trainable, lambda spec: tune.PlacementGroupFactory(trial_bundles(spec["hw"], cfg.tp_size, cpus)))
+    tuner = tune.Tuner(
+        resources, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump()},
+        run_config=RunConfig(name="sequoia-profile", storage_path=join_uri(cfg.storage, "tune"), verbose=1))
+    grid = tuner.fit()
+    rows = []
+    for result in grid:
+        if result.error:
+            raise RuntimeError(f"trial {result.config.get('hw')} failed: {result.error}")
+        rows += json.loads(result.metrics["results"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sequoia_ray.cli import one_line
+    from sequoia_ray.profiling import TrialResult, format_results
+
+    try:
+        cfg, cpus = parse_config(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"tuning/profile.py: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    rows = run(cfg, cpus)
+    print(format_results([TrialResult(**r) for r in rows]))
+    print(f"plans published under {cfg.storage}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
