@@ -166,11 +166,12 @@ def library_versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 
-def hardware_id(accelerator: str | None = None, tp_size: int = 1) -> str:
-    """``<accelerator>-tp<N>`` on a GPU (e.g. ``H100-tp2``), ``cpu-<model>-<cores>c`` on CPU."""
+def hardware_id(accelerator: str | None = None, tp_size: int = 1, threads: int | None = None) -> str:
+    """``<accelerator>-tp<N>`` on a GPU (e.g. ``H100-tp2``), ``cpu-<model>-<threads>c[-tp<N>]`` on CPU."""
+    suffix = f"-tp{tp_size}" if tp_size > 1 else ""
     if accelerator:
-        return f"{accelerator}-tp{tp_size}" if tp_size > 1 else accelerator
-    return f"cpu-{_cpu_model()}-{torch.get_num_threads()}c"
+        return f"{accelerator}{suffix}"
+    return f"cpu-{_cpu_model()}-{threads or torch.get_num_threads()}c{suffix}"
 
 
 def _cpu_model() -> str:

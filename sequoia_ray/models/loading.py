@@ -64,7 +64,11 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     where, gguf = resolve(source, progress=progress)
     local = Path(where).exists()
-    extra = {"tp_plan": tp_plan} if tp_plan else {}
+    extra = {}
+    if tp_plan:
+        from transformers.distributed import DistributedConfig
+
+        extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     model = AutoModelForCausalLM.from_pretrained(
         where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=local, **extra)
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=local)
@@ -77,22 +81,25 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
 
 
 def _tiny_checkpoint(source: str) -> Path:
-    """The tiny pair written once per process to a temporary directory (deterministic weights)."""
+    """The tiny pair written once per process to a temporary directory (deterministic weights), atomically."""
+    import shutil
     import tempfile
 
     from sequoia_ray.models.tiny import char_tokenizer, layered_pair
 
     root = Path(tempfile.gettempdir()) / f"sequoia-ray-tiny-{os.getpid()}"
-    path = root / source
-    if not (path / "config.json").is_file():
+    if not (root / source / "config.json").is_file():
+        scratch = Path(tempfile.mkdtemp(prefix="sequoia-ray-tiny-"))
         target, draft = layered_pair()
         tok = char_tokenizer()
         for name, model in ((TINY_TARGET, target), (TINY_DRAFT, draft)):
             model.config.eos_token_id = tok.eos_token_id
             model.generation_config.eos_token_id = tok.eos_token_id
-            model.save_pretrained(root / name)
-            tok.save_pretrained(root / name)
-    return path
+            model.save_pretrained(scratch / name, is_main_process=True)  # also on TP ranks > 0
+            tok.save_pretrained(scratch / name)
+        shutil.rmtree(root, ignore_errors=True)
+        os.replace(scratch, root)
+    return root / source
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:

@@ -1,0 +1,28 @@
+"""``build_app(args)``: the Serve application (ingress + draft + tensor-parallel target) from a config dict.
+
+    serve run deployments/config.yaml            # or: serve run deployments.app:build_app target=... tp_size=2
+
+Usable as an ``import_path`` in a Serve config / RayService ``serveConfigV2``.
+"""
+
+from __future__ import annotations
+
+from ray.serve import Application
+
+from deployments.ingress import OpenAIIngress
+from deployments.workers import DraftServer, TargetServer, bundles
+from sequoia_ray.config import ServeConfig
+
+
+def build_app(args: dict) -> Application:
+    cfg = ServeConfig.model_validate(args)
+    config = cfg.model_dump()
+    strategy = "STRICT_PACK" if cfg.num_gpus else "PACK"
+    draft = None
+    if cfg.draft:
+        draft = DraftServer.options(placement_group_bundles=bundles(cfg, 1), placement_group_strategy=strategy,
+                                    num_replicas=cfg.num_replicas).bind(config)
+    scaling = {"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.num_replicas}
+    target = TargetServer.options(placement_group_bundles=bundles(cfg, cfg.tp_size), placement_group_strategy=strategy,
+                                  **scaling).bind(config)
+    return OpenAIIngress.options(num_replicas=cfg.num_replicas).bind(config, draft, target)

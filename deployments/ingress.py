@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI) and the Python handle API of the service.
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (``stream: true`` =
+server-sent events ending with ``data: [DONE]``). Other Ray apps call ``generate(request)`` (whole result)
+or ``generate_stream(request)`` (``handle.options(stream=True)``) with the same request models as HTTP.
+"""
+
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments import openai_api as api
+from deployments.service import ActorDraft, PlanProvider, RanksTarget, Runner
+from sequoia_ray.config import SamplingParams, ServeConfig
+from sequoia_ray.engine import ContextLengthError, SpeculativeDecoder
+
+logger = logging.getLogger("sequoia_ray.serve")
+app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")
+
+
+@app.exception_handler(api.APIError)
+async def _api_error(_: Request, exc: api.APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    err = api.validation_error(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(api.APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error")
+    return JSONResponse(api.APIError(500, "internal error; see the server log", type="server_error").body(),
+                        status_code=500)
+
+
+def _load_tokenizer(where: tuple[str, str | None]):
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    path, gguf = where
+    return AutoTokenizer.from_pretrained(path, gguf_file=gguf, local_files_only=Path(path).exists())
+
+
+async def _parse(request: Request, model):
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise api.APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise api.validation_error(exc) from None
+
+
+def _as_request(request):
+    if isinstance(request, (api.CompletionRequest, api.ChatCompletionRequest)):
+        return request, isinstance(request, api.ChatCompletionRequest)
+    chat = isinstance(request, dict) and "messages" in request
+    model = api.ChatCompletionRequest if chat else api.CompletionRequest
+    try:
+        return model.model_validate(request), chat
+    except ValidationError as exc:
+        raise api.validation_error(exc) from None
+
+
+async def _first(chunks):
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _prepend(first, chunks):
+    if first is not None:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+
+async def _sse(events: AsyncIterator[dict]):
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+    except api.APIError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    except Exception:  # noqa: BLE001 - a stream must end with an error event, never a stack trace
+        logger.exception("stream failed")
+        yield f"data: {json.dumps(api.APIError(503, 'generation failed; retry', type='server_error').body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, config: dict, draft, target) -> None:
+        from sequoia_ray.models.loading import resolve
+
+        self.cfg = ServeConfig.model_validate(config)
+        self.draft_server, self.target_server = draft, target
+        self.tokenizer = _load_tokenizer(resolve(self.cfg.target, progress=False))
+        self.runner = Runner(self.cfg.max_concurrent)
+        self.active = 0
+        self.plans: PlanProvider | None = None
+        self.meta: dict = {}
+
+    # ---- HTTP -----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", "active_requests": self.active}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        plans = await self._plans()
+        active = plans.get(0.0)
+        meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
+                "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
+                "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()}}
+        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "sequoia-ray",
+                                            "metadata": meta}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(await _parse(request, api.CompletionRequest), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(await _parse(request, api.ChatCompletionRequest), chat=True)
+
+    # ---- Python handle API ------------------------------------------------------------------------
+    async def generate(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest) -> dict:
+        req, chat = _as_request(request)
+        return await self._complete(*self._prepare(req, chat), chat)
+
+    async def _complete(self, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
+        rid = api.completion_id("chatcmpl" if chat else "cmpl")
+        text, ids, last = [], 0, None
+        async for chunk in self._chunks(prompt, params, rid):
+            text.append(chunk.text)
+            ids += len(chunk.token_ids)
+            last = chunk
+        body = api.chat_body if chat else api.completion_body
+        return body(rid, self.cfg.model_name, "".join(text), last.finish_reason,
+                    api.usage(len(prompt), ids, last.stats.to_dict()))
+
+    async def generate_stream(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest
+                              ) -> AsyncIterator[dict]:
+        req, chat = _as_request(request)
+        prompt, params = self._prepare(req, chat)
+        rid = api.completion_id("chatcmpl" if chat else "cmpl")
+        async for event in self._events(self._chunks(prompt, params, rid), rid, chat, len(prompt)):
+            yield event
+
+    # ---- internals --------------------------------------------------------------------------------
+    async def _serve(self, req, chat: bool):
+        prompt, params = self._prepare(req, chat)
+        if not req.stream:
+            return await self._complete(prompt, params, chat)
+        rid = api.completion_id("chatcmpl" if chat else "cmpl")
+        chunks = self._chunks(prompt, params, rid)
+        first = await _first(chunks)  # errors before the first token are still proper HTTP errors
+        events = self._events(_prepend(first, chunks), rid, chat, len(prompt))
+        return StreamingResponse(_sse(events), media_type="text/event-stream")
+
+    def _prepare(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
+        if req.model != self.cfg.model_name:
+            raise api.APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                    f"{self.cfg.model_name!r}", type="not_found_error", param="model",
+                               code="model_not_found")
+        try:
+            params = req.sampling(256 if chat else 16)
+            prompt = self._encode(req, chat)
+        except (ValueError, ValidationError) as exc:
+            raise api.validation_error(exc) if isinstance(exc, ValidationError) else api.APIError(400, str(exc))
+        if len(prompt) > self.cfg.max_prompt_tokens:
+            raise api.APIError(400, f"prompt has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
+                               param="prompt", code="context_length_exceeded")
+        if params.max_tokens > self.cfg.max_tokens_limit:
+            raise api.APIError(400, f"max_tokens {params.max_tokens} > limit {self.cfg.max_tokens_limit}",
+                               param="max_tokens")
+        return prompt, params
+
+    def _encode(self, req, chat: bool) -> list[int]:
+        if chat:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+        if isinstance(prompt, list):
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            return list(prompt)
+        return self.tokenizer(prompt)["input_ids"]
+
+    async def _plans(self) -> PlanProvider:
+        if self.plans is None:
+            session = await self.target_server.session.remote()
+            self.meta = {k: v for k, v in session.items() if k != "ranks"}
+            self.plans = PlanProvider(self.cfg, session["hardware_id"])
+            asyncio.get_running_loop().create_task(self._refresh_plans())
+        return self.plans
+
+    async def _refresh_plans(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.plan_refresh_s)
+            try:
+                await asyncio.to_thread(self.plans.refresh)
+            except Exception:  # noqa: BLE001 - a refresh must never kill serving; logged
+                logger.exception("plan refresh failed; keeping the current plans")
+
+    async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str):
+        if self.active >= self.cfg.max_concurrent:
+            raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
+                                    "retry later", type="rate_limit_error", code="overloaded")
+        self.active += 1
+        try:
+            plans = await self._plans()
+            decoder = await self._decoder(plans.get(params.temperature).planned.plan)
+            async for chunk in self.runner.stream(decoder, prompt, params, rid):
+                yield chunk
+        except ContextLengthError as exc:
+            raise api.APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+        finally:
+            self.active -= 1
+
+    async def _decoder(self, plan) -> SpeculativeDecoder:
+        target = await self.target_server.session.remote()
+        draft = await self.draft_server.session.remote() if self.draft_server is not None else None
+        return SpeculativeDecoder(RanksTarget(target["ranks"]), ActorDraft(draft) if draft is not None else None,
+                                  plan, tokenizer=self.tokenizer, eos_ids=tuple(target["eos_ids"]),
+                                  max_context=target["max_context"])
+
+    async def _events(self, chunks, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
+        model = self.cfg.model_name
+        if chat:
+            yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None)
+        produced = 0
+        async for chunk in chunks:
+            produced += len(chunk.token_ids)
+            if chunk.text or chunk.finish_reason:
+                if chat:
+                    delta = {"content": chunk.text} if chunk.text else {}
+                    event = api.chat_chunk(rid, model, delta, chunk.finish_reason)
+                else:
+                    event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason)
+                if chunk.finish_reason:
+                    event["usage"] = api.usage(prompt_tokens, produced, chunk.stats.to_dict())
+                yield event

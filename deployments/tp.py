@@ -1,0 +1,100 @@
+"""A tensor-parallel target: one Ray actor per rank, in the replica's placement group, over torch.distributed.
+
+Every rank loads the target sharded with transformers' ``tp_plan="auto"`` (gloo on CPU, nccl on GPU) and
+runs the same ``TargetWorker`` calls in lockstep: the forward all-reduces inside the model, the logits are
+replicated, and each rank walks the tree with an identically seeded generator, so all ranks reach the same
+verdict and compact their own KV shard the same way. The group returns rank 0's verdict and checks the
+others agree. Trap (DESIGN.md): transformers reads ``WORLD_SIZE``; without it every rank silently loads the
+whole model, so each rank asserts its weights really are sharded.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TPRank:
+    """One rank of the target group (a Ray actor)."""
+
+    def __init__(self, rank: int, world: int, master: str, port: int, backend: str, cfg: dict) -> None:
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, int(cfg.get("threads") or 1)))
+        from sequoia_ray.models.loading import load_model, resolve
+        from sequoia_ray.target import TargetWorker
+
+        resolve(cfg["target"], progress=False)  # fetch / write checkpoints before the group exists
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK="0" if backend == "gloo" else str(rank % max(torch.cuda.device_count(), 1)))
+        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://{master}:{port}")
+        self.rank, self.world = rank, world
+        loaded = load_model(cfg["target"], dtype=cfg["dtype"], progress=False, tp_plan="auto" if world > 1 else None)
+        check_sharded(loaded.model, world)
+        self.worker = TargetWorker(loaded.model)
+        self.meta = {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context,
+                     "vocab": loaded.model.config.vocab_size, "threads": torch.get_num_threads()}
+
+    def info(self) -> dict:
+        return self.meta
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+    def active(self) -> int:
+        return len(self.worker.requests)
+
+
+def check_sharded(model, world: int) -> None:
+    """Assert the attention projections hold 1/world of their output rows on this rank."""
+    proj = model.model.layers[0].self_attn.q_proj.weight
+    local = proj.to_local() if hasattr(proj, "to_local") else proj
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = config.num_attention_heads * head_dim // world
+    if local.shape[0] != expected:
+        raise RuntimeError(f"target is not sharded: q_proj has {local.shape[0]} local rows, expected {expected} "
+                           f"for tp_size {world}; set WORLD_SIZE before loading (transformers reads it)")
+
+
+class TargetGroup:
+    """``tp_size`` rank actors in bundles 1..tp_size of the replica's placement group (bundle 0 is the
+    replica itself), or anywhere when there is no placement group (in-process tests)."""
+
+    def __init__(self, cfg: dict, tp_size: int, backend: str, num_cpus: float, num_gpus: float) -> None:
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = get_current_placement_group()
+        master = ray.util.get_node_ip_address()
+        port = free_port()
+        actor = ray.remote(TPRank)
+        self.ranks = []
+        for rank in range(tp_size):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank + 1) if pg else None
+            opts = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_concurrency": 1}
+            if strategy is not None:
+                opts["scheduling_strategy"] = strategy
+            self.ranks.append(actor.options(**opts).remote(rank, tp_size, master, port, backend, cfg))
+        self.meta = ray.get([r.info.remote() for r in self.ranks])[0]
+
+    def call(self, method: str, *args):
+        """Run ``TargetWorker.<method>(*args)`` on every rank; return rank 0's result (all must agree)."""
+        results = ray.get([r.call.remote(method, *args) for r in self.ranks])
+        if any(res != results[0] for res in results[1:]):
+            raise RuntimeError(f"tensor-parallel ranks disagree on {method}: {results}")
+        return results[0]
+
+    def kill(self) -> None:
+        for r in self.ranks:
+            ray.kill(r)
+

@@ -1,0 +1,213 @@
+"""The Serve application on local Ray (CPU) with tiny models: HTTP (requests and the openai client),
+streaming, errors, a handle call from a second app, TP=2 over gloo == TP=1 == in-process, isolation of
+concurrent requests, and a cancelled stream freeing its KV state."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.local import LocalPair  # noqa: E402
+from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
+
+pytestmark = pytest.mark.integration
+BASE = {"model_name": "tiny", "draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "num_cpus": 0.5,
+        "max_tokens_limit": 512, "max_prompt_tokens": 200}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(BASE), name="tp1", route_prefix="/tp1")
+    serve.run(build_app({**BASE, "tp_size": 2}), name="tp2", route_prefix="/tp2")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local():
+    return LocalPair.load("tiny-target", "tiny-draft", dtype="float32", progress=False)
+
+
+def complete(url, prompt, **kw):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_health_and_models(server):
+    assert requests.get(f"{server}/tp1/health", timeout=10).json()["status"] == "ok"
+    models = requests.get(f"{server}/tp1/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == "tiny"
+    meta = models["data"][0]["metadata"]
+    assert meta["plan_source"] == "builtin" and meta["plan_nodes"] == builtin_plan(0.0).plan.n
+
+
+@pytest.mark.parametrize("prompt", ["hello world", "The quick brown fox", "x"])
+def test_tp2_equals_tp1_equals_in_process(server, local, prompt):
+    expected = local.decoder(builtin_plan(0.0).plan).generate(local.encode(prompt, chat=False),
+                                                              SamplingParams(max_tokens=24))
+    alone = local.decoder(builtin_plan(0.0).plan, speculate=False).generate(local.encode(prompt, chat=False),
+                                                                           SamplingParams(max_tokens=24))
+    assert expected.token_ids == alone.token_ids
+    for app in ("tp1", "tp2"):
+        body = complete(f"{server}/{app}", prompt)
+        assert body["choices"][0]["text"] == expected.text, app
+        assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+        assert body["usage"]["speculative"]["tokens_per_step"] > 1.0
+
+
+def test_chat_stream_equals_non_stream(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 30,
+            "temperature": 0}
+    whole = requests.post(f"{server}/tp1/v1/chat/completions", json=body, timeout=60).json()
+    r = requests.post(f"{server}/tp1/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    lines = [line.decode() for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/tp1/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    c = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0)
+    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 10
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
+                                          max_tokens=12, temperature=0.7, seed=3)
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
+                                           max_tokens=12, temperature=0.7, seed=3)
+    assert chat.choices[0].message.content == again.choices[0].message.content  # same seed, same text
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
+                                            max_tokens=12, temperature=0.7, seed=3, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="abc", max_tokens=5)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=-1)
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "x" * 400}, 400, "prompt"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "logprobs": 3}, 400, None),
+        ({"prompt": 12}, 400, "prompt"),
+        ({"prompt": [999999]}, 400, None),
+        ({"prompt": "x", "model": "other"}, 404, "model"),
+        ({}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = requests.post(f"{server}/tp1/v1/completions", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert param in (err["param"] or "") or param in err["message"]
+    assert "Traceback" not in r.text
+
+
+def test_malformed_json_and_unknown_route(server):
+    r = requests.post(f"{server}/tp1/v1/completions", data=b"{not json", timeout=30,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = requests.post(f"{server}/tp1/v1/completions", data=b"\xff\xfe\x00", timeout=30)
+    assert r.status_code == 400 and "error" in r.json()
+    r = requests.get(f"{server}/tp1/v1/nope", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Caller:
+    """A deployment of another application that uses the service through a DeploymentHandle."""
+
+    async def __call__(self, prompt: str) -> dict:
+        handle = serve.get_app_handle("tp1")
+        whole = await handle.generate.remote({"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                                              "temperature": 0})
+        pieces = [e async for e in handle.options(stream=True).generate_stream.remote(
+            {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})]
+        return {"whole": whole, "pieces": pieces}
+
+
+def test_handle_from_a_second_app(server):
+    handle = serve.run(Caller.bind(), name="caller", route_prefix="/caller")
+    out = handle.remote("hello world").result(timeout_s=60)
+    http = complete(f"{server}/tp1", "hello world", max_tokens=16)
+    assert out["whole"]["choices"][0]["text"] == http["choices"][0]["text"]
+    assert "".join(p["choices"][0]["text"] for p in out["pieces"]) == http["choices"][0]["text"]
+    serve.delete("caller")
+
+
+def test_concurrent_requests_do_not_mix(server):
+    prompts = [f"prompt number {i} says" for i in range(6)]
+    expected = {p: complete(f"{server}/tp2", p)["choices"][0]["text"] for p in prompts}
+    got, errors = {}, []
+
+    def run(p):
+        try:
+            got[p] = complete(f"{server}/tp2", p)["choices"][0]["text"]
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == expected
+
+
+def active_requests(app: str) -> tuple[int, int]:
+    draft = serve.get_deployment_handle("DraftServer", app).session.remote().result()
+    target = serve.get_deployment_handle("TargetServer", app).session.remote().result()
+    return ray.get(draft.active.remote()), sum(ray.get([r.active.remote() for r in target["ranks"]]))
+
+
+def test_cancelled_stream_frees_kv(server):
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 500, "temperature": 0.8, "stream": True}
+    r = requests.post(f"{server}/tp2/v1/completions", json=body, stream=True, timeout=60)
+    lines = r.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: ")
+    assert active_requests("tp2") != (0, 0)
+    r.close()  # the client goes away mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline and active_requests("tp2") != (0, 0):
+        time.sleep(0.5)
+    assert active_requests("tp2") == (0, 0)
