@@ -148,12 +148,12 @@ class OpenAIIngress:
     # ---- Python handle API ------------------------------------------------------------------------
     async def generate(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest) -> dict:
         req, chat = _as_request(request)
-        return await self._complete(*self._prepare(req, chat), chat)
+        return await self._complete(req, *self._prepare(req, chat), chat)
 
-    async def _complete(self, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
+    async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
         text, ids, last = [], 0, None
-        async for chunk in self._chunks(prompt, params, rid):
+        async for chunk in self._chunks(prompt, params, rid, req.speculative):
             text.append(chunk.text)
             ids += len(chunk.token_ids)
             last = chunk
@@ -166,16 +166,16 @@ class OpenAIIngress:
         req, chat = _as_request(request)
         prompt, params = self._prepare(req, chat)
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
-        async for event in self._events(self._chunks(prompt, params, rid), rid, chat, len(prompt)):
+        async for event in self._events(self._chunks(prompt, params, rid, req.speculative), rid, chat, len(prompt)):
             yield event
 
     # ---- internals --------------------------------------------------------------------------------
     async def _serve(self, req, chat: bool):
         prompt, params = self._prepare(req, chat)
         if not req.stream:
-            return await self._complete(prompt, params, chat)
+            return await self._complete(req, prompt, params, chat)
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
-        chunks = self._chunks(prompt, params, rid)
+        chunks = self._chunks(prompt, params, rid, req.speculative)
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
         events = self._events(_prepend(first, chunks), rid, chat, len(prompt))
         return StreamingResponse(_sse(events), media_type="text/event-stream")
@@ -227,14 +227,14 @@ class OpenAIIngress:
             except Exception:  # noqa: BLE001 - a refresh must never kill serving; logged
                 logger.exception("plan refresh failed; keeping the current plans")
 
-    async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str):
+    async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, speculate: bool = True):
         if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
                                     "retry later", type="rate_limit_error", code="overloaded")
         self.active += 1
         try:
             plans = await self._plans()
-            decoder = await self._decoder(plans.get(params.temperature).planned.plan)
+            decoder = await self._decoder(plans.get(params.temperature).planned.plan, speculate)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
                 yield chunk
         except ContextLengthError as exc:
@@ -242,9 +242,10 @@ class OpenAIIngress:
         finally:
             self.active -= 1
 
-    async def _decoder(self, plan) -> SpeculativeDecoder:
+    async def _decoder(self, plan, speculate: bool) -> SpeculativeDecoder:
         target = await self.target_server.session.remote()
-        draft = await self.draft_server.session.remote() if self.draft_server is not None else None
+        use_draft = speculate and self.draft_server is not None
+        draft = await self.draft_server.session.remote() if use_draft else None
         return SpeculativeDecoder(RanksTarget(target["ranks"]), ActorDraft(draft) if draft is not None else None,
                                   plan, tokenizer=self.tokenizer, eos_ids=tuple(target["eos_ids"]),
                                   max_context=target["max_context"])

@@ -52,6 +52,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
+    speculative: bool = Field(True, description="sequoia-ray extension: false = the target alone (for A/B).")
 
     @field_validator("stop")
     @classmethod

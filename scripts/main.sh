@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: set up (idempotent), then plan the best Sequoia tree for the
-# default acceptance vector and show it. (Serving on local Ray replaces this when deployments land.)
+# The main job on the embedded default: set up (idempotent), then start the Sequoia service on local Ray
+# (CPU, the default Qwen2.5-Coder 0.5B -> 1.5B pair, plans from the local store .sequoia/plans), send a real
+# request, print the answer and the speedup, and keep serving at http://127.0.0.1:8000/v1 (Ctrl-C stops).
+# Pass --exit to stop after the demo; other flags go to `sequoia-ray serve` (see --help there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 mkdir -p .sequoia/plans
-.venv/bin/sequoia-ray plan --acceptance examples/acceptance-illustrative.json --budget 64 --max-depth 8 \
-  --out .sequoia/plans/demo.json --plot .sequoia/plan.png "$@"
-echo "plan file: .sequoia/plans/demo.json   picture: .sequoia/plan.png"
+exec .venv/bin/sequoia-ray serve --demo "$@"

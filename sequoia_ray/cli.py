@@ -216,8 +216,21 @@ def _run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the Ray Serve app (see deployments/launch.py; --help there)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from deployments.launch import main as launch  # Ray is imported only by this verb
+
+    return launch(args.rest)
+
+
 VERBS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_plan, _add_generate, _add_measure, _add_profile, _add_models]
+    _add_plan, _add_generate, _add_measure, _add_profile, _add_serve, _add_models]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -236,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # everything after `serve` belongs to deployments/launch.py's parser
+        return _run_serve(argparse.Namespace(rest=argv[1:]))
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage errors and --help
