@@ -16,6 +16,8 @@ import socket
 import ray
 import torch
 
+from deployments.reaper import Reaper
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -41,14 +43,21 @@ class TPRank:
         loaded = load_model(cfg["target"], dtype=cfg["dtype"], progress=False, tp_plan="auto" if world > 1 else None)
         check_sharded(loaded.model, world)
         self.worker = TargetWorker(loaded.model)
+        self.reaper = Reaper(cfg.get("idle_timeout_s", 300.0))
         self.meta = {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context,
                      "vocab": loaded.model.config.vocab_size, "threads": torch.get_num_threads()}
 
     def info(self) -> dict:
         return self.meta
 
-    def call(self, method: str, *args):
-        return getattr(self.worker, method)(*args)
+    def call(self, method: str, request_id: str, *args):
+        for stale in self.reaper.stale():  # every rank reaps the same ids: all see the same calls
+            self.worker.finish(stale)
+        if method == "finish":
+            self.reaper.done(request_id)
+        else:
+            self.reaper.touch(request_id)
+        return getattr(self.worker, method)(request_id, *args)
 
     def active(self) -> int:
         return len(self.worker.requests)
@@ -86,13 +95,6 @@ class TargetGroup:
                 opts["scheduling_strategy"] = strategy
             self.ranks.append(actor.options(**opts).remote(rank, tp_size, master, port, backend, cfg))
         self.meta = ray.get([r.info.remote() for r in self.ranks])[0]
-
-    def call(self, method: str, *args):
-        """Run ``TargetWorker.<method>(*args)`` on every rank; return rank 0's result (all must agree)."""
-        results = ray.get([r.call.remote(method, *args) for r in self.ranks])
-        if any(res != results[0] for res in results[1:]):
-            raise RuntimeError(f"tensor-parallel ranks disagree on {method}: {results}")
-        return results[0]
 
     def kill(self) -> None:
         for r in self.ranks:

@@ -7,11 +7,10 @@ load-balances *that* call across replicas — and then talks to those actors dir
 
 from __future__ import annotations
 
-import time
-
 import ray
 from ray import serve
 
+from deployments.reaper import Reaper
 from deployments.tp import TargetGroup
 from sequoia_ray.config import ServeConfig
 
@@ -28,25 +27,19 @@ class DraftActor:
         torch.set_num_threads(max(1, int(cfg.get("threads") or 1)))
         loaded = load_model(cfg["draft"], dtype=cfg["dtype"], quantize=cfg.get("draft_quantize"), progress=False)
         self.worker = DraftWorker(loaded.model)
-        self.vocab = loaded.model.config.vocab_size
-        self.touched: dict[str, float] = {}
+        self.reaper = Reaper(cfg.get("idle_timeout_s", 300.0))
 
     def call(self, method: str, request_id: str, *args):
-        self.touched[request_id] = time.monotonic()
+        for stale in self.reaper.stale():
+            self.worker.finish(stale)
         if method == "finish":
-            self.touched.pop(request_id, None)
+            self.reaper.done(request_id)
+        else:
+            self.reaper.touch(request_id)
         return getattr(self.worker, method)(request_id, *args)
 
     def active(self) -> int:
         return len(self.worker.requests)
-
-    def reap(self, idle_s: float) -> list[str]:
-        """Free requests idle for longer than ``idle_s`` (their client vanished without a finish)."""
-        now = time.monotonic()
-        stale = [rid for rid, t in self.touched.items() if now - t > idle_s]
-        for rid in stale:
-            self.call("finish", rid)
-        return stale
 
     def ping(self) -> bool:
         return True
@@ -61,7 +54,7 @@ def _actor_options(cfg: ServeConfig) -> dict:
 
 def _model_cfg(cfg: ServeConfig) -> dict:
     return {"draft": cfg.draft, "target": cfg.target, "dtype": cfg.dtype, "draft_quantize": cfg.draft_quantize,
-            "threads": max(1, int(cfg.num_cpus))}
+            "threads": max(1, int(cfg.num_cpus)), "idle_timeout_s": cfg.request_idle_timeout_s}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -80,9 +73,6 @@ class DraftServer:
 
     def session(self):
         return self.actor
-
-    def reap(self) -> list[str]:
-        return ray.get(self.actor.reap.remote(self.cfg.request_idle_timeout_s))
 
     def check_health(self) -> None:
         ray.get(self.actor.ping.remote(), timeout=30)

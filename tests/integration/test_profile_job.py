@@ -59,7 +59,8 @@ def test_profile_verb_in_process(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_ray_job_submit_smoke_test(tmp_path):
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0")
+    # a loopback test cluster: no token auth (Ray 2.60 enables it when ~/.ray/auth_token exists)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     ray = str(BIN / "ray")
     dash = free_port()
     store = tmp_path / "store"

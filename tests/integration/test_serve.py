@@ -200,8 +200,10 @@ def active_requests(app: str) -> tuple[int, int]:
     return ray.get(draft.active.remote()), sum(ray.get([r.active.remote() for r in target["ranks"]]))
 
 
-def test_cancelled_stream_frees_kv(server):
-    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 500, "temperature": 0.8, "stream": True}
+def test_cancelled_stream_frees_kv(server, local):
+    prompt = next(p for p in ("a long story", "hello world", "x", "abc") if local.decoder(builtin_plan(0.0).plan)
+                  .generate(local.encode(p, chat=False), SamplingParams(max_tokens=500)).finish_reason == "length")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 500, "temperature": 0, "stream": True}
     r = requests.post(f"{server}/tp2/v1/completions", json=body, stream=True, timeout=60)
     lines = r.iter_lines()
     assert next(line for line in lines if line).startswith(b"data: ")

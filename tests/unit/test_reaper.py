@@ -1,0 +1,42 @@
+"""Idle requests are freed on the model actors (their client vanished without a finish)."""
+
+from __future__ import annotations
+
+from deployments.reaper import Reaper
+from deployments.workers import DraftActor
+from sequoia_ray.config import SamplingParams
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reaper_frees_only_idle_requests():
+    clock = Clock()
+    r = Reaper(10.0, clock)
+    r.touch("a")
+    clock.now = 6
+    r.touch("b")
+    clock.now = 11
+    assert r.stale() == ["a"]
+    r.done("b")
+    clock.now = 100
+    assert r.stale() == []
+
+
+def test_draft_actor_reaps_on_the_next_call():
+    actor = DraftActor({"draft": "tiny-draft", "dtype": "float32", "idle_timeout_s": 5.0})
+    clock = Clock()
+    actor.reaper.clock = clock
+    params = SamplingParams(max_tokens=8)
+    actor.call("start", "old", [3, 4, 5], params, 1)
+    clock.now = 4
+    actor.call("start", "new", [3, 4], params, 2)
+    assert actor.active() == 2
+    clock.now = 7  # "old" idle for 7 s > 5 s, "new" for 3 s
+    actor.call("finish", "new")
+    assert actor.active() == 0 and actor.reaper.last == {}
