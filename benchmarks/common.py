@@ -1,24 +1,12 @@
-"""Shared helpers for the benchmarks: timing by median of repeats, a printed table, and a JSON record."""
+"""Shared helpers for the benchmarks: a printed table and a JSON record (timing: sequoia_ray.hardware)."""
 
 from __future__ import annotations
 
 import json
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

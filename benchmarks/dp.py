@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, print_table, write_json  # noqa: E402
+from common import print_table, write_json  # noqa: E402
 
+from sequoia_ray.hardware import median_time as median_seconds  # noqa: E402
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
 from sequoia_ray.tree.dp_reference import solve_reference  # noqa: E402

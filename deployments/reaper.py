@@ -17,6 +17,16 @@ class Reaper:
     def done(self, request_id: str) -> None:
         self.last.pop(request_id, None)
 
+    def call(self, worker, method: str, request_id: str, *args):
+        """``worker.<method>(request_id, *args)`` after freeing every request idle for too long."""
+        for stale in self.stale():
+            worker.finish(stale)
+        if method == "finish":
+            self.done(request_id)
+        else:
+            self.touch(request_id)
+        return getattr(worker, method)(request_id, *args)
+
     def stale(self) -> list[str]:
         now = self.clock()
         out = [rid for rid, t in self.last.items() if now - t > self.timeout_s]

@@ -51,13 +51,7 @@ class TPRank:
         return self.meta
 
     def call(self, method: str, request_id: str, *args):
-        for stale in self.reaper.stale():  # every rank reaps the same ids: all see the same calls
-            self.worker.finish(stale)
-        if method == "finish":
-            self.reaper.done(request_id)
-        else:
-            self.reaper.touch(request_id)
-        return getattr(self.worker, method)(request_id, *args)
+        return self.reaper.call(self.worker, method, request_id, *args)
 
     def active(self) -> int:
         return len(self.worker.requests)

@@ -30,13 +30,7 @@ class DraftActor:
         self.reaper = Reaper(cfg.get("idle_timeout_s", 300.0))
 
     def call(self, method: str, request_id: str, *args):
-        for stale in self.reaper.stale():
-            self.worker.finish(stale)
-        if method == "finish":
-            self.reaper.done(request_id)
-        else:
-            self.reaper.touch(request_id)
-        return getattr(self.worker, method)(request_id, *args)
+        return self.reaper.call(self.worker, method, request_id, *args)
 
     def active(self) -> int:
         return len(self.worker.requests)

@@ -1,7 +1,8 @@
 """The draft side: grow a token tree level by level (one draft forward per level) for a tree plan.
 
 Per request the draft keeps a KV cache of committed tokens. ``grow`` forwards the not-yet-cached committed
-tokens (their last one is the root), then each level whose nodes have children; at a node with k children
+tokens (their last one is the root), then, level by level, only the nodes that have children (a leaf's
+logits and K/V are never used, and most nodes of an optimal tree are leaves); at a node with k children
 it draws k distinct tokens without replacement from D (greedy: the top-k) and keeps D, truncated to its
 top ``support`` tokens, for the verifier. ``commit`` keeps only the accepted path's K/V.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.models.tree_lm import KVSession
+from sequoia_ray.request_state import RequestState, RequestTable
 from sequoia_ray.sampling import SparseDist, draw_without_replacement, target_probs, truncate
 from sequoia_ray.tree.plan import TreePlan
 
@@ -34,51 +35,46 @@ class DraftTree:
 
 
 @dataclass
-class _Request:
-    session: KVSession
-    committed: list[int]
-    params: SamplingParams
-    generator: torch.Generator
+class _Request(RequestState):
     base: int = 0  # cache slot of the root during the last grow
-    forwarded: int = 0  # tree nodes whose K/V the last grow left in the cache (a prefix of node ids)
-    cached: int = field(default=0)  # committed tokens whose K/V are in the cache
+    forwarded: dict[int, int] = field(default_factory=dict)  # tree node -> its cache slot after ``base``
+    cached: int = 0  # committed tokens whose K/V are in the cache
     grown: bool = False  # a tree was grown since the last commit
 
 
-class DraftWorker:
+class DraftWorker(RequestTable):
     """Holds a draft model and per-request draft state, keyed by request id."""
 
+    state_type = _Request
+
     def __init__(self, model, *, support: int = DEFAULT_SUPPORT) -> None:
-        self.model = model
+        super().__init__(model)
         self.support = support
         self.vocab = model.config.vocab_size
-        self.requests: dict[str, _Request] = {}
-
-    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.requests[request_id] = _Request(KVSession(self.model), list(prompt), params, gen)
-
-    def finish(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
 
     def grow(self, request_id: str, plan: TreePlan) -> DraftTree:
-        req = self.requests[request_id]
+        req = self.get(request_id)
         req.session.truncate(req.cached)
         req.base = len(req.committed) - 1
         pending = torch.tensor(req.committed[req.cached :])
-        logits = req.session.forward(pending, torch.arange(req.cached, req.base + 1))[-1:]  # [1, V] at the root
+        hidden = req.session.hidden(pending, torch.arange(req.cached, req.base + 1))
+        logits = req.session.head(hidden[-1:])  # [1, V] at the root; the rest of the prefix needs no logits
         tokens = torch.zeros(plan.n, dtype=torch.long)
         tokens[0] = req.committed[-1]
         dists: dict[int, SparseDist] = {}
         mask = torch.from_numpy(plan.ancestor_mask())
-        for level, nodes in enumerate(plan.levels):
-            self._draw_children(req, plan, nodes, logits, tokens, dists)
-            if level + 2 >= plan.num_levels:
+        forwarded, inner = [0], [0]  # tree nodes in the cache (slot order); nodes whose logits we hold
+        while True:
+            self._draw_children(req, plan, inner, logits, tokens, dists)
+            # Only nodes with children are forwarded: a leaf's logits and K/V are never needed.
+            inner = [c for node in inner for c in plan.children[node] if plan.children[c]]
+            if not inner:
                 break
-            nxt = torch.tensor(plan.levels[level + 1])
-            positions = torch.full((len(nxt),), req.base + level + 1)
-            logits = req.session.forward(tokens[nxt], positions, mask[nxt][:, : int(nxt[-1]) + 1], req.base)
-        req.forwarded = req.session.length - req.base
+            idx = torch.tensor(inner)
+            positions = req.base + torch.tensor([plan.depth[c] for c in inner])
+            logits = req.session.forward(tokens[idx], positions, mask[idx][:, forwarded + inner], req.base)
+            forwarded += inner
+        req.forwarded = {node: slot for slot, node in enumerate(forwarded)}
         req.grown = True
         return DraftTree(tokens, dists)
 
@@ -97,7 +93,7 @@ class DraftWorker:
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None:
         """The verifier kept ``path`` (node ids from the root) and appended ``new_tokens``."""
-        req = self.requests[request_id]
+        req = self.get(request_id)
         if req.grown:
             self._keep_path(req, path)
         req.committed.extend(new_tokens)
@@ -105,7 +101,7 @@ class DraftWorker:
     @staticmethod
     def _keep_path(req: _Request, path: list[int]) -> None:
         req.grown = False
-        kept = [node for node in path if node < req.forwarded]
+        kept = [req.forwarded[node] for node in path if node in req.forwarded]  # a prefix of the path
         slots = torch.cat([torch.arange(req.base), req.base + torch.tensor(kept, dtype=torch.long)])
         req.session.keep(slots)
         req.cached = req.base + len(kept)

@@ -1,10 +1,11 @@
 """Hardware awareness: profile t(n) and the draft's cost, then choose the tree size and depth.
 
 t(n) = time for the target to verify n tree tokens ÷ time for 1 (at a realistic context length);
-c(w) = time of one draft forward over a level of w nodes ÷ one target step. A tree with levels of widths
-w_0 = 1, w_1, ..., w_{L-1} costs the draft L - 1 forwards (the last level is never forwarded), so
+c(w) = time of one draft forward over w tokens ÷ one target step. The draft forwards, level by level, only
+the nodes that have children (the root with the uncached committed tokens first), so with i_l such inner
+nodes at level l
 
-    predicted speedup(n, d) = G(n, d) / (t(n) + sum_{l < L-1} c(w_l))
+    predicted speedup(n, d) = G(n, d) / (t(n) + sum_{l : i_l > 0} c(i_l))
 
 which is the paper's G / (t(n) + d·c) with c measured per level width instead of assumed constant.
 """
@@ -54,8 +55,9 @@ class HardwareProfile:
         return _interpolate(self.c, width, "c(w)")
 
     def draft_cost(self, plan: TreePlan) -> float:
-        """Draft forwards for ``plan`` in target steps: the root level and every level that has children."""
-        return sum(self.c_of(len(level)) for level in plan.levels[: plan.num_levels - 1])
+        """Draft forwards for ``plan`` in target steps: one per level, over that level's inner nodes."""
+        inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
+        return sum(self.c_of(i) for i in inner if i)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -120,7 +122,8 @@ def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS) ->
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def _median_time(fn, repeats: int, warmup: int) -> float:
+def median_time(fn, repeats: int, warmup: int = 0) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
     for _ in range(warmup):
         fn()
     times = []
@@ -131,8 +134,10 @@ def _median_time(fn, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 1, seed: int = 0) -> dict[int, float]:
-    """Median seconds to forward s new tokens after ``context`` cached ones, for each s in ``sizes``."""
+def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 1, seed: int = 0,
+                 head_rows: int | None = None) -> dict[int, float]:
+    """Median seconds to forward s new tokens after ``context`` cached ones, for each s in ``sizes``, with
+    the LM head on the first ``head_rows`` of them (None = all, as the draft and the verifier do)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     session = KVSession(model)
@@ -142,10 +147,11 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
         tokens = torch.randint(0, vocab, (s,), generator=gen)
 
         def step() -> None:
-            session.forward(tokens, context + torch.arange(s))
+            hidden = session.hidden(tokens, context + torch.arange(s))
+            session.head(hidden if head_rows is None else hidden[: head_rows])
             session.truncate(context)
 
-        out[s] = _median_time(step, repeats, warmup)
+        out[s] = median_time(step, repeats, warmup)
     return out
 
 

@@ -8,41 +8,19 @@ only token ids cross back, never logits. A root-only plan is plain target decodi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
-from sequoia_ray.models.tree_lm import KVSession
+from sequoia_ray.request_state import RequestTable
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict, verify_tree
 
 
-@dataclass
-class _Request:
-    session: KVSession
-    committed: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-
-
-class TargetWorker:
+class TargetWorker(RequestTable):
     """Holds the target model and per-request target state, keyed by request id."""
 
-    def __init__(self, model) -> None:
-        self.model = model
-        self.requests: dict[str, _Request] = {}
-
-    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.requests[request_id] = _Request(KVSession(self.model), list(prompt), params, gen)
-
-    def finish(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
     def verify(self, request_id: str, plan: TreePlan, draft: DraftTree) -> Verdict:
-        req = self.requests[request_id]
+        req = self.get(request_id)
         assert int(draft.tokens[0]) == req.committed[-1], "the tree's root must be the last committed token"
         assert draft.tokens.shape == (plan.n,), f"draft tree has {draft.tokens.shape[0]} tokens, plan {plan.n}"
         cached, base = req.session.length, len(req.committed) - 1
@@ -50,7 +28,10 @@ class TargetWorker:
         tokens = torch.cat([pending, draft.tokens])
         positions = torch.cat([torch.arange(cached, base), base + torch.tensor(plan.depth)])
         allowed = _prefill_then_tree(len(pending), torch.from_numpy(plan.ancestor_mask()))
-        logits = req.session.forward(tokens, positions, allowed)[len(pending) :]
+        hidden = req.session.hidden(tokens, positions, allowed)[len(pending) :]
+        # One LM-head call for the whole tree: on CPU the head is memory-bound, so n rows cost about what
+        # one row does, and rows one at a time would re-read the vocab x hidden weights each time.
+        logits = req.session.head(hidden)  # [n, V]; the prefill rows before the tree get no logits
         verdict = verify_tree(plan, draft, logits, req.params, req.generator)
         req.session.keep(torch.cat([torch.arange(base), base + torch.tensor(verdict.path)]))
         req.committed.extend(verdict.tokens)

@@ -27,7 +27,6 @@ class KVSession:
     def length(self) -> int:
         return self.cache.get_seq_length()
 
-    @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,  # [q] int64
@@ -35,6 +34,17 @@ class KVSession:
         allowed: torch.Tensor | None = None,  # [q, past + q - tree_start] bool, True = may attend
         tree_start: int | None = None,  # slots before this are visible to all new tokens (default: past)
     ) -> torch.Tensor:  # [q, V] float32 logits
+        """``hidden`` then ``head`` for every new token."""
+        return self.head(self.hidden(tokens, positions, allowed, tree_start))
+
+    @torch.inference_mode()
+    def hidden(
+        self,
+        tokens: torch.Tensor,  # [q] int64
+        positions: torch.Tensor,  # [q] int64, absolute positions
+        allowed: torch.Tensor | None = None,  # [q, past + q - tree_start] bool, True = may attend
+        tree_start: int | None = None,  # slots before this are visible to all new tokens (default: past)
+    ) -> torch.Tensor:  # [q, H] final hidden states (after the last norm, before the LM head)
         """Append ``tokens``; slots >= ``tree_start`` (cached or new) are visible as ``allowed`` says."""
         q, past = tokens.shape[0], self.length
         start = past if tree_start is None else tree_start
@@ -46,7 +56,7 @@ class KVSession:
         dtype = self.model.dtype
         mask = torch.zeros(1, 1, q, past + q, dtype=dtype)
         mask[0, 0, :, start:].masked_fill_(~allowed, torch.finfo(dtype).min)
-        out = self.model(
+        out = self.model.get_decoder()(
             input_ids=tokens[None],
             position_ids=positions[None],
             attention_mask=mask,
@@ -54,7 +64,16 @@ class KVSession:
             cache_position=torch.arange(past, past + q),
             use_cache=True,
         )
-        return out.logits[0].float()
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:  # [k, H] -> [k, V] float32 logits
+        """The LM head (with the model's final logit soft-capping, if it has one) on chosen rows only."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def keep(self, slots: torch.Tensor) -> None:  # slots: [m] int64, increasing, into the current cache
         """Compact the cache to ``slots`` (in order), dropping every other slot."""
@@ -71,4 +90,5 @@ class KVSession:
     def truncate(self, length: int) -> None:
         """Drop every slot at or after ``length``."""
         self.keep(torch.arange(min(length, self.length)))
+
 

@@ -32,11 +32,17 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("plans")
+
+
+@pytest.fixture(scope="module")
+def server(store_dir):
     port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(BASE), name="tp1", route_prefix="/tp1")
+    tp1 = {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 1.0, "max_concurrent": 2}
+    serve.run(build_app(tp1), name="tp1", route_prefix="/tp1")
     serve.run(build_app({**BASE, "tp_size": 2}), name="tp2", route_prefix="/tp2")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -213,3 +219,42 @@ def test_cancelled_stream_frees_kv(server, local):
     while time.time() < deadline and active_requests("tp2") != (0, 0):
         time.sleep(0.5)
     assert active_requests("tp2") == (0, 0)
+
+
+def test_new_plan_is_picked_up_without_restart(server, store_dir):
+    from sequoia_ray.plan_store import PlanKey, PlanStore
+    from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+    from sequoia_ray.tree.planning import plan_for
+
+    meta = requests.get(f"{server}/tp1/v1/models", timeout=30).json()["data"][0]["metadata"]
+    planned = plan_for(AcceptanceVector.from_p([0.9, 0.05]), 7, 7)[0]
+    assert planned.plan.n != meta["plan_nodes"]
+    PlanStore(str(store_dir)).publish_plan(planned, PlanKey(meta["hardware_id"], "tiny-draft", "tiny-target", 0.0))
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        meta = requests.get(f"{server}/tp1/v1/models", timeout=30).json()["data"][0]["metadata"]
+        if meta["plan_source"].startswith("store:"):
+            break
+        time.sleep(0.5)
+    assert meta["plan_source"].startswith("store:") and meta["plan_nodes"] == planned.plan.n
+    assert complete(f"{server}/tp1", "hello")["usage"]["speculative"]["plan_nodes"] == planned.plan.n
+
+
+def test_overload_gets_429(server):
+    """max_concurrent = 2 on this app: of 5 long requests sent at once, the extra ones get 429."""
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 500, "temperature": 0}
+    barrier, codes = threading.Barrier(5), []
+
+    def send():
+        barrier.wait()
+        r = requests.post(f"{server}/tp1/v1/completions", json=body, timeout=120)
+        codes.append((r.status_code, r.json()))
+
+    threads = [threading.Thread(target=send) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(c for c, _ in codes)
+    assert statuses.count(200) >= 2 and 429 in statuses, statuses
+    assert all(body["error"]["type"] == "rate_limit_error" for c, body in codes if c == 429)

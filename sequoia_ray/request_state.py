@@ -1,0 +1,47 @@
+"""Per-request state shared by the draft and target workers: a KV session, the committed tokens, the
+sampling parameters and the request's own random generator, in a table keyed by request id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.models.tree_lm import KVSession
+
+
+@dataclass
+class RequestState:
+    session: KVSession
+    committed: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+
+
+class UnknownRequest(KeyError):
+    """A call for a request this worker does not hold (finished, reaped, or never started)."""
+
+
+class RequestTable:
+    """Base of the workers: ``start`` / ``finish`` requests; subclasses pick the state type."""
+
+    state_type: type[RequestState] = RequestState
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.requests: dict[str, RequestState] = {}
+
+    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.requests[request_id] = self.state_type(KVSession(self.model), list(prompt), params, gen)
+
+    def finish(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def get(self, request_id: str) -> RequestState:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise UnknownRequest(f"request {request_id!r} is not active here (finished, reaped after idling, "
+                                 "or never started)") from None
