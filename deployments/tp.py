@@ -56,6 +56,12 @@ class TPRank:
     def active(self) -> int:
         return len(self.worker.requests)
 
+    def time_forward(self, sizes, context: int, repeats: int) -> dict[int, float]:
+        """Target timings; every rank must run this at once (the forward is collective)."""
+        from sequoia_ray.hardware import time_forward
+
+        return time_forward(self.worker.model, sizes, context=context, repeats=repeats)
+
 
 def check_sharded(model, world: int) -> None:
     """Assert the attention projections hold 1/world of their output rows on this rank."""
@@ -89,6 +95,10 @@ class TargetGroup:
                 opts["scheduling_strategy"] = strategy
             self.ranks.append(actor.options(**opts).remote(rank, tp_size, master, port, backend, cfg))
         self.meta = ray.get([r.info.remote() for r in self.ranks])[0]
+
+    def time_target(self, sizes, context: int, repeats: int) -> dict[int, float]:
+        """t(n) of the whole group: rank 0's timings of a forward all ranks run together."""
+        return ray.get([r.time_forward.remote(sizes, context, repeats) for r in self.ranks])[0]
 
     def kill(self) -> None:
         for r in self.ranks:

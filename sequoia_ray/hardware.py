@@ -142,22 +142,32 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
     vocab = model.config.vocab_size
     session = KVSession(model)
     session.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context))
-    out = {}
-    for s in sizes:
-        tokens = torch.randint(0, vocab, (s,), generator=gen)
+    inputs = {s: torch.randint(0, vocab, (s,), generator=gen) for s in sizes}
 
-        def step() -> None:
-            hidden = session.hidden(tokens, context + torch.arange(s))
-            session.head(hidden if head_rows is None else hidden[: head_rows])
-            session.truncate(context)
+    def step(s: int) -> float:
+        start = time.perf_counter()
+        hidden = session.hidden(inputs[s], context + torch.arange(s))
+        session.head(hidden if head_rows is None else hidden[:head_rows])
+        elapsed = time.perf_counter() - start
+        session.truncate(context)
+        return elapsed
 
-        out[s] = median_time(step, repeats, warmup)
-    return out
+    for _ in range(warmup):
+        for s in sizes:
+            step(s)
+    rounds = [[step(s) for s in sizes] for _ in range(repeats)]  # round-robin: drift hits every size alike
+    return {s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
 
 
 def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRAFT_WIDTHS, context: int = 256,
-            repeats: int = 3, dtype: str = "float32") -> HardwareProfile:
-    target_s = time_forward(target, sorted(set(budgets) | {1}), context=context, repeats=repeats)
+            repeats: int = 5, dtype: str = "float32", time_target=None) -> HardwareProfile:
+    """t(n) and c(w) for a target and a draft model. ``time_target(sizes, context, repeats)`` replaces the
+    in-process target timing, e.g. to time a whole tensor-parallel group (every rank in lockstep)."""
+    sizes = sorted(set(budgets) | {1})
+    if time_target is None:
+        target_s = time_forward(target, sizes, context=context, repeats=repeats)
+    else:
+        target_s = time_target(sizes, context, repeats)
     draft_s = time_forward(draft, widths, context=context, repeats=repeats)
     one = target_s[1]
     return HardwareProfile(

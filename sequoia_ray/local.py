@@ -43,12 +43,21 @@ class LocalPair:
                                   eos_ids=self.target.eos_ids, max_context=self.target.max_context)
 
     def encode(self, text: str, *, chat: bool) -> list[int]:
-        tok = self.target.tokenizer
-        if chat:
-            out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=True)
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
-        return tok(text)["input_ids"]
+        return encode(self.target.tokenizer, text, chat=chat)
+
+    def time_target(self, sizes, context: int, repeats: int) -> dict[int, float]:
+        from sequoia_ray.hardware import time_forward
+
+        return time_forward(self.target.model, sizes, context=context, repeats=repeats)
+
+
+def encode(tokenizer, text: str, *, chat: bool) -> list[int]:
+    """Token ids of ``text``, wrapped in the tokenizer's chat template as one user turn when ``chat``."""
+    if chat:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    return tokenizer(text)["input_ids"]
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

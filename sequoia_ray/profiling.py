@@ -54,14 +54,17 @@ def load_pair(cfg: ProfileJobConfig) -> LocalPair:
     return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize)
 
 
-def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True) -> tuple[list[TrialResult], dict]:
-    """Everything for one hardware type; returns the results and the predicted-speedup grids for plots."""
+def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None) -> tuple[list[TrialResult], dict]:
+    """Everything for one hardware type; returns the results and the predicted-speedup grids for plots.
+
+    ``pair`` defaults to an in-process ``LocalPair``; a tensor-parallel job passes one whose target is a
+    group of rank actors (``decoder``, ``encode``, ``draft`` and ``time_target`` are all it needs)."""
     store = PlanStore(cfg.storage)
-    pair = load_pair(cfg)
+    pair = pair or load_pair(cfg)
     prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
     budgets = SMOKE_BUDGETS if cfg.smoke_test else cfg.budgets
     depth = min(cfg.max_depth, 5) if cfg.smoke_test else cfg.max_depth
-    prof = profile(pair.target.model, pair.draft.model, hardware=hardware, budgets=budgets,
+    prof = profile(None, pair.draft.model, hardware=hardware, budgets=budgets, time_target=pair.time_target,
                    context=min(cfg.context, 32) if cfg.smoke_test else cfg.context, dtype=cfg.dtype)
     profile_key = store.publish_profile(prof)
     results, grids = [], {}

@@ -60,11 +60,12 @@ def discover_hardware(resources: dict[str, float]) -> list[str]:
 
 
 def trial_bundles(hw: str, tp_size: int, cpus: float) -> list[dict[str, float]]:
-    """One bundle per tensor-parallel rank, each pinned to the hardware type; CPU trials take CPUs only."""
-    if hw == CPU:
-        return [{"CPU": cpus}]
-    rank = {"CPU": cpus, "GPU": 1, f"{ACCEL_PREFIX}{hw}": 0.001}
-    return [dict(rank) for _ in range(tp_size)]
+    """The trial's own bundle (it runs the draft), then one bundle per tensor-parallel rank when tp > 1,
+    every bundle pinned to the hardware type; CPU trials take CPUs only."""
+    pin = {} if hw == CPU else {"GPU": 1, f"{ACCEL_PREFIX}{hw}": 0.001}
+    if tp_size == 1:
+        return [{"CPU": cpus, **pin}]
+    return [{"CPU": cpus, **pin}] + [{"CPU": cpus, **pin} for _ in range(tp_size)]
 
 
 def join_uri(uri: str, *parts: str) -> str:
@@ -85,7 +86,13 @@ def trainable(config: dict) -> None:
     cfg = ProfileJobConfig(**config["job"])
     hw = config["hw"]
     hw_id = hardware_id(None if hw == CPU else hw, cfg.tp_size)
-    results, grids = run_trial(cfg, hw_id, progress=False)
+    pair = None
+    if cfg.tp_size > 1:  # the target as rank actors in this trial's bundles 1..tp
+        from tuning.tp_pair import GroupPair
+
+        pair = GroupPair(cfg, backend="gloo" if hw == CPU else "nccl", num_cpus=config.get("cpus", 1.0),
+                         num_gpus=0 if hw == CPU else 1)
+    results, grids = run_trial(cfg, hw_id, progress=False, pair=pair)
     publish_heatmaps(cfg, hw_id, grids)
     tune.report({"results": json.dumps([asdict(r) for r in results]),
                  "best_predicted_speedup": max(r.predicted_speedup for r in results)})
@@ -102,7 +109,7 @@ def run(cfg: ProfileJobConfig, cpus: float) -> list[dict]:
     resources = tune.with_resources(
         trainable, lambda spec: tune.PlacementGroupFactory(trial_bundles(spec["hw"], cfg.tp_size, cpus)))
     tuner = tune.Tuner(
-        resources, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump()},
+        resources, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump(), "cpus": cpus},
         run_config=RunConfig(name="sequoia-profile", storage_path=join_uri(cfg.storage, "tune"), verbose=1))
     grid = tuner.fit()
     rows = []

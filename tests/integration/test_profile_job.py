@@ -30,8 +30,10 @@ def free_port() -> int:
 def test_discover_and_bundles():
     assert discover_hardware({"CPU": 8, "accelerator_type:A100": 2, "accelerator_type:L4": 1}) == ["A100", "L4"]
     assert discover_hardware({"CPU": 2}) == ["cpu"]
-    assert trial_bundles("A100", 2, 1) == [{"CPU": 1, "GPU": 1, "accelerator_type:A100": 0.001}] * 2
-    assert trial_bundles("cpu", 4, 2) == [{"CPU": 2}]
+    assert trial_bundles("A100", 2, 1) == [{"CPU": 1, "GPU": 1, "accelerator_type:A100": 0.001}] * 3
+    assert trial_bundles("L4", 1, 2) == [{"CPU": 2, "GPU": 1, "accelerator_type:L4": 0.001}]
+    assert trial_bundles("cpu", 1, 2) == [{"CPU": 2}]
+    assert trial_bundles("cpu", 2, 1) == [{"CPU": 1}] * 3
 
 
 @pytest.mark.parametrize(
@@ -89,3 +91,27 @@ def test_ray_job_submit_smoke_test(tmp_path):
     assert list((store / "reports").glob("heatmap-*.png"))
     assert (store / "tune").is_dir()
     shutil.rmtree(store, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_tensor_parallel_trial_times_the_whole_group(tmp_path):
+    """A tp_size = 2 trial (gloo on CPU): the target runs as two rank actors; t(n) is the group's."""
+    import ray
+
+    from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray.profiling import run_trial
+    from tuning.tp_pair import GroupPair
+
+    cfg = ProfileJobConfig(storage=str(tmp_path / "store"), smoke_test=True, tp_size=2, temperatures=(0.0,))
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        pair = GroupPair(cfg, backend="gloo", num_cpus=1, num_gpus=0)
+        results, _ = run_trial(cfg, "cpu-test-tp2", progress=False, pair=pair)
+        assert ray.get([r.active.remote() for r in pair.group.ranks]) == [0, 0]  # every request freed
+        pair.close()
+    finally:
+        ray.shutdown()
+    store = PlanStore(str(tmp_path / "store"))
+    assert store.fetch_profile("cpu-test-tp2").t[1] == 1.0
+    planned, _ = store.fetch_plan(PlanKey("cpu-test-tp2", "tiny-draft", "tiny-target", 0.0))
+    assert results[0].measured_tokens_per_step >= 1.0 and planned.plan.n == results[0].n
