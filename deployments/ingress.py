@@ -7,8 +7,11 @@ or ``generate_stream(request)`` (``handle.options(stream=True)``) with the same 
 
 
 import asyncio
+import hmac
 import json
 import logging
+import os
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -19,6 +22,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_api as api
+from deployments.metrics import ServiceMetrics
 from deployments.service import ActorDraft, PlanProvider, RanksTarget, Runner
 from sequoia_ray.config import SamplingParams, ServeConfig
 from sequoia_ray.engine import ContextLengthError, SpeculativeDecoder
@@ -60,9 +64,17 @@ def _load_tokenizer(where: tuple[str, str | None]):
     return AutoTokenizer.from_pretrained(path, gguf_file=gguf, local_files_only=Path(path).exists())
 
 
-async def _parse(request: Request, model):
+async def _parse(request: Request, model, max_bytes: int):
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise api.APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}",
+                           code="request_too_large")
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise api.APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {max_bytes}",
+                           code="request_too_large")
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
         raise api.APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     try:
@@ -121,6 +133,9 @@ class OpenAIIngress:
         self.active = 0
         self.plans: PlanProvider | None = None
         self.meta: dict = {}
+        self.metrics = ServiceMetrics()
+        key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
+        self.expected_auth = f"Bearer {key}".encode() if key else None
 
     # ---- HTTP -----------------------------------------------------------------------------------
     @app.get("/health")
@@ -128,7 +143,8 @@ class OpenAIIngress:
         return {"status": "ok", "active_requests": self.active}
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
         plans = await self._plans()
         active = plans.get(0.0)
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
@@ -139,11 +155,30 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._serve(await _parse(request, api.CompletionRequest), chat=False)
+        return await self._counted("completions", request, api.CompletionRequest, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._serve(await _parse(request, api.ChatCompletionRequest), chat=True)
+        return await self._counted("chat", request, api.ChatCompletionRequest, chat=True)
+
+    async def _counted(self, route: str, request: Request, model, chat: bool):
+        status = "200"
+        try:
+            self._authorize(request)
+            return await self._serve(await _parse(request, model, self.cfg.max_body_bytes), chat=chat)
+        except api.APIError as exc:
+            status = str(exc.status)
+            raise
+        finally:
+            self.metrics.requests.inc(tags={"route": route, "status": status})
+
+    def _authorize(self, request: Request) -> None:
+        if self.expected_auth is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, self.expected_auth):  # constant time
+            raise api.APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                               type="authentication_error", code="invalid_api_key")
 
     # ---- Python handle API ------------------------------------------------------------------------
     async def generate(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest) -> dict:
@@ -222,25 +257,38 @@ class OpenAIIngress:
     async def _refresh_plans(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.plan_refresh_s)
+            errors = self.plans.errors
             try:
                 await asyncio.to_thread(self.plans.refresh)
             except Exception:  # noqa: BLE001 - a refresh must never kill serving; logged
                 logger.exception("plan refresh failed; keeping the current plans")
+            if self.plans.errors > errors:
+                self.metrics.store_errors.inc(self.plans.errors - errors)
 
     async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, speculate: bool = True):
         if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
                                     "retry later", type="rate_limit_error", code="overloaded")
         self.active += 1
+        self.metrics.active.set(self.active)
+        start, first = time.perf_counter(), None
         try:
             plans = await self._plans()
-            decoder = await self._decoder(plans.get(params.temperature).planned.plan, speculate)
+            active = plans.get(params.temperature)
+            self.metrics.plan.set(active.planned.plan.n, tags={"hardware": plans.hardware, "source": active.source,
+                                                               "bucket": f"{params.temperature:.1f}"})
+            decoder = await self._decoder(active.planned.plan, speculate)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter() - start
+                if chunk.stats is not None:
+                    self.metrics.finished(chunk.stats, first)
                 yield chunk
         except ContextLengthError as exc:
             raise api.APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
         finally:
             self.active -= 1
+            self.metrics.active.set(self.active)
 
     async def _decoder(self, plan, speculate: bool) -> SpeculativeDecoder:
         target = await self.target_server.session.remote()

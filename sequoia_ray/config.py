@@ -102,6 +102,9 @@ class ServeConfig(BaseModel):
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
     request_idle_timeout_s: float = Field(300.0, gt=0, description="Free a request's KV state after this idle time.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (bytes); beyond -> 413.")
+    api_key: str | None = Field(None, description="Bearer token required on every route but /health (None = open).")
+    api_key_env: str | None = Field(None, description="Read the API key from this environment variable instead.")
     num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
     autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the target deployment.")
 

@@ -36,14 +36,20 @@ def store_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("plans")
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server(store_dir):
     port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
+    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, _metrics_export_port=METRICS_PORT,
+             _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     tp1 = {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 1.0, "max_concurrent": 2}
     serve.run(build_app(tp1), name="tp1", route_prefix="/tp1")
     serve.run(build_app({**BASE, "tp_size": 2}), name="tp2", route_prefix="/tp2")
+    serve.run(build_app({**BASE, "api_key": "s3cret-key", "max_body_bytes": 4096}), name="secure",
+              route_prefix="/secure")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -258,3 +264,40 @@ def test_overload_gets_429(server):
     statuses = sorted(c for c, _ in codes)
     assert statuses.count(200) >= 2 and 429 in statuses, statuses
     assert all(body["error"]["type"] == "rate_limit_error" for c, body in codes if c == 429)
+
+
+@pytest.mark.parametrize("header,status", [(None, 401), ("Bearer wrong", 401), ("s3cret-key", 401),
+                                           ("Bearer s3cret-key", 200)])
+def test_api_key(server, header, status):
+    headers = {"authorization": header} if header else {}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+    r = requests.post(f"{server}/secure/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    if status == 401:
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert requests.get(f"{server}/secure/v1/models", headers=headers, timeout=30).status_code == status
+    assert requests.get(f"{server}/secure/health", timeout=30).status_code == 200  # health stays open
+
+
+def test_body_size_limit(server):
+    headers = {"authorization": "Bearer s3cret-key"}
+    body = {"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4}
+    r = requests.post(f"{server}/secure/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_metrics_are_exported(server):
+    complete(f"{server}/tp1", "metrics please", max_tokens=12)
+    wanted = ["ray_sequoia_requests", "ray_sequoia_generated_tokens", "ray_sequoia_tokens_per_step",
+              "ray_sequoia_time_to_first_token_s", "ray_sequoia_draft_step_s", "ray_sequoia_verify_step_s",
+              "ray_sequoia_active_requests", "ray_sequoia_plan_nodes", "ray_sequoia_acceptance_rate"]
+    deadline, text = time.time() + 90, ""
+    while time.time() < deadline:
+        text = requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).text
+        if all(name in text for name in wanted):
+            break
+        time.sleep(2)
+    missing = [name for name in wanted if name not in text]
+    assert not missing, missing
+    tokens = [line for line in text.splitlines() if line.startswith("ray_sequoia_generated_tokens")]
+    assert any(float(line.rsplit(" ", 1)[1]) >= 12 for line in tokens), tokens

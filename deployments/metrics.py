@@ -1,0 +1,41 @@
+"""Prometheus metrics of the service, through ``ray.serve.metrics`` (exported by every Ray node's metrics
+agent; names are prefixed ``ray_`` there)."""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+
+from sequoia_ray.engine import Stats
+
+STEP_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.requests = metrics.Counter("sequoia_requests", "Requests by route and HTTP status.",
+                                        tag_keys=("route", "status"))
+        self.tokens = metrics.Counter("sequoia_generated_tokens", "Tokens generated.")
+        self.tokens_per_step = metrics.Histogram("sequoia_tokens_per_step", "Tokens per target call, per request.",
+                                                 boundaries=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12])
+        self.acceptance = metrics.Gauge("sequoia_acceptance_rate",
+                                        "Share of verification steps that accepted >= 1 draft token (last request).")
+        self.ttft = metrics.Histogram("sequoia_time_to_first_token_s", "Seconds to the first token.",
+                                      boundaries=STEP_BOUNDS)
+        self.draft_step = metrics.Histogram("sequoia_draft_step_s", "Draft seconds per step.", boundaries=STEP_BOUNDS)
+        self.verify_step = metrics.Histogram("sequoia_verify_step_s", "Verify seconds per step.",
+                                             boundaries=STEP_BOUNDS)
+        self.active = metrics.Gauge("sequoia_active_requests", "Requests in flight on this ingress replica.")
+        self.plan = metrics.Gauge("sequoia_plan_nodes", "Nodes of the plan in use (tags: hardware, source, bucket).",
+                                  tag_keys=("hardware", "source", "bucket"))
+        self.store_errors = metrics.Counter("sequoia_plan_store_errors", "Plan store reads that failed.")
+
+    def finished(self, stats: Stats, first_token_s: float | None) -> None:
+        self.tokens.inc(stats.tokens)
+        if stats.steps:
+            self.tokens_per_step.observe(stats.tokens_per_step)
+            accepted = sum(v for k, v in stats.accepted_hist.items() if k > 0)
+            self.acceptance.set(accepted / stats.steps)
+            self.draft_step.observe(stats.draft_s / stats.steps)
+            self.verify_step.observe(stats.verify_s / stats.steps)
+        if first_token_s is not None:
+            self.ttft.observe(first_token_s)
