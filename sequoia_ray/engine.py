@@ -10,6 +10,7 @@ exactly, even inside an accepted path. Without a draft every step is a root-only
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 import uuid
@@ -27,6 +28,7 @@ from sequoia_ray.tree.plan import TreePlan, first_levels
 from sequoia_ray.verify import Verdict
 
 ROOT_ONLY = TreePlan((-1,))
+logger = logging.getLogger(__name__)
 
 
 class Draft(Protocol):
@@ -53,6 +55,7 @@ class Stats:
     total_s: float = 0.0
     plan_nodes: int = 0
     plan_levels: int = 0
+    draft_failures: int = 0  # 1 if the draft failed and the request finished with the target alone
 
     @property
     def tokens_per_step(self) -> float:
@@ -68,7 +71,7 @@ class Stats:
             "tokens_per_second": self.tokens_per_second, "draft_s": self.draft_s, "verify_s": self.verify_s,
             "total_s": self.total_s, "accepted_histogram": {int(k): v for k, v in sorted(self.accepted_hist.items())},
             "root_rank_histogram": {int(k): v for k, v in sorted(self.root_rank_hist.items())},
-            "plan_nodes": self.plan_nodes, "plan_levels": self.plan_levels,
+            "plan_nodes": self.plan_nodes, "plan_levels": self.plan_levels, "draft_failures": self.draft_failures,
         }
 
 
@@ -89,6 +92,30 @@ class Generation:
     finish_reason: str
     stats: Stats
     seed: int
+
+
+class _DraftLink:
+    """One request's draft. Speculation is an optimisation, so a failing draft (a dead actor, a lost node)
+    never fails the request: the failure is logged and the request goes on with the target alone, whose
+    output is the same (greedy) or has the same law (sampling)."""
+
+    def __init__(self, draft: Draft | None, request_id: str) -> None:
+        self.draft, self.request_id, self.failures = draft, request_id, 0
+
+    @property
+    def alive(self) -> bool:
+        return self.draft is not None
+
+    def call(self, method: str, *args):
+        if self.draft is None:
+            return None
+        try:
+            return getattr(self.draft, method)(self.request_id, *args)
+        except Exception as exc:  # noqa: BLE001 - any draft failure degrades to target-only decoding
+            logger.warning("draft %s failed for request %s (%s: %s); continuing with the target alone",
+                           method, self.request_id, type(exc).__name__, exc)
+            self.draft, self.failures = None, self.failures + 1
+            return None
 
 
 class ContextLengthError(ValueError):
@@ -115,22 +142,22 @@ class SpeculativeDecoder:
         rid = request_id or uuid.uuid4().hex
         seed = params.seed
         self.target.start(rid, prompt, params, _salt(seed, "verify"))
-        if self.draft is not None:
-            self.draft.start(rid, prompt, params, _salt(seed, "draft"))
+        draft = _DraftLink(self.draft, rid)
+        draft.call("start", prompt, params, _salt(seed, "draft"))
         try:
-            yield from self._loop(rid, params, prompt[-1])
+            yield from self._loop(rid, params, prompt[-1], draft)
         finally:
             self.target.finish(rid)
-            if self.draft is not None:
-                self.draft.finish(rid)
+            draft.call("finish")
 
-    def _loop(self, rid: str, params: SamplingParams, last_token: int) -> Iterator[Chunk]:
+    def _loop(self, rid: str, params: SamplingParams, last_token: int, draft: _DraftLink) -> Iterator[Chunk]:
         stats = Stats(plan_nodes=self.plan.n, plan_levels=self.plan.num_levels)
         stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
         start = time.perf_counter()
         while True:
-            plan = first_levels(self.plan, params.max_tokens - stats.tokens) if self.draft else ROOT_ONLY
-            verdict = self._step(rid, plan, stats, last_token)
+            plan = first_levels(self.plan, params.max_tokens - stats.tokens) if draft.alive else ROOT_ONLY
+            verdict, plan = self._step(rid, plan, stats, last_token, draft)
+            stats.draft_failures = draft.failures
             last_token = verdict.tokens[-1]
             stats.steps += 1
             stats.accepted_hist[len(verdict.path) - 1] += 1
@@ -145,20 +172,19 @@ class SpeculativeDecoder:
             if ids or text:
                 yield Chunk(ids, text)
 
-    def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int) -> Verdict:
+    def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int,
+              draft: _DraftLink) -> tuple[Verdict, TreePlan]:
         t0 = time.perf_counter()
-        if plan.n > 1:
-            tree = self.draft.grow(rid, plan)
-        else:
-            tree = DraftTree(torch.tensor([last_token]), {})
+        tree = draft.call("grow", plan) if plan.n > 1 else None
+        if tree is None:  # no draft, a root-only plan, or the draft just failed: the target alone
+            plan, tree = ROOT_ONLY, DraftTree(torch.tensor([last_token]), {})
         t1 = time.perf_counter()
         verdict = self.target.verify(rid, plan, tree)
         t2 = time.perf_counter()
-        if self.draft is not None:
-            self.draft.commit(rid, verdict.path, verdict.tokens)
+        draft.call("commit", verdict.path, verdict.tokens)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
-        return verdict
+        return verdict, plan
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

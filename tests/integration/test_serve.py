@@ -301,3 +301,29 @@ def test_metrics_are_exported(server):
     assert not missing, missing
     tokens = [line for line in text.splitlines() if line.startswith("ray_sequoia_generated_tokens")]
     assert any(float(line.rsplit(" ", 1)[1]) >= 12 for line in tokens), tokens
+
+
+def test_draft_death_mid_stream_loses_nothing_and_speculation_comes_back(server, local):
+    """Kill the draft actor while a greedy stream runs: the stream completes with exactly the tokens of
+    an undisturbed run (target-only steps after the death); once Serve has replaced the unhealthy
+    DraftServer replica, new requests speculate again. (Runs last: it disturbs app tp1.)"""
+    prompt = next(p for p in ("a long story", "hello world", "x", "abc") if local.decoder(builtin_plan(0.0).plan)
+                  .generate(local.encode(p, chat=False), SamplingParams(max_tokens=500)).finish_reason == "length")
+    undisturbed = complete(f"{server}/tp1", prompt, max_tokens=500)["choices"][0]["text"]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 500, "temperature": 0, "stream": True}
+    r = requests.post(f"{server}/tp1/v1/completions", json=body, stream=True, timeout=120)
+    lines = r.iter_lines()
+    first = next(line for line in lines if line)
+    ray.kill(serve.get_deployment_handle("DraftServer", "tp1").session.remote().result())
+    events = [json.loads(first[len(b"data: "):])]
+    events += [json.loads(line[len(b"data: "):]) for line in lines if line and line != b"data: [DONE]"]
+    assert "error" not in events[-1], events[-1]
+    assert "".join(e["choices"][0]["text"] for e in events) == undisturbed
+    assert events[-1]["usage"]["speculative"]["draft_failures"] == 1  # the death happened mid-stream
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        stats = complete(f"{server}/tp1", "hello", max_tokens=20)["usage"]["speculative"]
+        if stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0:
+            break
+        time.sleep(2)
+    assert stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0, stats

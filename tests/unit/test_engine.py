@@ -163,3 +163,45 @@ def test_draft_cache_after_commits_equals_a_fresh_forward(models, temperature):
         req.session.truncate(req.cached)
     assert t.requests["r"].committed == committed
     assert t.requests["r"].session.length == len(committed) - 1
+
+
+class DyingDraft(DraftWorker):
+    """A draft that fails on its n-th grow (as a killed actor would) and on every call after."""
+
+    def __init__(self, model, fail_at: int) -> None:
+        super().__init__(model)
+        self.grows, self.fail_at, self.dead = 0, fail_at, False
+
+    def grow(self, request_id, plan):
+        self.grows += 1
+        if self.grows >= self.fail_at:
+            self.dead = True
+        if self.dead:
+            raise ConnectionError("the draft actor died")
+        return super().grow(request_id, plan)
+
+    def commit(self, request_id, path, new_tokens):
+        if self.dead:
+            raise ConnectionError("the draft actor died")
+        return super().commit(request_id, path, new_tokens)
+
+    def finish(self, request_id):
+        if self.dead:
+            raise ConnectionError("the draft actor died")
+        return super().finish(request_id)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4])
+def test_a_dying_draft_degrades_to_the_target_alone_with_the_same_tokens(models, fail_at):
+    target, good, _ = models
+    prompt = [2, 4, 6, 8]
+    expected = target_greedy(target, prompt, 40)
+    t = TargetWorker(target)
+    spec = SpeculativeDecoder(t, DyingDraft(good, fail_at), k_ary(2, 3))
+    out = spec.generate(prompt, SamplingParams(max_tokens=40))
+    assert out.token_ids == expected
+    assert out.stats.draft_failures == 1
+    # before the failure at most fail_at - 1 speculative steps of <= 4 tokens; every later step is the
+    # target alone (0 accepted draft tokens, 1 token)
+    assert out.stats.accepted_hist[0] >= 40 - 4 * (fail_at - 1)
+    assert not t.requests  # the target's state is freed although the draft's finish failed
