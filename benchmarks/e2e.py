@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="0,0.6")
     ap.add_argument("--acceptance", action="append", default=[], help="T=file measured vectors, e.g. 0=acc.json")
-    ap.add_argument("--budgets", default="8,16,32")
+    ap.add_argument("--budgets", default="8,16,32", help="tree sizes n of the fixed Sequoia plans")
+    ap.add_argument("--depths", default="6", help="max depths d of the fixed Sequoia plans")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -105,7 +106,8 @@ def main() -> None:
         configs += [(f"assisted k={k}", lambda ps, k=k: run_assisted(pair, k, ps, temperature, args.max_tokens))
                     for k in (3, 5, 8)]
         plans = [("chain 4", chain(4)), ("specinfer 2x4", specinfer(2, 4))]
-        plans += [(f"sequoia n={n} d=6", table.tree(n, 6)) for n in map(int, args.budgets.split(","))]
+        plans += [(f"sequoia n={n} d={d}", table.tree(n, d)) for d in map(int, args.depths.split(","))
+                  for n in map(int, args.budgets.split(","))]
         plans += [(f"sequoia chosen n={chosen.n} d={chosen.d}", chosen.plan)]
         configs += [(name, lambda ps, plan=plan: run_ours(pair, plan, ps, temperature, args.max_tokens))
                     for name, plan in plans]
