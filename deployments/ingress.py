@@ -55,15 +55,6 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
                         status_code=500)
 
 
-def _load_tokenizer(where: tuple[str, str | None]):
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    path, gguf = where
-    return AutoTokenizer.from_pretrained(path, gguf_file=gguf, local_files_only=Path(path).exists())
-
-
 async def _parse(request: Request, model, max_bytes: int):
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -124,15 +115,14 @@ async def _sse(events: AsyncIterator[dict]):
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, config: dict, draft, target) -> None:
-        from sequoia_ray.models.loading import resolve
+        from sequoia_ray.models.loading import load_tokenizer
 
         self.cfg = ServeConfig.model_validate(config)
         self.draft_server, self.target_server = draft, target
-        self.tokenizer = _load_tokenizer(resolve(self.cfg.target, progress=False))
+        self.tokenizer = load_tokenizer(self.cfg.target, progress=False)
         self.runner = Runner(self.cfg.max_concurrent)
         self.active = 0
         self.plans: PlanProvider | None = None
-        self.meta: dict = {}
         self.metrics = ServiceMetrics()
         key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
         self.expected_auth = f"Bearer {key}".encode() if key else None
@@ -249,7 +239,6 @@ class OpenAIIngress:
     async def _plans(self) -> PlanProvider:
         if self.plans is None:
             session = await self.target_server.session.remote()
-            self.meta = {k: v for k, v in session.items() if k != "ranks"}
             self.plans = PlanProvider(self.cfg, session["hardware_id"])
             asyncio.get_running_loop().create_task(self._refresh_plans())
         return self.plans

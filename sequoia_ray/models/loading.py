@@ -58,7 +58,7 @@ def resolve(source: str, *, progress: bool = True) -> tuple[str, str | None]:
 def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
                progress: bool = True, tp_plan: str | None = None) -> LoadedModel:
     """``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -71,7 +71,7 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
         extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     model = AutoModelForCausalLM.from_pretrained(
         where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=local, **extra)
-    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=local)
+    tokenizer = _tokenizer(where, gguf)
     model.eval()
     if quantize == "int8":
         model = quantize_int8(model)
@@ -100,6 +100,17 @@ def _tiny_checkpoint(source: str) -> Path:
         shutil.rmtree(root, ignore_errors=True)
         os.replace(scratch, root)
     return root / source
+
+
+def load_tokenizer(source: str, *, progress: bool = True):
+    """Only the tokenizer of a model source (what an ingress needs to encode prompts)."""
+    return _tokenizer(*resolve(source, progress=progress))
+
+
+def _tokenizer(where: str, gguf: str | None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=Path(where).exists())
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:
