@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -31,9 +32,19 @@ logger = logging.getLogger("sequoia_ray.serve")
 app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")
 
 
+def _openapi() -> dict:
+    if app.openapi_schema is None:
+        app.openapi_schema = api.openapi_schema(get_openapi(title=app.title, version="1", description=app.description,
+                                                            routes=app.routes))
+    return app.openapi_schema
+
+
+app.openapi = _openapi
+
+
 @app.exception_handler(api.APIError)
 async def _api_error(_: Request, exc: api.APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 @app.exception_handler(RequestValidationError)

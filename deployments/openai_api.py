@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -149,3 +150,35 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None) -> dic
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx body."""
+
+    error: _ErrorDetail
+
+
+def openapi_schema(base: dict) -> dict:
+    """``base`` (FastAPI's document) plus the request bodies the POST routes parse themselves and the
+    OpenAI-style error responses, so clients and fuzzers see the real contract."""
+    components = base.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"description": "OpenAI-style error", "content": {"application/json": {"schema": ref(ErrorBody)}}}
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        op = base["paths"][path]["post"]
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(model)}}}
+        op["responses"].update({code: error for code in ("400", "401", "404", "413", "429", "503")})
+    return base
