@@ -18,11 +18,13 @@ def build_app(args: dict) -> Application:
     cfg = ServeConfig.model_validate(args)
     config = cfg.model_dump()
     strategy = "STRICT_PACK" if cfg.num_gpus else "PACK"
+    health = {"health_check_period_s": cfg.health_check_period_s,
+              "health_check_timeout_s": cfg.health_check_timeout_s}
     draft = None
     if cfg.draft:
         draft = DraftServer.options(placement_group_bundles=bundles(cfg, 1), placement_group_strategy=strategy,
-                                    num_replicas=cfg.num_replicas).bind(config)
+                                    num_replicas=cfg.num_replicas, **health).bind(config)
     scaling = {"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.num_replicas}
     target = TargetServer.options(placement_group_bundles=bundles(cfg, cfg.tp_size), placement_group_strategy=strategy,
-                                  **scaling).bind(config)
+                                  **scaling, **health).bind(config)
     return OpenAIIngress.options(num_replicas=cfg.num_replicas).bind(config, draft, target)

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_api as api
 from deployments.metrics import ServiceMetrics
-from deployments.service import ActorDraft, PlanProvider, RanksTarget, Runner
+from deployments.service import ActorDraft, PlanProvider, RanksTarget, Runner, TargetUnavailable
 from sequoia_ray.config import SamplingParams, ServeConfig
 from sequoia_ray.engine import ContextLengthError, SpeculativeDecoder
 
@@ -64,6 +64,11 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error")
     return JSONResponse(api.APIError(500, "internal error; see the server log", type="server_error").body(),
                         status_code=500)
+
+
+def _unavailable(what: str) -> api.APIError:
+    return api.APIError(503, f"{what}; retry the request", type="server_error", code="target_unavailable",
+                        retry_after_s=5)
 
 
 async def _parse(request: Request, model, max_bytes: int):
@@ -147,10 +152,11 @@ class OpenAIIngress:
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         plans = await self._plans()
-        active = plans.get(0.0)
+        active = await asyncio.to_thread(plans.get, 0.0)
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
-                "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()}}
+                "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()},
+                "plan_store_errors": plans.errors, "plan_store_last_error": plans.last_error}
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "sequoia-ray",
                                             "metadata": meta}]}
 
@@ -249,21 +255,30 @@ class OpenAIIngress:
 
     async def _plans(self) -> PlanProvider:
         if self.plans is None:
-            session = await self.target_server.session.remote()
-            self.plans = PlanProvider(self.cfg, session["hardware_id"])
-            asyncio.get_running_loop().create_task(self._refresh_plans())
+            session = await self._target_session()
+            if self.plans is None:  # another request may have got here first
+                self.plans = PlanProvider(self.cfg, session["hardware_id"])
+                asyncio.get_running_loop().create_task(self._refresh_plans())
         return self.plans
 
+    async def _target_session(self) -> dict:
+        try:
+            return await asyncio.wait_for(self.target_server.session.remote(), self.cfg.step_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a timeout, a dead or missing replica: all retryable
+            logger.error("no target replica: %s: %s", type(exc).__name__, exc)
+            raise _unavailable("no target model replica is ready (it may be restarting)") from None
+
     async def _refresh_plans(self) -> None:
+        reported = 0
         while True:
             await asyncio.sleep(self.cfg.plan_refresh_s)
-            errors = self.plans.errors
             try:
                 await asyncio.to_thread(self.plans.refresh)
             except Exception:  # noqa: BLE001 - a refresh must never kill serving; logged
                 logger.exception("plan refresh failed; keeping the current plans")
-            if self.plans.errors > errors:
-                self.metrics.store_errors.inc(self.plans.errors - errors)
+            if self.plans.errors > reported:
+                self.metrics.store_errors.inc(self.plans.errors - reported)
+                reported = self.plans.errors
 
     async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, speculate: bool = True):
         if self.active >= self.cfg.max_concurrent:
@@ -274,7 +289,7 @@ class OpenAIIngress:
         start, first = time.perf_counter(), None
         try:
             plans = await self._plans()
-            active = plans.get(params.temperature)
+            active = await asyncio.to_thread(plans.get, params.temperature)  # a first fetch may be slow
             self.metrics.plan.set(active.planned.plan.n, tags={"hardware": plans.hardware, "source": active.source,
                                                                "bucket": f"{params.temperature:.1f}"})
             decoder = await self._decoder(active.planned.plan, speculate)
@@ -286,17 +301,24 @@ class OpenAIIngress:
                 yield chunk
         except ContextLengthError as exc:
             raise api.APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+        except TargetUnavailable as exc:
+            logger.error("request %s failed: %s", rid, exc)
+            raise _unavailable("the target model failed while generating (it is being restarted)") from None
         finally:
             self.active -= 1
             self.metrics.active.set(self.active)
 
     async def _decoder(self, plan, speculate: bool) -> SpeculativeDecoder:
-        target = await self.target_server.session.remote()
-        use_draft = speculate and self.draft_server is not None
-        draft = await self.draft_server.session.remote() if use_draft else None
-        return SpeculativeDecoder(RanksTarget(target["ranks"]), ActorDraft(draft) if draft is not None else None,
-                                  plan, tokenizer=self.tokenizer, eos_ids=tuple(target["eos_ids"]),
-                                  max_context=target["max_context"])
+        timeout = self.cfg.step_timeout_s
+        target = await self._target_session()
+        draft = None
+        if speculate and self.draft_server is not None:
+            try:
+                draft = ActorDraft(await asyncio.wait_for(self.draft_server.session.remote(), timeout), timeout)
+            except Exception as exc:  # noqa: BLE001 - speculation is optional: go on with the target alone
+                logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
+        return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
+                                  eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"])
 
     async def _events(self, chunks, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
         model = self.cfg.model_name

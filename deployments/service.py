@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 
 from sequoia_ray.config import SamplingParams, ServeConfig
 from sequoia_ray.draft import DraftTree
 from sequoia_ray.engine import Chunk, SpeculativeDecoder
-from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, StoreError, temperature_bucket
+from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, temperature_bucket
 from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.tree.plan_file import PlannedTree
@@ -31,35 +33,70 @@ logger = logging.getLogger("sequoia_ray.serve")
 _END = object()
 
 
-class ActorDraft:
-    """The Draft protocol over one DraftActor handle."""
+class TargetUnavailable(RuntimeError):
+    """The target group failed or timed out on a call (a rank died or hung): the request cannot go on;
+    the client may retry once the group has been replaced (HTTP 503)."""
 
-    def __init__(self, actor) -> None:
-        self.actor = actor
+
+def get_all(refs: list, timeout_s: float) -> list:
+    """``ray.get(refs)`` that fails as soon as any one fails (``ray.get`` would first wait for the rest,
+    which may be blocked in a collective on the failed one) and after ``timeout_s`` at the latest."""
+    deadline, pending = time.monotonic() + timeout_s, list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise GetTimeoutError(f"no answer within {timeout_s:g} s (step_timeout_s)")
+        ray.get(ready)  # raises this one's error now
+    return ray.get(refs)
+
+
+class ActorDraft:
+    """The Draft protocol over one DraftActor handle; a call slower than ``timeout_s`` fails (and the
+    engine goes on without the draft)."""
+
+    def __init__(self, actor, timeout_s: float = 60.0) -> None:
+        self.actor, self.timeout_s = actor, timeout_s
+
+    def _call(self, method: str, request_id: str, *args):
+        try:
+            return get_all([self.actor.call.remote(method, request_id, *args)], self.timeout_s)[0]
+        except GetTimeoutError:
+            self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
+            raise
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        ray.get(self.actor.call.remote("start", request_id, prompt, params, seed))
+        self._call("start", request_id, prompt, params, seed)
 
     def grow(self, request_id: str, plan: TreePlan) -> DraftTree:
-        return ray.get(self.actor.call.remote("grow", request_id, plan))
+        return self._call("grow", request_id, plan)
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None:
-        ray.get(self.actor.call.remote("commit", request_id, path, new_tokens))
+        self._call("commit", request_id, path, new_tokens)
 
     def finish(self, request_id: str) -> None:
-        ray.get(self.actor.call.remote("finish", request_id))
+        self._call("finish", request_id)
 
 
 class RanksTarget:
-    """The Target protocol over every rank of a tensor-parallel group (they must agree)."""
+    """The Target protocol over every rank of a tensor-parallel group (they must agree). Any failure —
+    a dead rank, a call slower than ``timeout_s``, ranks that disagree — raises ``TargetUnavailable``;
+    the request is then over (its state is freed by ``finish`` where ranks still answer, else with the
+    group)."""
 
-    def __init__(self, ranks: list) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: list, timeout_s: float = 60.0) -> None:
+        self.ranks, self.timeout_s = ranks, timeout_s
+        self.failed = False
 
     def _all(self, method: str, *args):
-        results = ray.get([r.call.remote(method, *args) for r in self.ranks])
+        try:
+            results = get_all([r.call.remote(method, *args) for r in self.ranks], self.timeout_s)
+        except (RayError, GetTimeoutError) as exc:
+            self.failed = True
+            raise TargetUnavailable(f"the target group failed during {method}: {type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
         if any(res != results[0] for res in results[1:]):
-            raise RuntimeError(f"tensor-parallel ranks disagree on {method}")
+            self.failed = True
+            raise TargetUnavailable(f"tensor-parallel ranks disagree on {method}")
         return results[0]
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
@@ -69,6 +106,10 @@ class RanksTarget:
         return self._all("verify", request_id, plan, draft)
 
     def finish(self, request_id: str) -> None:
+        if self.failed:  # do not wait on a failed group; tell the ranks that still answer, don't await
+            for r in self.ranks:
+                r.call.remote("finish", request_id)
+            return
         self._all("finish", request_id)
 
 
@@ -79,13 +120,15 @@ class ActivePlan:
 
 
 class PlanProvider:
-    """The plan per temperature bucket: the store's latest, else the last good one, else built-in."""
+    """The plan per temperature bucket: the store's latest, else the last good one, else built-in. No store
+    fault (unreachable, a bad URI, a corrupt or invalid plan file) ever reaches a request: it is logged,
+    counted in ``errors`` (exported as a metric and in /v1/models) and the current plan stays."""
 
     def __init__(self, cfg: ServeConfig, hardware: str) -> None:
         self.cfg, self.hardware = cfg, hardware
-        self.store = PlanStore(cfg.plan_store) if cfg.plan_store else None
+        self.store: PlanStore | None = None
         self.plans: dict[str, ActivePlan] = {}
-        self.errors = 0
+        self.errors, self.last_error = 0, None
 
     def get(self, temperature: float) -> ActivePlan:
         bucket = temperature_bucket(temperature)
@@ -103,17 +146,20 @@ class PlanProvider:
                 self.plans[bucket] = fresh
 
     def _fetch(self, temperature: float) -> ActivePlan | None:
-        if self.store is None:
+        if not self.cfg.plan_store:
             return None
         key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature)
         try:
+            self.store = self.store or PlanStore(self.cfg.plan_store)
             planned, path = self.store.fetch_plan(key)
         except PlanNotFound as exc:
-            logger.warning("%s; using the built-in plan", exc)
+            logger.warning("%s", exc)
             return None
-        except (StoreError, ValueError) as exc:
-            self.errors += 1
-            logger.error("plan store error, keeping the last good plan: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - whatever the store does, serving goes on with a good plan
+            error = f"{type(exc).__name__}: {exc}"
+            log = logger.error if error != self.last_error else logger.debug  # once per distinct error
+            log("plan store error, keeping the current plan: %s", error)
+            self.errors, self.last_error = self.errors + 1, error
             return None
         return ActivePlan(planned, f"store:{path}")
 

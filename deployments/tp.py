@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import ray
 import torch
 
+from deployments.actor_health import CallTracker
 from deployments.reaper import Reaper
 
 
@@ -38,12 +40,14 @@ class TPRank:
         resolve(cfg["target"], progress=False)  # fetch / write checkpoints before the group exists
         os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK="0" if backend == "gloo" else str(rank % max(torch.cuda.device_count(), 1)))
-        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://{master}:{port}")
+        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://{master}:{port}",
+                                timeout=timedelta(seconds=cfg.get("collective_timeout_s", 120.0)))
         self.rank, self.world = rank, world
         loaded = load_model(cfg["target"], dtype=cfg["dtype"], progress=False, tp_plan="auto" if world > 1 else None)
         check_sharded(loaded.model, world)
         self.worker = TargetWorker(loaded.model)
         self.reaper = Reaper(cfg.get("idle_timeout_s", 300.0))
+        self.tracker = CallTracker(fatal_errors=world > 1)  # a failed collective leaves the group unusable
         self.meta = {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context,
                      "vocab": loaded.model.config.vocab_size, "threads": torch.get_num_threads()}
 
@@ -51,7 +55,12 @@ class TPRank:
         return self.meta
 
     def call(self, method: str, request_id: str, *args):
-        return self.reaper.call(self.worker, method, request_id, *args)
+        with self.tracker.running(method):
+            return self.reaper.call(self.worker, method, request_id, *args)
+
+    @ray.method(concurrency_group="health")
+    def health(self) -> dict:
+        return self.tracker.health()
 
     def active(self) -> int:
         return len(self.worker.requests)
@@ -86,7 +95,7 @@ class TargetGroup:
         pg = get_current_placement_group()
         master = ray.util.get_node_ip_address()
         port = free_port()
-        actor = ray.remote(TPRank)
+        actor = ray.remote(concurrency_groups={"health": 1})(TPRank)
         self.ranks = []
         for rank in range(tp_size):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank + 1) if pg else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ray
 from ray import serve
 
+from deployments.actor_health import CallTracker, raise_if_unhealthy
 from deployments.reaper import Reaper
 from deployments.tp import TargetGroup
 from sequoia_ray.config import ServeConfig
@@ -28,15 +29,18 @@ class DraftActor:
         loaded = load_model(cfg["draft"], dtype=cfg["dtype"], quantize=cfg.get("draft_quantize"), progress=False)
         self.worker = DraftWorker(loaded.model)
         self.reaper = Reaper(cfg.get("idle_timeout_s", 300.0))
+        self.tracker = CallTracker(fatal_errors=False)
 
     def call(self, method: str, request_id: str, *args):
-        return self.reaper.call(self.worker, method, request_id, *args)
+        with self.tracker.running(method):
+            return self.reaper.call(self.worker, method, request_id, *args)
 
     def active(self) -> int:
         return len(self.worker.requests)
 
-    def ping(self) -> bool:
-        return True
+    @ray.method(concurrency_group="health")
+    def health(self) -> dict:
+        return self.tracker.health()
 
 
 def _actor_options(cfg: ServeConfig) -> dict:
@@ -48,7 +52,8 @@ def _actor_options(cfg: ServeConfig) -> dict:
 
 def _model_cfg(cfg: ServeConfig) -> dict:
     return {"draft": cfg.draft, "target": cfg.target, "dtype": cfg.dtype, "draft_quantize": cfg.draft_quantize,
-            "threads": max(1, int(cfg.num_cpus)), "idle_timeout_s": cfg.request_idle_timeout_s}
+            "threads": max(1, int(cfg.num_cpus)), "idle_timeout_s": cfg.request_idle_timeout_s,
+            "collective_timeout_s": cfg.collective_timeout_s}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -62,14 +67,16 @@ class DraftServer:
         opts = _actor_options(self.cfg)
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
-        self.actor = ray.remote(DraftActor).options(**opts).remote(_model_cfg(self.cfg))
-        ray.get(self.actor.ping.remote())
+        self.actor = ray.remote(concurrency_groups={"health": 1})(DraftActor).options(**opts).remote(
+            _model_cfg(self.cfg))
+        ray.get(self.actor.health.remote())
 
     def session(self):
         return self.actor
 
     def check_health(self) -> None:
-        ray.get(self.actor.ping.remote(), timeout=30)
+        state = ray.get(self.actor.health.remote(), timeout=self.cfg.health_check_timeout_s)
+        raise_if_unhealthy([state], self.cfg.step_timeout_s, "draft actor")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -87,7 +94,10 @@ class TargetServer:
         return {"ranks": self.group.ranks, "hardware_id": hw, **self.group.meta}
 
     def check_health(self) -> None:
-        ray.get([r.info.remote() for r in self.group.ranks], timeout=30)
+        """A dead rank (its call raises), a broken or stuck one -> unhealthy -> Serve replaces this replica,
+        and with it the whole TP group (the rank actors are owned by, and die with, the replica)."""
+        states = ray.get([r.health.remote() for r in self.group.ranks], timeout=self.cfg.health_check_timeout_s)
+        raise_if_unhealthy(states, self.cfg.step_timeout_s, "target rank")
 
 
 def bundles(cfg: ServeConfig, actors: int) -> list[dict]:

@@ -105,6 +105,12 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (bytes); beyond -> 413.")
     api_key: str | None = Field(None, description="Bearer token required on every route but /health (None = open).")
     api_key_env: str | None = Field(None, description="Read the API key from this environment variable instead.")
+    step_timeout_s: float = Field(60.0, gt=0, description="Longest one draft or verify call may take; a target "
+                                  "beyond it -> 503 (retryable), a draft beyond it -> the target alone.")
+    collective_timeout_s: float = Field(120.0, gt=0, description="torch.distributed timeout of the TP group: a "
+                                        "collective waiting on a hung rank fails after this.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks the model deployments.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
     num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
     autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the target deployment.")
 

@@ -147,8 +147,10 @@ class SpeculativeDecoder:
         try:
             yield from self._loop(rid, params, prompt[-1], draft)
         finally:
-            self.target.finish(rid)
-            draft.call("finish")
+            try:
+                self.target.finish(rid)
+            finally:
+                draft.call("finish")  # even when the target has failed
 
     def _loop(self, rid: str, params: SamplingParams, last_token: int, draft: _DraftLink) -> Iterator[Chunk]:
         stats = Stats(plan_nodes=self.plan.n, plan_levels=self.plan.num_levels)

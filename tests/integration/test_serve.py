@@ -5,7 +5,6 @@ concurrent requests, and a cancelled stream freeing its KV state."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -15,20 +14,12 @@ import requests
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from deployments.app import build_app  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
+from tests.serving import BASE, complete, free_port, greedy_long_prompt, serving, sse_events  # noqa: E402
 
 pytestmark = pytest.mark.integration
-BASE = {"model_name": "tiny", "draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "num_cpus": 0.5,
-        "max_tokens_limit": 512, "max_prompt_tokens": 200}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,30 +32,17 @@ METRICS_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def server(store_dir):
-    port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, _metrics_export_port=METRICS_PORT,
-             _system_config={"metrics_report_interval_ms": 1000})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    tp1 = {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 1.0, "max_concurrent": 2}
-    serve.run(build_app(tp1), name="tp1", route_prefix="/tp1")
-    serve.run(build_app({**BASE, "tp_size": 2}), name="tp2", route_prefix="/tp2")
-    serve.run(build_app({**BASE, "api_key": "s3cret-key", "max_body_bytes": 4096}), name="secure",
-              route_prefix="/secure")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    apps = {"tp1": {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 1.0, "max_concurrent": 2},
+            "tp2": {**BASE, "tp_size": 2},
+            "secure": {**BASE, "api_key": "s3cret-key", "max_body_bytes": 4096}}
+    with serving(apps, _metrics_export_port=METRICS_PORT,
+                 _system_config={"metrics_report_interval_ms": 1000}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def local():
     return LocalPair.load("tiny-target", "tiny-draft", dtype="float32", progress=False)
-
-
-def complete(url, prompt, **kw):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
-    r = requests.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_health_and_models(server):
@@ -213,8 +191,7 @@ def active_requests(app: str) -> tuple[int, int]:
 
 
 def test_cancelled_stream_frees_kv(server, local):
-    prompt = next(p for p in ("a long story", "hello world", "x", "abc") if local.decoder(builtin_plan(0.0).plan)
-                  .generate(local.encode(p, chat=False), SamplingParams(max_tokens=500)).finish_reason == "length")
+    prompt = greedy_long_prompt(local)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 500, "temperature": 0, "stream": True}
     r = requests.post(f"{server}/tp2/v1/completions", json=body, stream=True, timeout=60)
     lines = r.iter_lines()
@@ -307,16 +284,14 @@ def test_draft_death_mid_stream_loses_nothing_and_speculation_comes_back(server,
     """Kill the draft actor while a greedy stream runs: the stream completes with exactly the tokens of
     an undisturbed run (target-only steps after the death); once Serve has replaced the unhealthy
     DraftServer replica, new requests speculate again. (Runs last: it disturbs app tp1.)"""
-    prompt = next(p for p in ("a long story", "hello world", "x", "abc") if local.decoder(builtin_plan(0.0).plan)
-                  .generate(local.encode(p, chat=False), SamplingParams(max_tokens=500)).finish_reason == "length")
+    prompt = greedy_long_prompt(local)
     undisturbed = complete(f"{server}/tp1", prompt, max_tokens=500)["choices"][0]["text"]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 500, "temperature": 0, "stream": True}
     r = requests.post(f"{server}/tp1/v1/completions", json=body, stream=True, timeout=120)
     lines = r.iter_lines()
     first = next(line for line in lines if line)
     ray.kill(serve.get_deployment_handle("DraftServer", "tp1").session.remote().result())
-    events = [json.loads(first[len(b"data: "):])]
-    events += [json.loads(line[len(b"data: "):]) for line in lines if line and line != b"data: [DONE]"]
+    events = sse_events([first, *lines])
     assert "error" not in events[-1], events[-1]
     assert "".join(e["choices"][0]["text"] for e in events) == undisturbed
     assert events[-1]["usage"]["speculative"]["draft_failures"] == 1  # the death happened mid-stream

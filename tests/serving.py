@@ -1,0 +1,64 @@
+"""Helpers for tests that run the Serve application on local Ray with the tiny models."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Iterator
+
+import requests
+
+BASE = {"model_name": "tiny", "draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "num_cpus": 0.5,
+        "max_tokens_limit": 512, "max_prompt_tokens": 200}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(apps: dict[str, dict], **init) -> Iterator[str]:
+    """Local Ray + Serve on a free loopback port with ``apps`` (name -> ServeConfig dict, served under
+    ``/<name>``); yields the base URL and shuts everything down afterwards."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = free_port()
+    ray.init(**{"num_cpus": 8, "include_dashboard": False, "ignore_reinit_error": True, **init})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for name, cfg in apps.items():
+            serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def complete(url: str, prompt, **kw) -> dict:
+    """A non-streamed greedy completion that must succeed."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(lines) -> list[dict]:
+    """The JSON events of a server-sent-event stream (``[DONE]`` dropped)."""
+    return [json.loads(line[len(b"data: "):]) for line in lines if line and line != b"data: [DONE]"]
+
+
+def greedy_long_prompt(local, max_tokens: int = 500) -> str:
+    """A prompt whose greedy continuation runs to ``max_tokens`` (no EOS), for mid-stream faults."""
+    from sequoia_ray.config import SamplingParams
+    from sequoia_ray.tree.builtin import builtin_plan
+
+    decoder = local.decoder(builtin_plan(0.0).plan)
+    return next(p for p in ("a long story", "hello world", "x", "abc")
+                if decoder.generate(local.encode(p, chat=False), SamplingParams(max_tokens=max_tokens)).finish_reason
+                == "length")
