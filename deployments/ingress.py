@@ -228,10 +228,12 @@ class OpenAIIngress:
                                     f"{self.cfg.model_name!r}", type="not_found_error", param="model",
                                code="model_not_found")
         try:
-            params = req.sampling(256 if chat else 16)
+            params = req.sampling(min(256 if chat else 16, self.cfg.max_tokens_limit))
             prompt = self._encode(req, chat)
         except (ValueError, ValidationError) as exc:
             raise api.validation_error(exc) if isinstance(exc, ValidationError) else api.APIError(400, str(exc))
+        if not prompt:
+            raise api.APIError(400, "the prompt encodes to no tokens; send some text", param="prompt")
         if len(prompt) > self.cfg.max_prompt_tokens:
             raise api.APIError(400, f"prompt has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
                                param="prompt", code="context_length_exceeded")

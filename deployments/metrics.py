@@ -30,7 +30,8 @@ class ServiceMetrics:
         self.store_errors = metrics.Counter("sequoia_plan_store_errors", "Plan store reads that failed.")
 
     def finished(self, stats: Stats, first_token_s: float | None) -> None:
-        self.tokens.inc(stats.tokens)
+        if stats.tokens:  # Ray counters reject inc(0) (an EOS as the first token)
+            self.tokens.inc(stats.tokens)
         if stats.steps:
             self.tokens_per_step.observe(stats.tokens_per_step)
             accepted = sum(v for k, v in stats.accepted_hist.items() if k > 0)

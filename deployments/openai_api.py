@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, field_validator,
+                      model_validator)
 
 from sequoia_ray.config import MAX_STOP_STRINGS, SamplingParams
 
@@ -42,18 +43,28 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     return APIError(400, message, param=".".join(loc) or None, code="invalid_value")
 
 
+def _json_number(value):
+    if isinstance(value, (str, bool)):  # pydantic's lax mode would read "5" as 5 and true as 1: no guessing
+        raise ValueError(f"must be a JSON number, not {type(value).__name__}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_json_number)]  # 5 and 5.0 (JSON Schema integers), not 5.5 or "5"
+Float = Annotated[float, BeforeValidator(_json_number)]
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(description="The served model id (see /v1/models).")
-    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**62)
+    max_tokens: Int | None = Field(None, ge=1, description="Tokens to generate at most.")
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    seed: Int | None = Field(None, ge=0, lt=2**62)
     stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
-    speculative: bool = Field(True, description="sequoia-ray extension: false = the target alone (for A/B).")
+    stream: StrictBool = False
+    n: Int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
+    speculative: StrictBool = Field(True, description="sequoia-ray extension: false = the target alone (for A/B).")
 
     @field_validator("stop")
     @classmethod
@@ -78,7 +89,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] = Field(description="Text, a one-element list of text, or token ids.")
+    prompt: str | list[str] | list[Int] = Field(description="Text, a one-element list of text, or token ids.")
 
     @field_validator("prompt")
     @classmethod
@@ -110,7 +121,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
 
     def sampling(self, default_max: int) -> SamplingParams:
         params = super().sampling(default_max)
@@ -177,8 +188,11 @@ def openapi_schema(base: dict) -> dict:
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
     error = {"description": "OpenAI-style error", "content": {"application/json": {"schema": ref(ErrorBody)}}}
+    events = {"schema": {"type": "object", "description": "each event's data: a chunk (or an error); then [DONE]"}}
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
         op = base["paths"][path]["post"]
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(model)}}}
+        op["responses"]["200"]["description"] = "The completion, or with stream: true a server-sent-event stream"
+        op["responses"]["200"]["content"]["text/event-stream"] = events
         op["responses"].update({code: error for code in ("400", "401", "404", "413", "429", "503")})
     return base

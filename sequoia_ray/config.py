@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the limit T -> 0, without logits / T overflowing
 
 
 class SamplingParams(BaseModel):
@@ -19,6 +20,11 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**62, description="Same seed, same request -> same tokens. None = random.")
     stop: tuple[str, ...] = Field((), description=f"Up to {MAX_STOP_STRINGS} strings that end generation (not returned).")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, value: float) -> float:
+        return 0.0 if value < GREEDY_BELOW else value
 
     @field_validator("stop", mode="before")
     @classmethod

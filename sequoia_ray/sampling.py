@@ -31,7 +31,9 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
         return probs
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))  # the top token always stays
+    keep = before < top_p
+    keep[..., 0] = True  # the top token always stays (even when top_p underflows float32)
+    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return kept / kept.sum(dim=-1, keepdim=True)
 

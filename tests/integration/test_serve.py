@@ -121,6 +121,16 @@ def test_openai_client(server):
         ({"prompt": [999999]}, 400, None),
         ({"prompt": "x", "model": "other"}, 404, "model"),
         ({}, 400, "prompt"),
+        ({"prompt": "x" * 150, "max_tokens": 500}, 400, "max_tokens"),  # fits the limit, not the 512 context
+        ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "x", "stop": 5}, 400, "stop"),
+        ({"prompt": "x", "seed": -1}, 400, "seed"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": {"text": "x"}}, 400, "prompt"),
+        ({"prompt": "x", "model": None}, 400, "model"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param):
@@ -133,12 +143,37 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert "Traceback" not in r.text
 
 
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user"}]}, "content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, None),
+    ],
+)
+def test_bad_chat_requests_get_openai_errors(server, body, param):
+    r = requests.post(f"{server}/tp1/v1/chat/completions", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and "Traceback" not in r.text
+    if param:
+        assert param in (err["param"] or "") or param in err["message"]
+
+
 def test_malformed_json_and_unknown_route(server):
     r = requests.post(f"{server}/tp1/v1/completions", data=b"{not json", timeout=30,
                       headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = requests.post(f"{server}/tp1/v1/completions", data=b"\xff\xfe\x00", timeout=30)
     assert r.status_code == 400 and "error" in r.json()
+    for value in (b"Infinity", b"NaN", b"-Infinity"):  # Python's json reads these; they are not numbers here
+        r = requests.post(f"{server}/tp1/v1/completions", timeout=30,
+                          data=b'{"model": "tiny", "prompt": "x", "temperature": ' + value + b"}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
     r = requests.get(f"{server}/tp1/v1/nope", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
@@ -302,3 +337,22 @@ def test_draft_death_mid_stream_loses_nothing_and_speculation_comes_back(server,
             break
         time.sleep(2)
     assert stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0, stats
+
+
+def test_edge_inputs_found_by_fuzzing(server, local):
+    """Regressions from test_fuzz: an EOS as the first token (0 tokens) is a normal 200; a temperature or
+    top_p too small for float32 is served (greedy / the top token), not a failure; a prompt that encodes
+    to no tokens is a 400."""
+    eos_first = next(t for t in range(3, 97) if local.decoder(builtin_plan(0.0).plan, speculate=False)
+                     .generate([t], SamplingParams(max_tokens=4)).token_ids == [])
+    for stream in (False, True):
+        r = requests.post(f"{server}/tp1/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": [eos_first], "max_tokens": 4, "temperature": 0, "stream": stream})
+        assert r.status_code == 200, r.text
+        if not stream:
+            assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["choices"][0]["finish_reason"] == "stop"
+    greedy = complete(f"{server}/tp1", "hello")["choices"][0]["text"]
+    assert complete(f"{server}/tp1", "hello", temperature=1e-38)["choices"][0]["text"] == greedy
+    assert complete(f"{server}/tp1", "hello", temperature=0.7, top_p=1e-46)["choices"][0]["text"] == greedy
+    r = requests.post(f"{server}/tp1/v1/completions", json={"model": "tiny", "prompt": " "}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

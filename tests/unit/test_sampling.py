@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from sequoia_ray.config import SamplingParams
 from sequoia_ray.sampling import SparseDist, draw_without_replacement, node_steps, target_probs, truncate
 
 
@@ -101,3 +102,14 @@ def test_top_p_and_temperature():
     assert target_probs(logits, 1.0, 0.1)[0] == 1.0  # the top token always survives
     hot = target_probs(logits, 2.0, 1.0)
     assert hot[3] > 0.05 and hot[0] < 0.5
+
+
+def test_extreme_but_valid_parameters_stay_finite():
+    """top_p below float32's smallest number keeps the top token (it used to zero every token -> NaN);
+    a temperature below GREEDY_BELOW is greedy (logits / 1e-38 overflows)."""
+    logits = torch.tensor([[2.0, 1.0, 3.0, -1.0]] * 2)
+    for top_p in (1e-46, 1e-30):
+        torch.testing.assert_close(target_probs(logits, 1.0, top_p), torch.tensor([[0.0, 0.0, 1.0, 0.0]] * 2))
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=2.2e-309).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+    assert torch.isfinite(target_probs(logits, 1e-4)).all()
