@@ -115,6 +115,33 @@ def hang_verify(rank) -> None:
     ray.get(rank.__ray_call__.remote(patch))
 
 
+def test_hung_draft_is_dropped_after_the_step_timeout(server, local):
+    """A draft whose grow never returns: the request goes on with the target alone after step_timeout_s
+    and completes with the exact greedy text; the stuck DraftServer replica is then replaced."""
+    url = f"{server}/ft"
+    expected = complete(url, "hello world", max_tokens=40)["choices"][0]["text"]
+    draft = serve.get_deployment_handle("DraftServer", "ft").session.remote().result(timeout_s=60)
+
+    def patch(actor):
+        import time as t
+
+        def stuck(*args, **kwargs):
+            t.sleep(60)
+
+        actor.worker.grow = stuck
+
+    ray.get(draft.__ray_call__.remote(patch))
+    body = complete(url, "hello world", max_tokens=40)
+    assert body["choices"][0]["text"] == expected and body["usage"]["speculative"]["draft_failures"] == 1
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        stats = complete(url, "hello", max_tokens=20)["usage"]["speculative"]
+        if stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0:
+            break
+        time.sleep(1)
+    assert stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0, stats
+
+
 def test_hung_rank_is_bounded_by_timeouts_then_the_group_restarts(server):
     url = f"{server}/ft"
     short = complete(url, "hello", max_tokens=24)["choices"][0]["text"]
