@@ -18,8 +18,11 @@ def build_app(args: dict) -> Application:
     cfg = ServeConfig.model_validate(args)
     config = cfg.model_dump()
     strategy = "STRICT_PACK" if cfg.num_gpus else "PACK"
+    # Serve queues a replica's requests beyond max_ongoing_requests (default 5) out of our sight: the ingress
+    # takes every request so max_concurrent (-> 429) is the limit and /health never waits behind generation;
+    # the model deployments only hand out actor handles (session() returns at once).
     health = {"health_check_period_s": cfg.health_check_period_s,
-              "health_check_timeout_s": cfg.health_check_timeout_s}
+              "health_check_timeout_s": cfg.health_check_timeout_s, "max_ongoing_requests": 256}
     draft = None
     if cfg.draft:
         draft = DraftServer.options(placement_group_bundles=bundles(cfg, 1), placement_group_strategy=strategy,
@@ -27,4 +30,5 @@ def build_app(args: dict) -> Application:
     scaling = {"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.num_replicas}
     target = TargetServer.options(placement_group_bundles=bundles(cfg, cfg.tp_size), placement_group_strategy=strategy,
                                   **scaling, **health).bind(config)
-    return OpenAIIngress.options(num_replicas=cfg.num_replicas).bind(config, draft, target)
+    return OpenAIIngress.options(num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_concurrent + 64
+                                 ).bind(config, draft, target)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,18 +37,6 @@ class TargetUnavailable(RuntimeError):
     the client may retry once the group has been replaced (HTTP 503)."""
 
 
-def get_all(refs: list, timeout_s: float) -> list:
-    """``ray.get(refs)`` that fails as soon as any one fails (``ray.get`` would first wait for the rest,
-    which may be blocked in a collective on the failed one) and after ``timeout_s`` at the latest."""
-    deadline, pending = time.monotonic() + timeout_s, list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise GetTimeoutError(f"no answer within {timeout_s:g} s (step_timeout_s)")
-        ray.get(ready)  # raises this one's error now
-    return ray.get(refs)
-
-
 class ActorDraft:
     """The Draft protocol over one DraftActor handle; a call slower than ``timeout_s`` fails (and the
     engine goes on without the draft)."""
@@ -59,7 +46,7 @@ class ActorDraft:
 
     def _call(self, method: str, request_id: str, *args):
         try:
-            return get_all([self.actor.call.remote(method, request_id, *args)], self.timeout_s)[0]
+            return ray.get(self.actor.call.remote(method, request_id, *args), timeout=self.timeout_s)
         except GetTimeoutError:
             self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
             raise
@@ -78,39 +65,35 @@ class ActorDraft:
 
 
 class RanksTarget:
-    """The Target protocol over every rank of a tensor-parallel group (they must agree). Any failure —
-    a dead rank, a call slower than ``timeout_s``, ranks that disagree — raises ``TargetUnavailable``;
-    the request is then over (its state is freed by ``finish`` where ranks still answer, else with the
-    group)."""
+    """The Target protocol over a tensor-parallel group: every call goes to rank 0, which forwards it to
+    the other ranks (one sender keeps the ranks' collectives in one order) and checks they agree. Any
+    failure — a dead or broken rank, no answer within ``timeout_s``, ranks that disagree — raises
+    ``TargetUnavailable``; the request is then over (its state goes with the group, which is replaced)."""
 
     def __init__(self, ranks: list, timeout_s: float = 60.0) -> None:
         self.ranks, self.timeout_s = ranks, timeout_s
         self.failed = False
 
-    def _all(self, method: str, *args):
+    def _call(self, method: str, *args):
         try:
-            results = get_all([r.call.remote(method, *args) for r in self.ranks], self.timeout_s)
+            return ray.get(self.ranks[0].call.remote(method, *args), timeout=self.timeout_s)
         except (RayError, GetTimeoutError) as exc:
             self.failed = True
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
             raise TargetUnavailable(f"the target group failed during {method}: {type(exc).__name__}: "
-                                    f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-        if any(res != results[0] for res in results[1:]):
-            self.failed = True
-            raise TargetUnavailable(f"tensor-parallel ranks disagree on {method}")
-        return results[0]
+                                    f"{first_line}") from exc
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        self._all("start", request_id, prompt, params, seed)
+        self._call("start", request_id, prompt, params, seed)
 
     def verify(self, request_id: str, plan: TreePlan, draft: DraftTree) -> Verdict:
-        return self._all("verify", request_id, plan, draft)
+        return self._call("verify", request_id, plan, draft)
 
     def finish(self, request_id: str) -> None:
-        if self.failed:  # do not wait on a failed group; tell the ranks that still answer, don't await
-            for r in self.ranks:
-                r.call.remote("finish", request_id)
+        if self.failed:  # do not wait on a failed group: tell it without awaiting the answer
+            self.ranks[0].call.remote("finish", request_id)
             return
-        self._all("finish", request_id)
+        self._call("finish", request_id)
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,32 @@ class TPRank:
         self.worker = TargetWorker(loaded.model)
         self.reaper = Reaper(cfg.get("idle_timeout_s", 300.0))
         self.tracker = CallTracker(fatal_errors=world > 1)  # a failed collective leaves the group unusable
+        self.followers: list = []
+        self.collective_timeout_s = cfg.get("collective_timeout_s", 120.0)
         self.meta = {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context,
                      "vocab": loaded.model.config.vocab_size, "threads": torch.get_num_threads()}
 
     def info(self) -> dict:
         return self.meta
 
+    def lead(self, followers: list) -> None:
+        """Make this rank (0) the group's entry point for ``followers`` (ranks 1..tp-1)."""
+        self.followers = followers
+
     def call(self, method: str, request_id: str, *args):
+        """The group's entry point (rank 0): forward the call to every other rank, run it here, check they
+        agree. One sender per group keeps every rank's sequence of collectives in one order — callers in
+        several threads or replicas sending to each rank themselves would interleave differently on each
+        rank and pair up different requests' all-reduces. (Ray runs one caller's calls to an actor in order.)"""
+        with self.tracker.running(method):
+            refs = [f.step.remote(method, request_id, *args) for f in self.followers]
+            mine = self.reaper.call(self.worker, method, request_id, *args)
+            if any(theirs != mine for theirs in ray.get(refs, timeout=self.collective_timeout_s)):
+                raise RuntimeError(f"tensor-parallel ranks disagree on {method} for request {request_id}")
+            return mine
+
+    def step(self, method: str, request_id: str, *args):
+        """A follower's share of a call forwarded by rank 0."""
         with self.tracker.running(method):
             return self.reaper.call(self.worker, method, request_id, *args)
 
@@ -104,6 +123,7 @@ class TargetGroup:
                 opts["scheduling_strategy"] = strategy
             self.ranks.append(actor.options(**opts).remote(rank, tp_size, master, port, backend, cfg))
         self.meta = ray.get([r.info.remote() for r in self.ranks])[0]
+        ray.get(self.ranks[0].lead.remote(self.ranks[1:]))
 
     def time_target(self, sizes, context: int, repeats: int) -> dict[int, float]:
         """t(n) of the whole group: rank 0's timings of a forward all ranks run together."""
