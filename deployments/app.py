@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
+from deployments.autoscaling import autoscaling_config
 from deployments.ingress import OpenAIIngress
 from deployments.workers import DraftServer, TargetServer, bundles
 from sequoia_ray.config import ServeConfig
@@ -23,11 +24,12 @@ def build_app(args: dict) -> Application:
     # the model deployments only hand out actor handles (session() returns at once).
     health = {"health_check_period_s": cfg.health_check_period_s,
               "health_check_timeout_s": cfg.health_check_timeout_s, "max_ongoing_requests": 256}
+    scaling = ({"autoscaling_config": autoscaling_config(cfg.autoscaling)} if cfg.autoscaling
+               else {"num_replicas": cfg.num_replicas})
     draft = None
     if cfg.draft:
         draft = DraftServer.options(placement_group_bundles=bundles(cfg, 1), placement_group_strategy=strategy,
-                                    num_replicas=cfg.num_replicas, **health).bind(config)
-    scaling = {"autoscaling_config": cfg.autoscaling} if cfg.autoscaling else {"num_replicas": cfg.num_replicas}
+                                    **scaling, **health).bind(config)
     target = TargetServer.options(placement_group_bundles=bundles(cfg, cfg.tp_size), placement_group_strategy=strategy,
                                   **scaling, **health).bind(config)
     return OpenAIIngress.options(num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_concurrent + 64

@@ -81,6 +81,7 @@ class TPRank:
     def health(self) -> dict:
         return self.tracker.health()
 
+    @ray.method(concurrency_group="health")
     def active(self) -> int:
         return len(self.worker.requests)
 

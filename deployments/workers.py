@@ -11,6 +11,7 @@ import ray
 from ray import serve
 
 from deployments.actor_health import CallTracker, raise_if_unhealthy
+from deployments.autoscaling import HELD
 from deployments.reaper import Reaper
 from deployments.tp import TargetGroup
 from sequoia_ray.config import ServeConfig
@@ -35,6 +36,7 @@ class DraftActor:
         with self.tracker.running(method):
             return self.reaper.call(self.worker, method, request_id, *args)
 
+    @ray.method(concurrency_group="health")
     def active(self) -> int:
         return len(self.worker.requests)
 
@@ -78,6 +80,9 @@ class DraftServer:
         state = ray.get(self.actor.health.remote(), timeout=self.cfg.health_check_timeout_s)
         raise_if_unhealthy([state], self.cfg.step_timeout_s, "draft actor")
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {HELD: await self.actor.active.remote()}
+
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class TargetServer:
@@ -98,6 +103,9 @@ class TargetServer:
         and with it the whole TP group (the rank actors are owned by, and die with, the replica)."""
         states = ray.get([r.health.remote() for r in self.group.ranks], timeout=self.cfg.health_check_timeout_s)
         raise_if_unhealthy(states, self.cfg.step_timeout_s, "target rank")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {HELD: await self.group.ranks[0].active.remote()}  # every rank holds the same requests
 
 
 def bundles(cfg: ServeConfig, actors: int) -> list[dict]:

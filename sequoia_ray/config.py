@@ -118,7 +118,8 @@ class ServeConfig(BaseModel):
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks the model deployments.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
     num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
-    autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the target deployment.")
+    autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the draft and target "
+                                     "deployments; target_ongoing_requests counts requests held per replica.")
 
     @field_validator("dtype")
     @classmethod

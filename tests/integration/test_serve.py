@@ -28,13 +28,16 @@ def store_dir(tmp_path_factory):
 
 
 METRICS_PORT = free_port()
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "metrics_interval_s": 1.0,
+               "look_back_period_s": 2.0, "upscale_delay_s": 1.0, "downscale_delay_s": 2.0}
 
 
 @pytest.fixture(scope="module")
 def server(store_dir):
     apps = {"tp1": {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 1.0, "max_concurrent": 2},
             "tp2": {**BASE, "tp_size": 2},
-            "secure": {**BASE, "api_key": "s3cret-key", "max_body_bytes": 4096}}
+            "secure": {**BASE, "api_key": "s3cret-key", "max_body_bytes": 4096},
+            "auto": {**BASE, "max_concurrent": 8, "autoscaling": AUTOSCALING}}
     with serving(apps, _metrics_export_port=METRICS_PORT,
                  _system_config={"metrics_report_interval_ms": 1000}) as url:
         yield url
@@ -356,3 +359,42 @@ def test_edge_inputs_found_by_fuzzing(server, local):
     assert complete(f"{server}/tp1", "hello", temperature=0.7, top_p=1e-46)["choices"][0]["text"] == greedy
     r = requests.post(f"{server}/tp1/v1/completions", json={"model": "tiny", "prompt": " "}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    states = serve.status().applications[app].deployments[deployment].replica_states
+    return states.get("RUNNING", 0)
+
+
+def test_model_deployments_autoscale_on_held_requests(server, local):
+    """Three long requests held at once (target_ongoing_requests 1): the draft and target deployments grow
+    to their maximum of 2 replicas — Serve's own count of ongoing calls would stay ~0, as the ingress
+    calls the model actors directly — and shrink back once the requests are done."""
+    prompt = greedy_long_prompt(local)
+    assert running_replicas("auto", "TargetServer") == 1
+    done, errors, stop = [], [], threading.Event()
+
+    def long_requests():
+        while not stop.is_set():
+            try:
+                done.append(complete(f"{server}/auto", prompt, max_tokens=500)["usage"]["completion_tokens"])
+            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=long_requests) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (running_replicas("auto", "TargetServer") == 2
+                                               and running_replicas("auto", "DraftServer") == 2):
+        time.sleep(0.5)
+    scaled = running_replicas("auto", "TargetServer"), running_replicas("auto", "DraftServer")
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors and scaled == (2, 2) and set(done) == {500}, (errors, scaled, done)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and running_replicas("auto", "TargetServer") > 1:
+        time.sleep(0.5)
+    assert running_replicas("auto", "TargetServer") == 1
