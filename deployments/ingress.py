@@ -26,7 +26,7 @@ from deployments import openai_api as api
 from deployments.metrics import ServiceMetrics
 from deployments.service import ActorDraft, PlanProvider, RanksTarget, Runner, TargetUnavailable
 from sequoia_ray.config import SamplingParams, ServeConfig
-from sequoia_ray.engine import ContextLengthError, SpeculativeDecoder
+from sequoia_ray.engine import PromptError, SpeculativeDecoder
 
 logger = logging.getLogger("sequoia_ray.serve")
 app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")
@@ -232,8 +232,6 @@ class OpenAIIngress:
             prompt = self._encode(req, chat)
         except (ValueError, ValidationError) as exc:
             raise api.validation_error(exc) if isinstance(exc, ValidationError) else api.APIError(400, str(exc))
-        if not prompt:
-            raise api.APIError(400, "the prompt encodes to no tokens; send some text", param="prompt")
         if len(prompt) > self.cfg.max_prompt_tokens:
             raise api.APIError(400, f"prompt has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
                                param="prompt", code="context_length_exceeded")
@@ -301,8 +299,8 @@ class OpenAIIngress:
                 if chunk.stats is not None:
                     self.metrics.finished(chunk.stats, first)
                 yield chunk
-        except ContextLengthError as exc:
-            raise api.APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+        except PromptError as exc:  # found by the engine before any token: still a proper 400
+            raise api.APIError(400, str(exc), param=exc.param, code=exc.code) from None
         except TargetUnavailable as exc:
             logger.error("request %s failed: %s", rid, exc)
             raise _unavailable("the target model failed while generating (it is being restarted)") from None

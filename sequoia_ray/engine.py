@@ -118,8 +118,16 @@ class _DraftLink:
             return None
 
 
-class ContextLengthError(ValueError):
+class PromptError(ValueError):
+    """A prompt the engine cannot decode; ``param`` / ``code`` name the request field for an API error."""
+
+    param, code = "prompt", "invalid_prompt"
+
+
+class ContextLengthError(PromptError):
     """A prompt (plus max_tokens) that does not fit the model's context window."""
+
+    param, code = "max_tokens", "context_length_exceeded"
 
 
 class SpeculativeDecoder:
@@ -190,7 +198,7 @@ class SpeculativeDecoder:
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
-            raise ValueError("the prompt is empty; give at least one token")
+            raise PromptError("the prompt is empty (or encodes to no tokens); give at least one token")
         if self.max_context is not None and len(prompt) + params.max_tokens > self.max_context:
             raise ContextLengthError(
                 f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the model's context of "
