@@ -1,10 +1,12 @@
-"""Helpers for tests that run the Serve application on local Ray with the tiny models."""
+"""Helpers for tests of the serving side: the Serve application on local Ray with the tiny models, its
+metrics, faults injected into its actors, and a fake clock."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 
 import requests
@@ -20,16 +22,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(apps: dict[str, dict], **init) -> Iterator[str]:
+def serving(apps: dict[str, dict], metrics_port: int | None = None) -> Iterator[str]:
     """Local Ray + Serve on a free loopback port with ``apps`` (name -> ServeConfig dict, served under
-    ``/<name>``); yields the base URL and shuts everything down afterwards."""
+    ``/<name>``); with ``metrics_port``, Ray exports metrics there every second (see ``metrics_text``).
+    Yields the base URL and shuts everything down afterwards."""
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
     port = free_port()
-    ray.init(**{"num_cpus": 8, "include_dashboard": False, "ignore_reinit_error": True, **init})
+    metrics = ({"_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
+               if metrics_port else {})
+    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, **metrics)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name, cfg in apps.items():
@@ -62,3 +67,47 @@ def greedy_long_prompt(local, max_tokens: int = 500) -> str:
     return next(p for p in ("a long story", "hello world", "x", "abc")
                 if decoder.generate(local.encode(p, chat=False), SamplingParams(max_tokens=max_tokens)).finish_reason
                 == "length")
+
+
+def metrics_text(port: int) -> str:
+    return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+
+
+def wait_for_speculation(url: str, timeout_s: float = 120.0) -> dict:
+    """Send requests until one speculates again with a live draft (after a draft replica was replaced);
+    returns its ``usage.speculative``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = complete(url, "hello", max_tokens=20)["usage"]["speculative"]
+        if (stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(1)
+
+
+def stall(actor, method: str) -> None:
+    """Make the model actor's next ``method`` call (on its worker) block for a minute before it runs, as a
+    stuck kernel or a lost peer would."""
+    import ray
+
+    def patch(instance):
+        import time as t
+
+        real = getattr(instance.worker, method)
+
+        def stuck(*args, **kwargs):
+            t.sleep(60)
+            return real(*args, **kwargs)
+
+        setattr(instance.worker, method, stuck)
+
+    ray.get(actor.__ray_call__.remote(patch))
+
+
+class Clock:
+    """A clock tests set by hand (``clock.now = 6``)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -22,8 +22,8 @@ from deployments.tp import TargetGroup  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.draft import DraftTree  # noqa: E402
 from sequoia_ray.engine import ROOT_ONLY  # noqa: E402
-from sequoia_ray.local import LocalPair  # noqa: E402
-from tests.serving import BASE, complete, free_port, greedy_long_prompt, serving, sse_events  # noqa: E402
+from tests.serving import (BASE, complete, free_port, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
+                           stall, wait_for_speculation)
 
 pytestmark = pytest.mark.integration
 FAULTS = {**BASE, "tp_size": 2, "step_timeout_s": 5.0, "collective_timeout_s": 8.0, "health_check_period_s": 1.0,
@@ -32,21 +32,10 @@ METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def store_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("plans")
-
-
-@pytest.fixture(scope="module")
 def server(store_dir):
     apps = {"ft": FAULTS, "store": {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 0.5}}
-    with serving(apps, _metrics_export_port=METRICS_PORT,
-                 _system_config={"metrics_report_interval_ms": 1000}) as url:
+    with serving(apps, metrics_port=METRICS_PORT) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def local():
-    return LocalPair.load("tiny-target", "tiny-draft", dtype="float32", progress=False)
 
 
 def target_ranks(app: str) -> list:
@@ -98,23 +87,6 @@ def test_rank_death_mid_stream_is_a_503_then_the_group_restarts(server, local):
         ray.get(old[0].health.remote(), timeout=30)  # the surviving rank went with its group
 
 
-def hang_verify(rank) -> None:
-    """Make a rank's next verify block for a minute (as a stuck kernel or a lost peer would)."""
-
-    def patch(actor):
-        import time as t
-
-        real = actor.worker.verify
-
-        def stuck(*args, **kwargs):
-            t.sleep(60)
-            return real(*args, **kwargs)
-
-        actor.worker.verify = stuck
-
-    ray.get(rank.__ray_call__.remote(patch))
-
-
 def test_hung_draft_is_dropped_after_the_step_timeout(server, local):
     """A draft whose grow never returns: the request goes on with the target alone after step_timeout_s
     and completes with the exact greedy text; the stuck DraftServer replica is then replaced."""
@@ -122,30 +94,17 @@ def test_hung_draft_is_dropped_after_the_step_timeout(server, local):
     expected = complete(url, "hello world", max_tokens=40)["choices"][0]["text"]
     draft = serve.get_deployment_handle("DraftServer", "ft").session.remote().result(timeout_s=60)
 
-    def patch(actor):
-        import time as t
-
-        def stuck(*args, **kwargs):
-            t.sleep(60)
-
-        actor.worker.grow = stuck
-
-    ray.get(draft.__ray_call__.remote(patch))
+    stall(draft, "grow")
     body = complete(url, "hello world", max_tokens=40)
     assert body["choices"][0]["text"] == expected and body["usage"]["speculative"]["draft_failures"] == 1
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        stats = complete(url, "hello", max_tokens=20)["usage"]["speculative"]
-        if stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0:
-            break
-        time.sleep(1)
+    stats = wait_for_speculation(url)
     assert stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0, stats
 
 
 def test_hung_rank_is_bounded_by_timeouts_then_the_group_restarts(server):
     url = f"{server}/ft"
     short = complete(url, "hello", max_tokens=24)["choices"][0]["text"]
-    hang_verify(target_ranks("ft")[1])
+    stall(target_ranks("ft")[1], "verify")
     start = time.monotonic()
     r = requests.post(f"{url}/v1/completions", timeout=60,  # a hang would raise ReadTimeout here
                       json={"model": "tiny", "prompt": "hello", "max_tokens": 24, "temperature": 0})
@@ -163,7 +122,7 @@ def test_collective_timeout_breaks_the_waiting_rank(server):
     try:
         target = RanksTarget(group.ranks, timeout_s=2.0)
         target.start("r", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0), 0)
-        hang_verify(group.ranks[1])
+        stall(group.ranks[1], "verify")
         start = time.monotonic()
         with pytest.raises(TargetUnavailable, match="GetTimeoutError"):
             target.verify("r", ROOT_ONLY, DraftTree(torch.tensor([7]), {}))
@@ -180,8 +139,7 @@ def test_collective_timeout_breaks_the_waiting_rank(server):
 
 
 def metric_values(name: str) -> list[float]:
-    text = requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).text
-    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text(METRICS_PORT).splitlines() if line.startswith(name)]
 
 
 def test_corrupt_plan_in_the_store_keeps_the_last_good_one(server, store_dir):

@@ -15,16 +15,11 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
-from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
-from tests.serving import BASE, complete, free_port, greedy_long_prompt, serving, sse_events  # noqa: E402
+from tests.serving import (BASE, complete, free_port, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
+                           wait_for_speculation)
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def store_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("plans")
 
 
 METRICS_PORT = free_port()
@@ -38,14 +33,8 @@ def server(store_dir):
             "tp2": {**BASE, "tp_size": 2},
             "secure": {**BASE, "api_key": "s3cret-key", "max_body_bytes": 4096},
             "auto": {**BASE, "max_concurrent": 8, "autoscaling": AUTOSCALING}}
-    with serving(apps, _metrics_export_port=METRICS_PORT,
-                 _system_config={"metrics_report_interval_ms": 1000}) as url:
+    with serving(apps, metrics_port=METRICS_PORT) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def local():
-    return LocalPair.load("tiny-target", "tiny-draft", dtype="float32", progress=False)
 
 
 def test_health_and_models(server):
@@ -308,7 +297,7 @@ def test_metrics_are_exported(server):
               "ray_sequoia_active_requests", "ray_sequoia_plan_nodes", "ray_sequoia_acceptance_rate"]
     deadline, text = time.time() + 90, ""
     while time.time() < deadline:
-        text = requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).text
+        text = metrics_text(METRICS_PORT)
         if all(name in text for name in wanted):
             break
         time.sleep(2)
@@ -333,12 +322,7 @@ def test_draft_death_mid_stream_loses_nothing_and_speculation_comes_back(server,
     assert "error" not in events[-1], events[-1]
     assert "".join(e["choices"][0]["text"] for e in events) == undisturbed
     assert events[-1]["usage"]["speculative"]["draft_failures"] == 1  # the death happened mid-stream
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        stats = complete(f"{server}/tp1", "hello", max_tokens=20)["usage"]["speculative"]
-        if stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0:
-            break
-        time.sleep(2)
+    stats = wait_for_speculation(f"{server}/tp1")
     assert stats["draft_failures"] == 0 and stats["tokens_per_step"] > 1.0, stats
 
 

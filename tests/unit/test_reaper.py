@@ -5,14 +5,7 @@ from __future__ import annotations
 from deployments.reaper import Reaper
 from deployments.workers import DraftActor
 from sequoia_ray.config import SamplingParams
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.serving import Clock
 
 
 def test_reaper_frees_only_idle_requests():

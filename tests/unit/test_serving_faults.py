@@ -15,7 +15,7 @@ from sequoia_ray.request_state import UnknownRequest
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.planning import plan_for
-from tests.serving import free_port
+from tests.serving import Clock, free_port
 
 HW = "cpu-test-2c"
 
@@ -89,14 +89,6 @@ def test_store_that_goes_away_keeps_the_plan(tmp_path):
     (tmp_path / "store").rename(tmp_path / "gone")
     plans.refresh()
     assert plans.get(0.0).source == f"store:{good}"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_tracker_reports_a_stuck_call():
