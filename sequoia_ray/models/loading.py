@@ -56,12 +56,20 @@ def resolve(source: str, *, progress: bool = True) -> tuple[str, str | None]:
 
 
 def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
-               progress: bool = True, tp_plan: str | None = None) -> LoadedModel:
-    """``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel)."""
+               progress: bool = True, tp_plan: str | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load onto ``device`` (``auto | cpu | cuda`` or a torch device; see ``sequoia_ray.devices``).
+    ``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel);
+    transformers then places each shard on the rank's device (``LOCAL_RANK``)."""
     from transformers import AutoModelForCausalLM
+
+    from sequoia_ray.devices import resolve_device
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    device = torch.device(device) if isinstance(device, torch.device) else resolve_device(device)
+    if quantize == "int8" and device.type != "cpu":
+        raise ValueError(f"quantize 'int8' (dynamic int8) runs on the CPU only, not on {device}; "
+                         "use dtype bfloat16 or float16 for a GPU draft")
     where, gguf = resolve(source, progress=progress)
     local = Path(where).exists()
     extra = {}
@@ -75,6 +83,11 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
         where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=local, **extra)
     tokenizer = _tokenizer(where, gguf)
     model.eval()
+    if not tp_plan:
+        model.to(device)
+    elif model.device.type != device.type:
+        raise RuntimeError(f"tensor-parallel shards loaded on {model.device}, expected {device.type}; "
+                           "set LOCAL_RANK and the backend (nccl for GPUs, gloo for CPUs) to match")
     if quantize == "int8":
         model = quantize_int8(model)
     return LoadedModel(model, tokenizer, eos_ids(model, tokenizer), source, model.config.max_position_embeddings)

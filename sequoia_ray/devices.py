@@ -1,0 +1,48 @@
+"""Which device a model runs on: ``auto | cpu | cuda``, resolved from what the process was given.
+
+``auto`` is the accelerator the process was given, else the CPU: Ray hides every GPU an actor was not
+assigned (``CUDA_VISIBLE_DEVICES``), so an actor with ``num_gpus: 0`` resolves to the CPU and one with a GPU
+to that GPU; a tensor-parallel rank launched outside Ray picks its GPU by ``LOCAL_RANK``. The device is
+decided once, when a model loads; afterwards every tensor the core builds takes its device from the model
+(``model.device``), never assumes the host. Tensors that cross between processes travel as host tensors and are placed on arrival.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), local_rank: int | None = None,
+                   cuda_available: bool | None = None) -> torch.device:
+    """The torch device for ``spec``.
+
+    ``gpu_ids`` are the GPUs assigned to this process (``ray.get_gpu_ids()``); Ray also restricts
+    ``CUDA_VISIBLE_DEVICES`` to them, so the first assigned GPU is ``cuda:0`` in this process. Without
+    assigned ids, ``local_rank`` (default: the ``LOCAL_RANK`` environment variable) picks the GPU.
+    """
+    if spec not in DEVICE_CHOICES:
+        raise ValueError(f"device {spec!r} is not one of {', '.join(DEVICE_CHOICES)}; "
+                         "auto = the assigned accelerator, else the CPU")
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if spec == "cpu" or (spec == "auto" and not available):
+        return torch.device("cpu")
+    if not available:
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device (a CPU build of torch, or no "
+                         "GPU assigned to this actor: set num_gpus > 0); use device auto or cpu")
+    if gpu_ids:
+        return torch.device("cuda", 0)  # Ray's CUDA_VISIBLE_DEVICES holds only the assigned GPUs
+    rank = _env_rank(local_rank) or 0
+    count = torch.cuda.device_count() if cuda_available is None else rank + 1
+    return torch.device("cuda", rank % max(count, 1))
+
+
+def _env_rank(local_rank: int | None) -> int | None:
+    if local_rank is not None:
+        return local_rank
+    value = os.environ.get("LOCAL_RANK")
+    return int(value) if value not in (None, "") else None

@@ -1,0 +1,37 @@
+"""Device resolution: auto | cpu | cuda from what the process was assigned (no GPU needed)."""
+
+import pytest
+import torch
+
+from sequoia_ray.devices import resolve_device
+
+
+def test_cpu_and_auto_without_an_accelerator_are_the_host():
+    assert resolve_device("cpu", cuda_available=True) == torch.device("cpu")
+    assert resolve_device("auto", cuda_available=False) == torch.device("cpu")
+    assert resolve_device("auto", gpu_ids=[3], cuda_available=False) == torch.device("cpu")
+
+
+def test_auto_takes_the_assigned_gpu():
+    # Ray restricts CUDA_VISIBLE_DEVICES to the actor's GPUs, so the first assigned GPU is cuda:0 inside it.
+    assert resolve_device("auto", gpu_ids=[5], cuda_available=True) == torch.device("cuda", 0)
+    assert resolve_device("cuda", local_rank=1, cuda_available=True) == torch.device("cuda", 1)
+
+
+def test_local_rank_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert resolve_device("auto", cuda_available=True) == torch.device("cuda", 2)
+
+
+def test_bad_values_name_the_value_and_the_fix():
+    with pytest.raises(ValueError, match="'tpu'.*auto, cpu, cuda"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="no CUDA device.*auto or cpu"):
+        resolve_device("cuda", cuda_available=False)
+
+
+def test_int8_draft_is_cpu_only():
+    from sequoia_ray.models.loading import load_model
+
+    with pytest.raises(ValueError, match="CPU only.*bfloat16 or float16"):
+        load_model("tiny-draft", quantize="int8", device=torch.device("cuda", 0))
