@@ -1,0 +1,49 @@
+"""A configuration the cluster can never place fails at deploy time, naming the resource and the fix."""
+
+import pytest
+
+from deployments.placement import Demand, Unplaceable, check_placeable
+
+TWO_CPU = [{"CPU": 2.0, "memory": 8e9}]
+
+
+def demands(num_cpus: float, tp: int = 1, gpus: float = 0.0, strategy: str = "PACK", accel: str | None = None):
+    actor = {"CPU": num_cpus, **({"GPU": gpus} if gpus else {}), **({f"accelerator_type:{accel}": 0.001} if accel else {})}
+    return [Demand("DraftDeployment", (dict(actor),), strategy),
+            Demand("TargetDeployment", tuple(dict(actor) for _ in range(tp)), strategy)]
+
+
+def test_one_cpu_per_model_actor_fits_two_cores():
+    check_placeable(demands(1.0), TWO_CPU)
+
+
+def test_more_cpus_than_the_machine_names_the_total_and_the_fix():
+    with pytest.raises(Unplaceable, match=r"needs 4 CPU in all \(DraftDeployment 2 \+ TargetDeployment 2\) but "
+                                          r"the cluster has 2; lower num_cpus"):
+        check_placeable(demands(2.0), TWO_CPU)
+
+
+def test_a_bundle_larger_than_every_node():
+    with pytest.raises(Unplaceable, match="needs 3 CPU on one node.*largest node has 2"):
+        check_placeable(demands(3.0), TWO_CPU + TWO_CPU)
+
+
+def test_strict_pack_needs_one_node_for_all_bundles():
+    check_placeable(demands(1.0, tp=2), TWO_CPU + TWO_CPU)  # PACK may spread the two ranks
+    with pytest.raises(Unplaceable, match="TargetDeployment needs 2 GPU on one node for its 2 bundles together"):
+        check_placeable(demands(1.0, tp=2, gpus=1.0, strategy="STRICT_PACK"),
+                        [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}])
+
+
+def test_missing_gpu_and_accelerator_type():
+    with pytest.raises(Unplaceable, match="GPU.*num_gpus: 0 and device: cpu"):
+        check_placeable(demands(1.0, gpus=1.0), TWO_CPU)
+    with pytest.raises(Unplaceable, match="accelerator_type:A100.*a type the cluster has"):
+        check_placeable(demands(1.0, gpus=1.0, accel="A100"), [{"CPU": 8.0, "GPU": 2.0, "accelerator_type:L4": 1.0}])
+
+
+def test_replicas_multiply_the_demand():
+    ok = [Demand("TargetDeployment", ({"CPU": 1.0},), replicas=2)]
+    check_placeable(ok, TWO_CPU)
+    with pytest.raises(Unplaceable, match="needs 3 CPU in all"):
+        check_placeable([Demand("TargetDeployment", ({"CPU": 1.0},), replicas=3)], TWO_CPU)
