@@ -24,6 +24,7 @@ of that tree obeys, for child b with m nodes left for ranks b..:
 For a non-increasing p this is s_b <= min(m, (N - 1 - m) / (b - 1)): about N^2 H_W / 2 cells per (j, r)
 instead of N^2 W / 2; for an unsorted p the cost grows only where p has inversions. Tree reconstruction
 recomputes each child's argmax over all s <= m from the stored T rows, so it never depends on the bounds.
+Each block of rows is a view of T_{b+1} (no copy), reduced along whichever axis is longer.
 
 Depth-indexed p (one row per parent depth, the last row repeating): V depends on (min(j, L - 1), r), so
 the table costs L times the flat one. ``max_depth=None`` means unbounded: levels are added until V stops
@@ -190,14 +191,16 @@ def _level(
     value[0] = 0.0
     if child is None:
         return _Level(value, np.zeros((width + 1, max_nodes)))
-    # work[b-1] = [-inf] * N ++ T_b(0..N-1): the -inf half makes s > m impossible without a concatenate
-    work = np.full((width + 1, 2 * max_nodes), -np.inf)
+    # work[b-1] = [-inf] * N ++ T_b(0..N-1) ++ [0] * N: the -inf third makes s > m impossible without a
+    # concatenate; the last third lets every window of the Hankel views below be full length
+    work = np.full((width + 1, 3 * max_nodes), -np.inf)
     work[:, max_nodes:] = 0.0
     saturated = int(np.argmax(child[1:] >= child[1:].max())) + 1  # V(s) is at its maximum from here on
     scratch = np.empty(BLOCK_CELLS + max_nodes)
     for b in range(width, 0, -1):
-        _suffix_row(p[b - 1], child, work[b], work[b - 1, max_nodes:], bounds[b - 1], saturated, scratch)
-    suffix = work[:, max_nodes:].copy()
+        out = work[b - 1, max_nodes : 2 * max_nodes]
+        _suffix_row(p[b - 1], child, work[b], out, bounds[b - 1], saturated, scratch)
+    suffix = work[:, max_nodes : 2 * max_nodes].copy()
     value[1:] = 1.0 + suffix[0]
     return _Level(value, suffix)
 
@@ -205,25 +208,43 @@ def _level(
 def _suffix_row(
     p_b: float,
     child: np.ndarray,  # [N + 1] V of a child subtree by size
-    nxt: np.ndarray,  # [2N] -inf * N ++ T_{b+1}(0..N-1)
+    nxt: np.ndarray,  # [3N] -inf * N ++ T_{b+1}(0..N-1) ++ 0 * N
     out: np.ndarray,  # [N] written: T_b(m); rows past bound.rows hold T_b(rows - 1)
     bound: _RankBounds,
     saturated: int,
     scratch: np.ndarray,  # [>= BLOCK_CELLS + N] float64 work space
 ) -> None:
-    n = len(out)
     widest = min(bound.widest, saturated)
-    if bound.rows <= 1 or widest < 1:
+    if bound.rows <= 1:
         return
     gain = p_b * child[widest:0:-1]  # [widest] p_b V(s) for s = widest..1
-    # [rows, widest]; window[m, widest - s] = T_{b+1}(m - s), -inf where s > m
-    window = sliding_window_view(nxt[n - widest : n + bound.rows - 1], widest)
+    # T_{b+1}(m - s) = nxt[N + m - s], -inf where s > m: for rows m0..m1-1 and s = hi..1 (t = hi - s), a block
+    # is the Hankel matrix nxt[N + m0 - hi + i + t], a view read as [rows, hi] or as [hi, rows]
+    by_row = sliding_window_view(nxt, widest)  # [3N - widest + 1, widest]
+    by_size = sliding_window_view(nxt, max(m1 - m0 for m0, m1, _ in bound.blocks))  # [.., tallest block]
     for m0, m1, hi in bound.blocks:
         hi = min(hi, widest)
-        buf = scratch[: (m1 - m0) * hi].reshape(m1 - m0, hi)
-        np.add(window[m0:m1, widest - hi :], gain[widest - hi :], out=buf)
-        buf.max(axis=1, out=out[m0:m1])
+        _block_max(by_row, by_size, gain[widest - hi :], out[m0:m1], len(out) + m0 - hi, scratch)
     rows = bound.rows
     if bound.last_may_take_all:
         np.maximum(out[:rows], p_b * child[:rows], out=out[:rows])
     out[rows:] = out[rows - 1]
+
+
+def _block_max(
+    by_row: np.ndarray,  # [.., widest] by_row[x, t] = nxt[x + t]
+    by_size: np.ndarray,  # [.., tallest] by_size[x, i] = nxt[x + i]
+    gain: np.ndarray,  # [hi] gain[t] = p_b V(hi - t)
+    out: np.ndarray,  # [rows] written: max_t gain[t] + nxt[base + i + t] for each row i
+    base: int,
+    scratch: np.ndarray,
+) -> None:
+    rows, hi = len(out), len(gain)
+    if hi > rows:  # wide rows: reduce each contiguous row
+        buf = scratch[: rows * hi].reshape(rows, hi)
+        np.add(by_row[base : base + rows, :hi], gain, out=buf)
+        buf.max(axis=1, out=out)
+    else:  # narrow rows: an elementwise max over hi long vectors is faster
+        buf = scratch[: rows * hi].reshape(hi, rows)
+        np.add(by_size[base : base + hi, :rows], gain[:, None], out=buf)
+        buf.max(axis=0, out=out)
