@@ -231,3 +231,21 @@ def test_unbounded_unsorted_equals_deepest(shape: str):
     for n in (1, 2, 7, 31, 60):
         assert unbounded.value(n) == pytest.approx(bounded.value(n, n), abs=1e-12)
         assert expected_tokens(unbounded.tree(n), acceptance) == pytest.approx(unbounded.value(n), abs=1e-12)
+
+
+@pytest.mark.parametrize("block_cells", [8, 64, 1 << 16])
+@pytest.mark.parametrize("shape", ["increasing", "noisy_tail", "zigzag"])
+def test_block_layouts_agree_with_full_range(block_cells: int, shape: str, monkeypatch):
+    """Small blocks force both reductions (along rows and along sizes) and many block edges."""
+    monkeypatch.setattr("sequoia_ray.tree.dp.BLOCK_CELLS", block_cells)
+    acceptance = AcceptanceVector.from_p(shaped(np.random.default_rng(9), shape, 6))
+    np.testing.assert_allclose(solve(acceptance, 90, 7).G, solve_full_range(acceptance, 90, 7), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", ["increasing", "noisy_tail"])
+def test_budget_of_hundreds_matches_full_range(shape: str):
+    """N = 600: blocks wider than tall, the layout the big tables (N ~ 1024) run on."""
+    acceptance = AcceptanceVector.from_p(shaped(np.random.default_rng(12), shape, 5))
+    table = solve(acceptance, 600, 5)
+    np.testing.assert_allclose(table.G, solve_full_range(acceptance, 600, 5), rtol=0, atol=1e-12)
+    assert expected_tokens(table.tree(600, 5), acceptance) == pytest.approx(table.value(600, 5), abs=1e-12)
