@@ -10,13 +10,21 @@ rank: child b exists only if child b - 1 does)::
 
     T_b(m) = max(0, max_{1 <= s <= m} p_j[b] * V[j+1, r-1](s) + T_{b+1}(m - s)),   T_{W+1} = 0.
 
-For each (j, r) the sweep over b is a max-plus convolution, done as one vectorised [rows, s] array.
+For each (j, r) the sweep over b is a max-plus convolution, done in vectorised blocks of rows.
 
-Skipped cells. When p is non-increasing (the usual case), an exchange argument shows some optimal tree
-gives lower-ranked children no smaller subtrees (swapping sizes of ranks a < b changes F by
-(p[a] - p[b]) (V(s_b) - V(s_a)) >= 0). So the child of rank b has at most (N - 1) // b nodes and the
-children ranked b.. share at most N - b nodes: about N^2 * H_W cells per (j, r) instead of N^2 * W.
-Unsorted vectors use the full range (exact either way).
+Skipped cells, for any p (exact). Fix a node whose children are ranks 1..k. Swapping the subtrees of
+ranks a and b changes F by (p[a] - p[b]) (V(s_b) - V(s_a)), so some optimal tree gives its children sizes
+in the order of p: p[a] > p[b] => s_a >= s_b (ties: the lower rank gets the larger subtree). Every node
+of that tree obeys, for child b with m nodes left for ranks b..:
+  - the c_b - 1 lower ranks a < b with p[a] >= p[b] each hold >= s_b nodes and the other lower ranks >= 1,
+    so s_b <= (N - 1 - m - (b - c_b)) / (c_b - 1), where c_b = 1 + #{a < b : p[a] >= p[b]};
+  - if p[b+1] > p[b], either b is the last child (s_b = m) or s_{b+1} >= s_b, so s_b <= m / 2;
+  - s_b <= the smallest size at which V(s) reaches its maximum (more nodes add nothing);
+  - children b.. share m <= N - b nodes (ranks 1..b-1 hold >= 1 each).
+For a non-increasing p this is s_b <= min(m, (N - 1 - m) / (b - 1)): about N^2 H_W / 2 cells per (j, r)
+instead of N^2 W / 2; for an unsorted p the cost grows only where p has inversions. Tree reconstruction
+recomputes each child's argmax over all s <= m from the stored T rows, so it never depends on the bounds.
+Each block of rows is a view of T_{b+1} (no copy), reduced along whichever axis is longer.
 
 Depth-indexed p (one row per parent depth, the last row repeating): V depends on (min(j, L - 1), r), so
 the table costs L times the flat one. ``max_depth=None`` means unbounded: levels are added until V stops
@@ -33,15 +41,27 @@ from numpy.lib.stride_tricks import sliding_window_view
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.plan import TreePlan, from_nested
 
+BLOCK_CELLS = 1 << 16  # cells per vectorised block: big enough to hide numpy's per-call cost, small for cache
+
 
 class DPError(ValueError):
     """A budget or depth the DP cannot serve; the message names the value and the fix."""
 
 
 @dataclass(frozen=True)
-class _Sweep:
+class _Level:
     value: np.ndarray  # [N + 1] float64; V(n) for n = 0..N (V(0) = 0)
-    choice: np.ndarray  # [W, N] int32; choice[b-1, m] = size of child b given m nodes left, 0 = stop
+    suffix: np.ndarray  # [W + 1, N] float64; suffix[b-1, m] = T_b(m); row W is T_{W+1} = 0
+
+
+@dataclass(frozen=True)
+class _RankBounds:
+    """Where child b looks: rows m = 0..rows-1 of T_b, cut into blocks of rows with their largest s_b."""
+
+    rows: int
+    widest: int  # the largest s_b over all rows
+    blocks: tuple[tuple[int, int, int], ...]  # (m0, m1, hi): rows m0..m1-1 try s_b = 1..hi
+    last_may_take_all: bool  # the bound m / 2 applies: add the candidate s_b = m (b is the last child)
 
 
 @dataclass(frozen=True)
@@ -53,7 +73,7 @@ class DPTable:
     max_depth: int  # columns d = 1..max_depth; for an unbounded DP, the depth at which G stopped changing
     unbounded: bool
     G: np.ndarray  # [max_nodes + 1, max_depth + 1] float64; G[n, d]; row 0 and column 0 are 0
-    _sweeps: dict[tuple[int, int], _Sweep] = field(repr=False)
+    _levels: dict[tuple[int, int], _Level] = field(repr=False)
 
     def value(self, n: int, d: int | None = None) -> float:
         n, d = self._check(n, d)
@@ -68,12 +88,14 @@ class DPTable:
         children: list = []
         if r <= 1 or n <= 1:
             return children
-        sweep = self._sweeps[(self._row(j), r)]
+        suffix = self._levels[(self._row(j), r)].suffix
+        child = self._levels[(self._row(j + 1), r - 1)].value
+        p = self.acceptance.row(j)
         left = n - 1
-        for b in range(1, sweep.choice.shape[0] + 1):
-            s = int(sweep.choice[b - 1, left]) if left < sweep.choice.shape[1] else 0
-            if s == 0:
+        for b in range(1, len(p) + 1):
+            if left <= 0 or suffix[b - 1, left] <= 0.0:
                 break
+            s = _best_size(p[b - 1], child, suffix[b], left)
             children.append(self._nested(j + 1, r - 1, s))
             left -= s
         return children
@@ -95,86 +117,134 @@ class DPTable:
         return d
 
 
+def _best_size(
+    p_b: float,
+    child: np.ndarray,  # [N + 1] V of a child subtree by size
+    nxt: np.ndarray,  # [N] T_{b+1}(m)
+    left: int,
+) -> int:
+    """The smallest s in 1..left maximising p_b V(s) + T_{b+1}(left - s)."""
+    total = p_b * child[1 : left + 1] + nxt[:left][::-1]
+    return int(np.argmax(total)) + 1
+
+
 def solve(acceptance: AcceptanceVector, max_nodes: int, max_depth: int | None = None) -> DPTable:
     """G(n, d) for n = 1..max_nodes, d = 1..max_depth (None: unbounded depth)."""
     if not isinstance(max_nodes, int) or max_nodes < 1:
         raise DPError(f"max_nodes = {max_nodes!r} must be an integer >= 1")
     if max_depth is not None and (not isinstance(max_depth, int) or max_depth < 1):
         raise DPError(f"max_depth = {max_depth!r} must be an integer >= 1 or None (unbounded)")
-    sorted_p = acceptance.is_non_increasing()
+    n_rows = len(acceptance.rows)
+    bounds = [_rank_bounds(np.asarray(acceptance.rows[j]), max_nodes) for j in range(n_rows)]
     limit = max_nodes if max_depth is None else max_depth
-    sweeps: dict[tuple[int, int], _Sweep] = {}
+    levels: dict[tuple[int, int], _Level] = {}
     columns = [np.zeros(max_nodes + 1)]
     for r in range(1, limit + 1):
-        for j in reversed(range(len(acceptance.rows))):
-            sweeps[(j, r)] = _level(acceptance, j, r, max_nodes, sweeps, sorted_p)
-        columns.append(sweeps[(0, r)].value)
-        if max_depth is None and r > 1 and _converged(sweeps, r, len(acceptance.rows)):
+        for j in reversed(range(n_rows)):
+            child = levels[(min(j + 1, n_rows - 1), r - 1)].value if r > 1 else None
+            levels[(j, r)] = _level(np.asarray(acceptance.rows[j]), child, bounds[j], max_nodes)
+        columns.append(levels[(0, r)].value)
+        if max_depth is None and r > 1 and _converged(levels, r, n_rows):
             break
     G = np.stack(columns, axis=1)
-    return DPTable(acceptance, max_nodes, G.shape[1] - 1, max_depth is None, G, sweeps)
+    return DPTable(acceptance, max_nodes, G.shape[1] - 1, max_depth is None, G, levels)
 
 
-def _converged(sweeps: dict[tuple[int, int], _Sweep], r: int, n_rows: int) -> bool:
-    return all(np.array_equal(sweeps[(j, r)].value, sweeps[(j, r - 1)].value) for j in range(n_rows))
+def _converged(levels: dict[tuple[int, int], _Level], r: int, n_rows: int) -> bool:
+    return all(np.array_equal(levels[(j, r)].value, levels[(j, r - 1)].value) for j in range(n_rows))
+
+
+def _rank_bounds(p: np.ndarray, max_nodes: int) -> list[_RankBounds]:  # p: [W]; one entry per rank b
+    """The exchange-argument bounds of the module docstring, for each rank b = 1..W."""
+    out = []
+    for b in range(1, len(p) + 1):
+        m = np.arange(max(max_nodes - b + 1, 0))  # [rows]
+        c = 1 + int(np.sum(p[: b - 1] >= p[b - 1]))
+        cap = m.copy()
+        if c >= 2:
+            cap = np.minimum(cap, (max_nodes - 1 - m - (b - c)) // (c - 1))
+        later = b < len(p) and bool(p[b] > p[b - 1])
+        if later:
+            cap = np.minimum(cap, m // 2)
+        cap = np.where(m >= 1, np.maximum(cap, 1), 0)  # keep one feasible candidate per row
+        out.append(_blocks(cap, later))
+    return out
+
+
+def _blocks(cap: np.ndarray, later: bool) -> _RankBounds:  # cap: [rows] largest s_b per row
+    rows = len(cap)
+    widest = int(cap.max()) if rows > 1 else 0
+    step = max(1, BLOCK_CELLS // max(widest, 1))
+    blocks = tuple((m0, min(m0 + step, rows), int(cap[m0 : m0 + step].max())) for m0 in range(1, rows, step))
+    return _RankBounds(rows, widest, blocks, later)
 
 
 def _level(
-    acceptance: AcceptanceVector, j: int, r: int, max_nodes: int, sweeps: dict, sorted_p: bool
-) -> _Sweep:
+    p: np.ndarray,  # [W] acceptance row for this parent depth
+    child: np.ndarray | None,  # [N + 1] V of a child subtree by size; None at r = 1 (a leaf level)
+    bounds: list[_RankBounds],
+    max_nodes: int,
+) -> _Level:
     """V[j, r]: the best subtree rooted at depth class j with at most r levels, for every size."""
-    width = acceptance.width
+    width = len(p)
     value = np.ones(max_nodes + 1)
     value[0] = 0.0
-    if r == 1:
-        return _Sweep(value, np.zeros((width, max_nodes), dtype=np.int32))
-    child = sweeps[(min(j + 1, len(acceptance.rows) - 1), r - 1)].value
-    best, choice = _children_sweep(np.asarray(acceptance.row(j)), child, max_nodes, sorted_p)
-    value[1:] = 1.0 + best
-    return _Sweep(value, choice)
-
-
-def _children_sweep(
-    p: np.ndarray,  # [W] acceptance row for this parent depth
-    child: np.ndarray,  # [N + 1] value of a child subtree by its size (child[0] unused)
-    max_nodes: int,
-    sorted_p: bool,
-) -> tuple[np.ndarray, np.ndarray]:  # T_1 over m = 0..N-1 [N]; choice [W, N] int32
-    n_left = max_nodes - 1  # nodes below the root
-    width = len(p)
-    choice = np.zeros((width, max_nodes), dtype=np.int32)
-    nxt = np.zeros(max(n_left - width + 1, 0) + 1)  # T_{W+1}(m) = 0
+    if child is None:
+        return _Level(value, np.zeros((width + 1, max_nodes)))
+    # work[b-1] = [-inf] * N ++ T_b(0..N-1) ++ [0] * N: the -inf third makes s > m impossible without a
+    # concatenate; the last third lets every window of the Hankel views below be full length
+    work = np.full((width + 1, 3 * max_nodes), -np.inf)
+    work[:, max_nodes:] = 0.0
+    saturated = int(np.argmax(child[1:] >= child[1:].max())) + 1  # V(s) is at its maximum from here on
+    scratch = np.empty(BLOCK_CELLS + max_nodes)
     for b in range(width, 0, -1):
-        rows = n_left - (b - 1) + 1  # children b.. share m <= N - b nodes: m = 0..N-b
-        if rows <= 0:
-            continue
-        cap = max(rows - 1, 0) if not sorted_p else min(rows - 1, n_left // b)
-        nxt = _pad_to(nxt, rows)
-        if cap == 0:
-            nxt = nxt[:rows].copy() * 0.0
-            continue
-        nxt, choice[b - 1, :rows] = _max_plus(p[b - 1] * child[1 : cap + 1], nxt, rows)
-    return _pad_to(nxt, max_nodes), choice
+        out = work[b - 1, max_nodes : 2 * max_nodes]
+        _suffix_row(p[b - 1], child, work[b], out, bounds[b - 1], saturated, scratch)
+    suffix = work[:, max_nodes : 2 * max_nodes].copy()
+    value[1:] = 1.0 + suffix[0]
+    return _Level(value, suffix)
 
 
-def _max_plus(
-    gain: np.ndarray,  # [cap] p_b * V(s) for s = 1..cap
-    nxt: np.ndarray,  # [>= rows] T_{b+1}(m)
-    rows: int,
-) -> tuple[np.ndarray, np.ndarray]:  # T_b(m) [rows], best s or 0 [rows]
-    """T_b(m) = max(0, max_s gain[s] + T_{b+1}(m - s)) for m = 0..rows-1, as one vectorised array."""
-    cap = len(gain)
-    padded = np.concatenate([np.full(cap, -np.inf), nxt[: rows - 1]])
-    window = sliding_window_view(padded, cap)[:rows, ::-1]  # [rows, cap]; window[m, s-1] = T_{b+1}(m - s)
-    total = window + gain
-    arg = np.argmax(total, axis=1)
-    best = total[np.arange(rows), arg]
-    take = best > 0.0
-    return np.where(take, best, 0.0), np.where(take, arg + 1, 0).astype(np.int32)
+def _suffix_row(
+    p_b: float,
+    child: np.ndarray,  # [N + 1] V of a child subtree by size
+    nxt: np.ndarray,  # [3N] -inf * N ++ T_{b+1}(0..N-1) ++ 0 * N
+    out: np.ndarray,  # [N] written: T_b(m); rows past bound.rows hold T_b(rows - 1)
+    bound: _RankBounds,
+    saturated: int,
+    scratch: np.ndarray,  # [>= BLOCK_CELLS + N] float64 work space
+) -> None:
+    widest = min(bound.widest, saturated)
+    if bound.rows <= 1:
+        return
+    gain = p_b * child[widest:0:-1]  # [widest] p_b V(s) for s = widest..1
+    # T_{b+1}(m - s) = nxt[N + m - s], -inf where s > m: for rows m0..m1-1 and s = hi..1 (t = hi - s), a block
+    # is the Hankel matrix nxt[N + m0 - hi + i + t], a view read as [rows, hi] or as [hi, rows]
+    by_row = sliding_window_view(nxt, widest)  # [3N - widest + 1, widest]
+    by_size = sliding_window_view(nxt, max(m1 - m0 for m0, m1, _ in bound.blocks))  # [.., tallest block]
+    for m0, m1, hi in bound.blocks:
+        hi = min(hi, widest)
+        _block_max(by_row, by_size, gain[widest - hi :], out[m0:m1], len(out) + m0 - hi, scratch)
+    rows = bound.rows
+    if bound.last_may_take_all:
+        np.maximum(out[:rows], p_b * child[:rows], out=out[:rows])
+    out[rows:] = out[rows - 1]
 
 
-def _pad_to(x: np.ndarray, length: int) -> np.ndarray:
-    """Extend a non-decreasing T by its last value (more nodes never hurt: T is 'at most m nodes')."""
-    if len(x) >= length:
-        return x
-    return np.concatenate([x, np.full(length - len(x), x[-1] if len(x) else 0.0)])
+def _block_max(
+    by_row: np.ndarray,  # [.., widest] by_row[x, t] = nxt[x + t]
+    by_size: np.ndarray,  # [.., tallest] by_size[x, i] = nxt[x + i]
+    gain: np.ndarray,  # [hi] gain[t] = p_b V(hi - t)
+    out: np.ndarray,  # [rows] written: max_t gain[t] + nxt[base + i + t] for each row i
+    base: int,
+    scratch: np.ndarray,
+) -> None:
+    rows, hi = len(out), len(gain)
+    if hi > rows:  # wide rows: reduce each contiguous row
+        buf = scratch[: rows * hi].reshape(rows, hi)
+        np.add(by_row[base : base + rows, :hi], gain, out=buf)
+        buf.max(axis=1, out=out)
+    else:  # narrow rows: an elementwise max over hi long vectors is faster
+        buf = scratch[: rows * hi].reshape(hi, rows)
+        np.add(by_size[base : base + hi, :rows], gain[:, None], out=buf)
+        buf.max(axis=0, out=out)

@@ -1,4 +1,9 @@
-"""The DP against brute force over every rank-labelled tree of <= 8 nodes, closed forms and the reference."""
+"""The DP against brute force over every rank-labelled tree of <= 8 nodes, closed forms and the references.
+
+Unsorted vectors get their own cases: the DP skips cells by exchange bounds that depend on the order of p
+(increasing, zigzag, ties, zeros, noisy tails, shuffled), so each shape is checked against brute force and,
+on bigger tables, against the full-range sweep that skips nothing.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import pytest
 
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import DPError, solve
-from sequoia_ray.tree.dp_reference import solve_reference
+from sequoia_ray.tree.dp_reference import solve_full_range, solve_reference
 from sequoia_ray.tree.plan import expected_tokens, from_nested
 
 MAX_NODES = 8
@@ -130,3 +135,117 @@ def test_out_of_table_queries_name_the_fix(n: int, d: int, message: str):
 def test_bad_arguments(nodes, depth):
     with pytest.raises(DPError):
         solve(AcceptanceVector.from_p([0.5]), nodes, depth)
+
+
+# ---- unsorted vectors: the exchange bounds must stay exact whatever the order of p --------------------
+SHAPES = ["increasing", "zigzag", "noisy_tail", "ties_and_zeros", "shuffled", "last_largest"]
+
+
+def shaped(rng: np.random.Generator, shape: str, width: int) -> list[float]:
+    """A vector of ``width`` probabilities (sum 0.95) whose order has the named shape."""
+    decaying = np.sort(rng.dirichlet(np.ones(width)))[::-1]
+    p = {
+        "increasing": decaying[::-1],
+        "zigzag": np.array([decaying[-1 - k // 2] if k % 2 == 0 else decaying[k // 2] for k in range(width)]),
+        "noisy_tail": decaying * np.exp(rng.normal(0.0, 0.7, width)),
+        "ties_and_zeros": rng.choice([0.0, 0.1, 0.1, 0.3], size=width),
+        "shuffled": rng.permutation(decaying),
+        "last_largest": np.concatenate([decaying[1:], decaying[:1]]),
+    }[shape]
+    return list(0.95 * p / p.sum()) if p.sum() > 0 else list(p)
+
+
+def brute_table(acceptance: AcceptanceVector) -> np.ndarray:  # [MAX_NODES + 1, MAX_NODES + 1]; [n, d]
+    values = np.array([expected_tokens(t, acceptance) for t in ALL_TREES])
+    sizes = np.array([t.n for t in ALL_TREES])
+    levels = np.array([t.num_levels for t in ALL_TREES])
+    table = np.zeros((MAX_NODES + 1, MAX_NODES + 1))
+    for n, d in itertools.product(range(1, MAX_NODES + 1), range(1, MAX_NODES + 1)):
+        table[n, d] = values[(sizes <= n) & (levels <= d)].max()
+    return table
+
+
+def test_sorting_p_is_not_a_valid_shortcut():
+    """Children are always ranks 1..k: p = [0.1, 0.9] cannot use its 0.9 child without the 0.1 one."""
+    unsorted, flipped = AcceptanceVector.from_p([0.1, 0.9]), AcceptanceVector.from_p([0.9, 0.1])
+    assert solve(unsorted, 2, 2).value(2, 2) == pytest.approx(1.1, abs=1e-15)
+    assert solve(flipped, 2, 2).value(2, 2) == pytest.approx(1.9, abs=1e-15)
+    assert solve(unsorted, 3, 2).value(3, 2) == pytest.approx(2.0, abs=1e-15)
+    np.testing.assert_allclose(solve(unsorted, MAX_NODES, MAX_NODES).G[1:, 1:], brute_table(unsorted)[1:, 1:],
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("width", [3, 7])
+def test_unsorted_shapes_equal_brute_force(seed: int, shape: str, width: int):
+    acceptance = AcceptanceVector.from_p(shaped(np.random.default_rng(seed), shape, width))
+    table = solve(acceptance, MAX_NODES, MAX_NODES)
+    best = brute_table(acceptance)
+    np.testing.assert_allclose(table.G[1:, 1:], best[1:, 1:], rtol=0, atol=1e-12)
+    for n, d in itertools.product(range(2, MAX_NODES + 1), (2, 3, MAX_NODES)):
+        assert expected_tokens(table.tree(n, d), acceptance) == pytest.approx(best[n, d], abs=1e-12), (n, d)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_depth_indexed_unsorted_equals_brute_force(seed: int):
+    rng = np.random.default_rng(50 + seed)
+    rows = [shaped(rng, shape, 4) for shape in rng.choice(SHAPES, size=3)]
+    acceptance = AcceptanceVector.from_rows(rows)
+    table = solve(acceptance, MAX_NODES, MAX_NODES)
+    best = brute_table(acceptance)
+    np.testing.assert_allclose(table.G[1:, 1:], best[1:, 1:], rtol=0, atol=1e-12)
+    tree = table.tree(MAX_NODES, 4)
+    assert expected_tokens(tree, acceptance) == pytest.approx(best[MAX_NODES, 4], abs=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_unsorted_matches_full_range_on_larger_tables(shape: str):
+    rng = np.random.default_rng(11)
+    acceptance = AcceptanceVector.from_p(shaped(rng, shape, 12))
+    table = solve(acceptance, 150, 10)
+    np.testing.assert_allclose(table.G, solve_full_range(acceptance, 150, 10), rtol=0, atol=1e-12)
+    for n, d in [(150, 10), (97, 4), (40, 10), (13, 3)]:
+        assert expected_tokens(table.tree(n, d), acceptance) == pytest.approx(table.value(n, d), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_depth_indexed_unsorted_matches_full_range(seed: int):
+    rng = np.random.default_rng(20 + seed)
+    acceptance = AcceptanceVector.from_rows([shaped(rng, shape, 9) for shape in ("noisy_tail", "zigzag", "increasing")])
+    table = solve(acceptance, 120, 8)
+    np.testing.assert_allclose(table.G, solve_full_range(acceptance, 120, 8), rtol=0, atol=1e-12)
+    assert expected_tokens(table.tree(120, 8), acceptance) == pytest.approx(table.value(120, 8), abs=1e-12)
+
+
+def test_full_range_oracle_agrees_with_the_triple_loop():
+    p = shaped(np.random.default_rng(4), "zigzag", 6)
+    np.testing.assert_allclose(solve_full_range(AcceptanceVector.from_p(p), 40, 6), solve_reference(p, 40, 6),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", ["noisy_tail", "increasing"])
+def test_unbounded_unsorted_equals_deepest(shape: str):
+    acceptance = AcceptanceVector.from_p(shaped(np.random.default_rng(8), shape, 5))
+    bounded, unbounded = solve(acceptance, 60, 60), solve(acceptance, 60, None)
+    for n in (1, 2, 7, 31, 60):
+        assert unbounded.value(n) == pytest.approx(bounded.value(n, n), abs=1e-12)
+        assert expected_tokens(unbounded.tree(n), acceptance) == pytest.approx(unbounded.value(n), abs=1e-12)
+
+
+@pytest.mark.parametrize("block_cells", [8, 64, 1 << 16])
+@pytest.mark.parametrize("shape", ["increasing", "noisy_tail", "zigzag"])
+def test_block_layouts_agree_with_full_range(block_cells: int, shape: str, monkeypatch):
+    """Small blocks force both reductions (along rows and along sizes) and many block edges."""
+    monkeypatch.setattr("sequoia_ray.tree.dp.BLOCK_CELLS", block_cells)
+    acceptance = AcceptanceVector.from_p(shaped(np.random.default_rng(9), shape, 6))
+    np.testing.assert_allclose(solve(acceptance, 90, 7).G, solve_full_range(acceptance, 90, 7), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", ["increasing", "noisy_tail"])
+def test_budget_of_hundreds_matches_full_range(shape: str):
+    """N = 600: blocks wider than tall, the layout the big tables (N ~ 1024) run on."""
+    acceptance = AcceptanceVector.from_p(shaped(np.random.default_rng(12), shape, 5))
+    table = solve(acceptance, 600, 5)
+    np.testing.assert_allclose(table.G, solve_full_range(acceptance, 600, 5), rtol=0, atol=1e-12)
+    assert expected_tokens(table.tree(600, 5), acceptance) == pytest.approx(table.value(600, 5), abs=1e-12)
