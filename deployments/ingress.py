@@ -24,8 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_api as api
 from deployments.metrics import ServiceMetrics
-from deployments.service import ActorDraft, PlanProvider, RanksTarget, Runner, TargetUnavailable
-from sequoia_ray.config import SamplingParams, ServeConfig
+from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
+from deployments.config import ServeConfig
+from deployments.service import PlanProvider, Runner
+from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
 
 logger = logging.getLogger("sequoia_ray.serve")
@@ -134,7 +136,7 @@ class OpenAIIngress:
         from sequoia_ray.models.loading import load_tokenizer
 
         self.cfg = ServeConfig.model_validate(config)
-        self.draft_server, self.target_server = draft, target
+        self.draft_deployment, self.target_deployment = draft, target
         self.tokenizer = load_tokenizer(self.cfg.target, progress=False)
         self.runner = Runner(self.cfg.max_concurrent)
         self.active = 0
@@ -255,15 +257,15 @@ class OpenAIIngress:
 
     async def _plans(self) -> PlanProvider:
         if self.plans is None:
-            session = await self._target_session()
+            target = await self._target_actors()
             if self.plans is None:  # another request may have got here first
-                self.plans = PlanProvider(self.cfg, session["hardware_id"])
+                self.plans = PlanProvider(self.cfg, target["hardware_id"])
                 asyncio.get_running_loop().create_task(self._refresh_plans())
         return self.plans
 
-    async def _target_session(self) -> dict:
+    async def _target_actors(self) -> dict:
         try:
-            return await asyncio.wait_for(self.target_server.session.remote(), self.cfg.step_timeout_s)
+            return await asyncio.wait_for(self.target_deployment.actors.remote(), self.cfg.step_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead or missing replica: all retryable
             logger.error("no target replica: %s: %s", type(exc).__name__, exc)
             raise _unavailable("no target model replica is ready (it may be restarting)") from None
@@ -310,11 +312,11 @@ class OpenAIIngress:
 
     async def _decoder(self, plan, speculate: bool) -> SpeculativeDecoder:
         timeout = self.cfg.step_timeout_s
-        target = await self._target_session()
+        target = await self._target_actors()
         draft = None
-        if speculate and self.draft_server is not None:
+        if speculate and self.draft_deployment is not None:
             try:
-                draft = ActorDraft(await asyncio.wait_for(self.draft_server.session.remote(), timeout), timeout)
+                draft = ActorDraft(await asyncio.wait_for(self.draft_deployment.actors.remote(), timeout), timeout)
             except Exception as exc:  # noqa: BLE001 - speculation is optional: go on with the target alone
                 logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
     opts = p.parse_args(argv)
     args = app_args(opts.config, opts.set)
-    from sequoia_ray.config import ServeConfig
+    from deployments.config import ServeConfig
 
     ServeConfig.model_validate(args)  # fail fast, before Ray starts
     if str(args.get("draft", "")).startswith("default") or str(args.get("target", "")).startswith("default"):
