@@ -29,6 +29,7 @@ from deployments.config import ServeConfig
 from deployments.service import PlanProvider, Runner
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
+from sequoia_ray.local import encode
 
 logger = logging.getLogger("sequoia_ray.serve")
 app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")
@@ -244,16 +245,14 @@ class OpenAIIngress:
 
     def _encode(self, req, chat: bool) -> list[int]:
         if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return encode(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages], chat=True)
         prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
             return list(prompt)
-        return self.tokenizer(prompt)["input_ids"]
+        return encode(self.tokenizer, prompt, chat=False)
 
     async def _plans(self) -> PlanProvider:
         if self.plans is None:
