@@ -17,6 +17,8 @@ def assigned_device(spec: str) -> torch.device:
     """The device for ``spec`` (auto | cpu | cuda) from the GPUs Ray assigned this actor; outside Ray (an
     actor class used in-process by a test) there are none. Sets torch's current CUDA device to it."""
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []  # get_gpu_ids() would start Ray otherwise
+    if spec == "auto" and ray.is_initialized() and not gpu_ids:
+        return torch.device("cpu")  # no GPU assigned: never take one Ray left visible to a num_gpus 0 actor
     device = resolve_device(spec, gpu_ids=gpu_ids)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -62,3 +62,20 @@ def test_bundles_one_per_actor_after_the_replica():
     assert bundles(gpu, 2) == [{"CPU": 0.001}] + [{"CPU": 2, "GPU": 1, "accelerator_type:L4": 0.001}] * 2
     assert bundles(ActorResources(), 1) == [{"CPU": 0.001}, {"CPU": 1.0}]
     assert gpu.options() == {"num_cpus": 2, "num_gpus": 1, "accelerator_type": "L4"}
+
+
+def test_actor_device_follows_what_ray_assigned(monkeypatch):
+    """auto: the GPU Ray assigned (cuda:0 in the actor: Ray narrows CUDA_VISIBLE_DEVICES), else the CPU even
+    when GPUs are visible to a num_gpus 0 actor."""
+    import torch
+
+    from actors import base
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(base.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [])
+    assert base.assigned_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [3])
+    assert base.assigned_device("auto") == torch.device("cuda", 0)
+    assert base.assigned_device("cpu") == torch.device("cpu")
