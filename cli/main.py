@@ -208,14 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # everything after `serve` belongs to deployments/launch.py's parser
-        return _run_serve(argparse.Namespace(rest=argv[1:]))
     try:
-        args = build_parser().parse_args(argv)
+        if argv[:1] == ["serve"]:  # everything after `serve` belongs to deployments/launch.py's parser
+            args = argparse.Namespace(verb="serve", rest=argv[1:], run=_run_serve)
+        else:
+            args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage errors and --help
         return int(exc.code or 0)
     try:
         return args.run(args)
+    except SystemExit as exc:  # `serve`'s own parser: usage errors and --help
+        return int(exc.code or 0)
     except (ValueError, OSError) as exc:
         print(f"sequoia-ray {args.verb}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT

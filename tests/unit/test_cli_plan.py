@@ -83,3 +83,14 @@ def test_plan_imports_neither_torch_transformers_nor_ray(tmp_path):
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "tp_size=2", "--set", "tp_backend=nccl"], "set tp_backend: gloo"),
+    (["--set", "device=tpu"], "device"),
+    (["--port", "x"], "invalid int value"),
+])
+def test_serve_rejects_a_bad_config_in_one_line_before_starting_ray(args, needle, capsys):
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
