@@ -26,7 +26,7 @@ class DraftDeployment:
         self.cfg = ServeConfig.model_validate(config)
         self.actor = ray.remote(concurrency_groups={"health": 1})(DraftActor).options(
             **in_bundle(self.cfg.resources(), 1)).remote(self.cfg.actor_spec("draft"))
-        self.meta = ray.get(self.actor.info.remote())
+        ray.get(self.actor.info.remote())  # returns once the model has loaded
 
     def actors(self):
         """The draft actor's handle (the ingress then calls it directly every step)."""
