@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from deployments.tp import free_port  # noqa: E402
+from actors.target import free_port  # noqa: E402
 from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -191,15 +191,15 @@ def serve_actors() -> dict[str, object]:
 
 
 def _label(name: str) -> str:
-    """``SERVE_REPLICA::<app>#DraftServer#<id>`` -> ``DraftServer#<id>``; the proxy without its node id."""
+    """``SERVE_REPLICA::<app>#DraftDeployment#<id>`` -> ``DraftDeployment#<id>``; the proxy without its node id."""
     return name.split("-")[0] if name.startswith("SERVE_PROXY_ACTOR") else name.removeprefix(f"SERVE_REPLICA::{APP}#")
 
 
 def model_actors() -> dict[str, object]:
-    """The draft actor and every TP rank, from the (single) DraftServer and TargetServer replicas."""
-    draft = serve.get_deployment_handle("DraftServer", APP).session.remote().result()
-    ranks = serve.get_deployment_handle("TargetServer", APP).session.remote().result()["ranks"]
-    return {"DraftActor": draft, **{f"TPRank {i}": r for i, r in enumerate(ranks)}}
+    """The draft actor and every TP rank, from the (single) DraftDeployment and TargetDeployment replicas."""
+    draft = serve.get_deployment_handle("DraftDeployment", APP).actors.remote().result()
+    ranks = serve.get_deployment_handle("TargetDeployment", APP).actors.remote().result()["ranks"]
+    return {"DraftActor": draft, **{f"TargetRank {i}": r for i, r in enumerate(ranks)}}
 
 
 def ask(actors: dict[str, object], call: Callable) -> dict[str, object]:

@@ -11,8 +11,8 @@ from ray.serve import Application
 
 from deployments.autoscaling import autoscaling_config
 from deployments.ingress import OpenAIIngress
-from deployments.workers import DraftServer, TargetServer, bundles
-from sequoia_ray.config import ServeConfig
+from deployments.config import ServeConfig
+from deployments.model_deployments import DraftDeployment, TargetDeployment, replica_bundles
 
 
 def build_app(args: dict) -> Application:
@@ -21,16 +21,16 @@ def build_app(args: dict) -> Application:
     strategy = "STRICT_PACK" if cfg.num_gpus else "PACK"
     # Serve queues a replica's requests beyond max_ongoing_requests (default 5) out of our sight: the ingress
     # takes every request so max_concurrent (-> 429) is the limit and /health never waits behind generation;
-    # the model deployments only hand out actor handles (session() returns at once).
+    # the model deployments only hand out actor handles (actors() returns at once).
     health = {"health_check_period_s": cfg.health_check_period_s,
               "health_check_timeout_s": cfg.health_check_timeout_s, "max_ongoing_requests": 256}
     scaling = ({"autoscaling_config": autoscaling_config(cfg.autoscaling)} if cfg.autoscaling
                else {"num_replicas": cfg.num_replicas})
     draft = None
     if cfg.draft:
-        draft = DraftServer.options(placement_group_bundles=bundles(cfg, 1), placement_group_strategy=strategy,
-                                    **scaling, **health).bind(config)
-    target = TargetServer.options(placement_group_bundles=bundles(cfg, cfg.tp_size), placement_group_strategy=strategy,
-                                  **scaling, **health).bind(config)
+        draft = DraftDeployment.options(placement_group_bundles=replica_bundles(cfg, 1),
+                                        placement_group_strategy=strategy, **scaling, **health).bind(config)
+    target = TargetDeployment.options(placement_group_bundles=replica_bundles(cfg, cfg.tp_size),
+                                      placement_group_strategy=strategy, **scaling, **health).bind(config)
     return OpenAIIngress.options(num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_concurrent + 64
                                  ).bind(config, draft, target)

@@ -1,7 +1,7 @@
 """Autoscaling the model deployments on the requests their actors hold.
 
-Serve's default policy counts a replica's ongoing Serve calls, but the ingress asks a TargetServer or
-DraftServer replica only for its actors' handles (``session()`` returns at once) and then calls the actors
+Serve's default policy counts a replica's ongoing Serve calls, but the ingress asks a TargetDeployment or
+DraftDeployment replica only for its actors' handles (``actors()`` returns at once) and then calls the actors
 directly every step, so that count stays near zero however busy the models are. Each replica reports
 instead how many requests its actors hold (``record_autoscaling_stats``), and ``held_requests_policy``
 sizes the deployment to ceil(held requests / ``target_ongoing_requests``) replicas, within the bounds;

@@ -24,9 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openai_api as api
 from deployments.metrics import ServiceMetrics
-from deployments.service import ActorDraft, PlanProvider, RanksTarget, Runner, TargetUnavailable
-from sequoia_ray.config import SamplingParams, ServeConfig
+from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
+from deployments.config import ServeConfig
+from deployments.service import PlanProvider, Runner
+from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
+from sequoia_ray.local import encode
 
 logger = logging.getLogger("sequoia_ray.serve")
 app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")
@@ -134,7 +137,7 @@ class OpenAIIngress:
         from sequoia_ray.models.loading import load_tokenizer
 
         self.cfg = ServeConfig.model_validate(config)
-        self.draft_server, self.target_server = draft, target
+        self.draft_deployment, self.target_deployment = draft, target
         self.tokenizer = load_tokenizer(self.cfg.target, progress=False)
         self.runner = Runner(self.cfg.max_concurrent)
         self.active = 0
@@ -242,28 +245,26 @@ class OpenAIIngress:
 
     def _encode(self, req, chat: bool) -> list[int]:
         if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return encode(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages], chat=True)
         prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
             return list(prompt)
-        return self.tokenizer(prompt)["input_ids"]
+        return encode(self.tokenizer, prompt, chat=False)
 
     async def _plans(self) -> PlanProvider:
         if self.plans is None:
-            session = await self._target_session()
+            target = await self._target_actors()
             if self.plans is None:  # another request may have got here first
-                self.plans = PlanProvider(self.cfg, session["hardware_id"])
+                self.plans = PlanProvider(self.cfg, target["hardware_id"])
                 asyncio.get_running_loop().create_task(self._refresh_plans())
         return self.plans
 
-    async def _target_session(self) -> dict:
+    async def _target_actors(self) -> dict:
         try:
-            return await asyncio.wait_for(self.target_server.session.remote(), self.cfg.step_timeout_s)
+            return await asyncio.wait_for(self.target_deployment.actors.remote(), self.cfg.step_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead or missing replica: all retryable
             logger.error("no target replica: %s: %s", type(exc).__name__, exc)
             raise _unavailable("no target model replica is ready (it may be restarting)") from None
@@ -310,11 +311,11 @@ class OpenAIIngress:
 
     async def _decoder(self, plan, speculate: bool) -> SpeculativeDecoder:
         timeout = self.cfg.step_timeout_s
-        target = await self._target_session()
+        target = await self._target_actors()
         draft = None
-        if speculate and self.draft_server is not None:
+        if speculate and self.draft_deployment is not None:
             try:
-                draft = ActorDraft(await asyncio.wait_for(self.draft_server.session.remote(), timeout), timeout)
+                draft = ActorDraft(await asyncio.wait_for(self.draft_deployment.actors.remote(), timeout), timeout)
             except Exception as exc:  # noqa: BLE001 - speculation is optional: go on with the target alone
                 logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,

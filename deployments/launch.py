@@ -9,12 +9,14 @@ service afterwards; otherwise it keeps serving until Ctrl-C, printing the URL to
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import yaml
+
+from deployments.config import ServeConfig
+from sequoia_ray.arguments import Parser
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
@@ -41,7 +43,7 @@ def start(args: dict, port: int, address: str | None):
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=max(4, int(2 * args.get("num_cpus", 1) + 2)), include_dashboard=False)
+        ray.init(num_cpus=max(4, int(2 * ServeConfig.model_validate(args).num_cpus + 2)), include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="sequoia", route_prefix="/")
     return f"http://127.0.0.1:{port}"
@@ -74,7 +76,7 @@ def demo(url: str, model: str, max_tokens: int = 96) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sequoia-ray serve", description=__doc__.splitlines()[0])
+    p = Parser(prog="sequoia-ray serve", description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a Serve config YAML (first application)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an app arg")
     p.add_argument("--port", type=int, default=8000)
@@ -83,26 +85,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
     opts = p.parse_args(argv)
     args = app_args(opts.config, opts.set)
-    from sequoia_ray.config import ServeConfig
-
-    ServeConfig.model_validate(args)  # fail fast, before Ray starts
-    if str(args.get("draft", "")).startswith("default") or str(args.get("target", "")).startswith("default"):
+    cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
+    if str(cfg.draft or "").startswith("default") or cfg.target.startswith("default"):
         from sequoia_ray.models.fetch import fetch_default_pair
 
         print("fetching the default model pair (first run: ~3 minutes, then cached) ...", flush=True)
         fetch_default_pair()
     print("starting Ray Serve ...", flush=True)
     url = start(args, opts.port, opts.address)
-    print(f"serving {args.get('model_name', 'sequoia-default')} at {url}/v1 (OpenAI API)", flush=True)
+    print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)
     if opts.demo:
-        demo(url, args.get("model_name", "sequoia-default"))
+        demo(url, cfg.model_name)
     if opts.exit:
         from ray import serve
 
         serve.shutdown()
         return 0
     print(f"try: curl {url}/v1/completions -H 'content-type: application/json' "
-          f"-d '{json.dumps({'model': args.get('model_name', 'sequoia-default'), 'prompt': 'def add(a, b):', 'max_tokens': 32})}'")
+          f"-d '{json.dumps({'model': cfg.model_name, 'prompt': 'def add(a, b):', 'max_tokens': 32})}'")
     print("Ctrl-C stops the service.")
     try:
         while True:

@@ -1,7 +1,7 @@
 """What the ingress runs per request: the core ``SpeculativeDecoder`` over Ray actor handles.
 
-The decoder is the same code as in-process; ``ActorDraft`` / ``RanksTarget`` implement its two small
-protocols by calling the request's draft actor and every TP rank of its target replica. The loop runs in
+The decoder is the same code as in-process; ``actors.adapters`` implements its two small protocols over
+the request's draft actor and the TP ranks of its target replica. The loop runs in
 a worker thread (each step blocks on the actors); the async side awaits one chunk at a time, so a client
 disconnect (task cancellation) lands between steps and closing the generator frees the request's KV state
 on every actor. Plans come from the plan store (latest for this hardware, pair and temperature bucket),
@@ -16,84 +16,15 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import ray
-from ray.exceptions import GetTimeoutError, RayError
-
-from sequoia_ray.config import SamplingParams, ServeConfig
-from sequoia_ray.draft import DraftTree
+from deployments.config import ServeConfig
+from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import Chunk, SpeculativeDecoder
 from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, temperature_bucket
 from sequoia_ray.tree.builtin import builtin_plan
-from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.tree.plan_file import PlannedTree
-from sequoia_ray.verify import Verdict
 
 logger = logging.getLogger("sequoia_ray.serve")
 _END = object()
-
-
-class TargetUnavailable(RuntimeError):
-    """The target group failed or timed out on a call (a rank died or hung): the request cannot go on;
-    the client may retry once the group has been replaced (HTTP 503)."""
-
-
-class ActorDraft:
-    """The Draft protocol over one DraftActor handle; a call slower than ``timeout_s`` fails (and the
-    engine goes on without the draft)."""
-
-    def __init__(self, actor, timeout_s: float = 60.0) -> None:
-        self.actor, self.timeout_s = actor, timeout_s
-
-    def _call(self, method: str, request_id: str, *args):
-        try:
-            return ray.get(self.actor.call.remote(method, request_id, *args), timeout=self.timeout_s)
-        except GetTimeoutError:
-            self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
-            raise
-
-    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        self._call("start", request_id, prompt, params, seed)
-
-    def grow(self, request_id: str, plan: TreePlan) -> DraftTree:
-        return self._call("grow", request_id, plan)
-
-    def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None:
-        self._call("commit", request_id, path, new_tokens)
-
-    def finish(self, request_id: str) -> None:
-        self._call("finish", request_id)
-
-
-class RanksTarget:
-    """The Target protocol over a tensor-parallel group: every call goes to rank 0, which forwards it to
-    the other ranks (one sender keeps the ranks' collectives in one order) and checks they agree. Any
-    failure — a dead or broken rank, no answer within ``timeout_s``, ranks that disagree — raises
-    ``TargetUnavailable``; the request is then over (its state goes with the group, which is replaced)."""
-
-    def __init__(self, ranks: list, timeout_s: float = 60.0) -> None:
-        self.ranks, self.timeout_s = ranks, timeout_s
-        self.failed = False
-
-    def _call(self, method: str, *args):
-        try:
-            return ray.get(self.ranks[0].call.remote(method, *args), timeout=self.timeout_s)
-        except (RayError, GetTimeoutError) as exc:
-            self.failed = True
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            raise TargetUnavailable(f"the target group failed during {method}: {type(exc).__name__}: "
-                                    f"{first_line}") from exc
-
-    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        self._call("start", request_id, prompt, params, seed)
-
-    def verify(self, request_id: str, plan: TreePlan, draft: DraftTree) -> Verdict:
-        return self._call("verify", request_id, plan, draft)
-
-    def finish(self, request_id: str) -> None:
-        if self.failed:  # do not wait on a failed group: tell it without awaiting the answer
-            self.ranks[0].call.remote("finish", request_id)
-            return
-        self._call("finish", request_id)
 
 
 @dataclass(frozen=True)

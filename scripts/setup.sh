@@ -22,6 +22,6 @@ pip() {
 echo "setup: installing $TORCH_SPEC (CPU build) and sequoia-ray into $VENV ..." >&2
 pip install "$TORCH_SPEC" ${SEQUOIA_TORCH_PIP_ARGS:-}
 pip install -e ".[dev]"
-"$VENV/bin/python" -c "import sequoia_ray, ray, transformers" || { echo "setup: install failed" >&2; exit 1; }
+"$VENV/bin/python" -c "import sequoia_ray, actors, deployments.app, cli.main, ray, transformers" || { echo "setup: install failed" >&2; exit 1; }
 echo "$want" > "$STAMP"
 echo "setup: done; the CLI is $VENV/bin/sequoia-ray" >&2

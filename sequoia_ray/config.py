@@ -1,4 +1,5 @@
-"""Pydantic models for every edge: what a request may ask for, validated with the bad value echoed."""
+"""Pydantic models for the core's edges (sampling, the profiling job), validated with the bad value echoed.
+The serving configuration lives with the Serve app (``deployments/config.py``)."""
 
 from __future__ import annotations
 
@@ -84,53 +85,3 @@ class ProfileJobConfig(BaseModel):
         if not value or min(value) < 0:
             raise ValueError(f"temperatures {value} must be >= 0")
         return tuple(value)
-
-
-class ServeConfig(BaseModel):
-    """The Ray Serve application: models, tensor parallelism, resources per actor, plans, limits."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model_name: str = Field("sequoia-default", description="The model id clients send and /v1/models lists.")
-    draft: str | None = Field("default-draft", description="Draft source; None serves the target alone.")
-    target: str = Field("default-target", description="Target source (HF dir, .gguf, hub id, default-target, tiny).")
-    dtype: str = Field("bfloat16", description="float32 (exact greedy identity) | bfloat16 | float16.")
-    draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
-    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the target (one actor each).")
-    tp_backend: str = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPU).")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (each TP rank and the draft).")
-    num_cpus: float = Field(1.0, gt=0, description="CPUs per actor.")
-    accelerator_type: str | None = Field(None, description="Pin actors to this GPU type (e.g. A100, L4).")
-    plan_store: str | None = Field(None, description="Plan store URI; None = built-in plans only.")
-    hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
-    plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
-    max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
-    max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")
-    max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
-    request_idle_timeout_s: float = Field(300.0, gt=0, description="Free a request's KV state after this idle time.")
-    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (bytes); beyond -> 413.")
-    api_key: str | None = Field(None, description="Bearer token required on every route but /health (None = open).")
-    api_key_env: str | None = Field(None, description="Read the API key from this environment variable instead.")
-    step_timeout_s: float = Field(60.0, gt=0, description="Longest one draft or verify call may take; a target "
-                                  "beyond it -> 503 (retryable), a draft beyond it -> the target alone.")
-    collective_timeout_s: float = Field(120.0, gt=0, description="torch.distributed timeout of the TP group: a "
-                                        "collective waiting on a hung rank fails after this.")
-    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks the model deployments.")
-    health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
-    num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
-    autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the draft and target "
-                                     "deployments; target_ongoing_requests counts requests held per replica.")
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v):
-        if v not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype {v!r} must be float32, bfloat16 or float16")
-        return v
-
-    @field_validator("tp_backend")
-    @classmethod
-    def _backend(cls, v):
-        if v not in ("gloo", "nccl"):
-            raise ValueError(f"tp_backend {v!r} must be gloo (CPU) or nccl (GPU)")
-        return v

@@ -33,7 +33,7 @@ class LocalPair:
 
         target, draft = layered_pair()
         tok = char_tokenizer()
-        loaded = [LoadedModel(m, tok, eos_ids(m, tok), name, m.config.max_position_embeddings)
+        loaded = [LoadedModel(m, tok, eos_ids(tok, m.generation_config), name, m.config.max_position_embeddings)
                   for m, name in ((target, "tiny-target"), (draft, "tiny-draft"))]
         return cls(*loaded)
 
@@ -42,8 +42,8 @@ class LocalPair:
         return SpeculativeDecoder(TargetWorker(self.target.model), draft, plan, tokenizer=self.target.tokenizer,
                                   eos_ids=self.target.eos_ids, max_context=self.target.max_context)
 
-    def encode(self, text: str, *, chat: bool) -> list[int]:
-        return encode(self.target.tokenizer, text, chat=chat)
+    def encode(self, prompt: str | list[dict], *, chat: bool) -> list[int]:
+        return encode(self.target.tokenizer, prompt, chat=chat)
 
     def time_target(self, sizes, context: int, repeats: int) -> dict[int, float]:
         from sequoia_ray.hardware import time_forward
@@ -51,13 +51,15 @@ class LocalPair:
         return time_forward(self.target.model, sizes, context=context, repeats=repeats)
 
 
-def encode(tokenizer, text: str, *, chat: bool) -> list[int]:
-    """Token ids of ``text``, wrapped in the tokenizer's chat template as one user turn when ``chat``."""
+def encode(tokenizer, prompt: str | list[dict], *, chat: bool) -> list[int]:
+    """Token ids of a prompt (the one place prompts are encoded: the command line, profiling, the ingress).
+    ``chat``: through the tokenizer's chat template, ``prompt`` being one user turn's text or a list of
+    ``{"role", "content"}`` messages; else plain text."""
     if chat:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
-    return tokenizer(text)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

@@ -155,50 +155,6 @@ def format_results(results: list[TrialResult]) -> str:
     return "\n".join(lines)
 
 
-
-# ---- command-line arguments shared by `sequoia-ray profile` and tuning/profile.py ----------------
-def add_job_args(p) -> None:
-    p.add_argument("--storage", required=True, help="plan store URI: a directory or s3://bucket/prefix")
-    p.add_argument("--draft", default="default-draft")
-    p.add_argument("--target", default="default-target")
-    p.add_argument("--temperatures", default="0,0.6", help="comma-separated temperature buckets")
-    p.add_argument("--budgets", default="1,2,4,8,12,16,24,32,48,64", help="comma-separated tree sizes n")
-    p.add_argument("--max-depth", type=int, default=10)
-    p.add_argument("--width", type=int, default=8, help="star width W for measuring p")
-    p.add_argument("--prompts", default=None, help="prompt file (.jsonl or lines)")
-    p.add_argument("--acceptance", action="append", default=[], help="T=FILE: use this vector, skip measuring")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--draft-quantize", default=None, choices=["int8"])
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--smoke-test", action="store_true", help="tiny random models, small sizes: seconds")
-
-
-def _floats(text: str, name: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--{name} {text!r} must be comma-separated numbers") from None
-
-
-def job_config(args, **extra) -> ProfileJobConfig:
-    """The validated job config from parsed arguments; bad values raise ValueError naming them."""
-    acceptance = {}
-    for item in args.acceptance:
-        if "=" not in item:
-            raise ValueError(f"--acceptance {item!r} must be T=FILE, e.g. 0.6=acc.json")
-        t, path = item.split("=", 1)
-        acceptance[_floats(t, "acceptance")[0]] = path
-    budgets = _floats(args.budgets, "budgets")
-    if any(b != int(b) for b in budgets):
-        raise ValueError(f"--budgets {args.budgets!r} must be whole numbers")
-    return ProfileJobConfig(
-        storage=args.storage, draft=args.draft, target=args.target,
-        temperatures=_floats(args.temperatures, "temperatures"), budgets=tuple(int(b) for b in budgets),
-        max_depth=args.max_depth, width=args.width, prompts=args.prompts, acceptance=acceptance,
-        dtype=args.dtype, draft_quantize=args.draft_quantize, tp_size=args.tp_size, smoke_test=args.smoke_test,
-        **extra)
-
-
 def publish_heatmaps(cfg: ProfileJobConfig, hardware: str, grids: dict) -> list[str]:
     store = PlanStore(cfg.storage)
     return [store.put_report(f"heatmap-{hardware}-t{t:.1f}.png", heatmap_png(grid, f"{hardware}  T={t}"))

@@ -61,6 +61,3 @@ class StopChecker:
             return ""
         out, self.sent = self.text[self.sent : end], end
         return out
-
-    def flush(self) -> str:
-        return self._delta(final=True)

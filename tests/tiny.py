@@ -1,3 +1,21 @@
-"""Tiny models for tests: see sequoia_ray.models.tiny."""
+"""Tiny models for tests: see sequoia_ray.models.tiny; checkpoints on disk for the command-line tests."""
 
-from sequoia_ray.models.tiny import VOCAB, char_tokenizer, noisy_copy, save_tiny_pair, sharpen, tiny_model  # noqa: F401
+from sequoia_ray.models.tiny import VOCAB, char_tokenizer, noisy_copy, sharpen, tiny_model  # noqa: F401
+
+
+def save_tiny_pair(root, *, draft_noise: float = 0.03):
+    """Write tiny target and draft checkpoints (with a tokenizer) under ``root``; return their paths."""
+    from pathlib import Path
+
+    root = Path(root)
+    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
+    draft = noisy_copy(target, scale=draft_noise, seed=1)
+    tok = char_tokenizer()
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        model.config.eos_token_id = 1
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths.append(root / name)
+    return paths[0], paths[1]

@@ -25,6 +25,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
+from sequoia_ray.arguments import EXIT_BAD_INPUT, Parser, add_job_args, job_config, one_line  # noqa: E402
 from sequoia_ray.config import ProfileJobConfig  # noqa: E402
 
 ACCEL_PREFIX = "accelerator_type:"
@@ -32,10 +33,7 @@ CPU = "cpu"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sequoia_ray.cli import _Parser
-    from sequoia_ray.profiling import add_job_args
-
-    p = _Parser(prog="tuning/profile.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="tuning/profile.py", description=__doc__.splitlines()[0])
     add_job_args(p)
     p.add_argument("--hardware", default="", help="comma-separated accelerator types (default: all in cluster)")
     p.add_argument("--cpus-per-trial", type=float, default=1.0)
@@ -44,8 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, float]:
     """The job config from the command line; bad input raises ValueError (or SystemExit(2) from argparse)."""
-    from sequoia_ray.profiling import job_config
-
     args = build_parser().parse_args(argv)
     if args.cpus_per_trial <= 0:
         raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} must be > 0")
@@ -121,7 +117,6 @@ def run(cfg: ProfileJobConfig, cpus: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sequoia_ray.cli import one_line
     from sequoia_ray.profiling import TrialResult, format_results
 
     try:
@@ -130,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     except ValueError as exc:
         print(f"tuning/profile.py: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     rows = run(cfg, cpus)
     print(format_results([TrialResult(**r) for r in rows]))
     print(f"plans published under {cfg.storage}")

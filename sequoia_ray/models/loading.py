@@ -90,7 +90,8 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
                            "set LOCAL_RANK and the backend (nccl for GPUs, gloo for CPUs) to match")
     if quantize == "int8":
         model = quantize_int8(model)
-    return LoadedModel(model, tokenizer, eos_ids(model, tokenizer), source, model.config.max_position_embeddings)
+    eos = eos_ids(tokenizer, getattr(model, "generation_config", None))
+    return LoadedModel(model, tokenizer, eos, source, model.config.max_position_embeddings)
 
 
 def _tiny_checkpoint(source: str) -> Path:
@@ -126,13 +127,14 @@ def _tokenizer(where: str, gguf: str | None):
     return AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=Path(where).exists())
 
 
-def eos_ids(model, tokenizer) -> tuple[int, ...]:
-    """Every end-of-sequence id the tokenizer or the generation config names."""
+def eos_ids(tokenizer, *configs, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Every end-of-sequence id, in order and without duplicates: the tokenizer's, then each config's
+    ``eos_token_id`` (an int or a list; a generation config or a model config), then ``extra``."""
     ids = [getattr(tokenizer, "eos_token_id", None)]
-    gen = getattr(model, "generation_config", None)
-    config_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids += config_eos if isinstance(config_eos, list) else [config_eos]
-    return tuple(dict.fromkeys(i for i in ids if i is not None))
+    for config in configs:
+        config_eos = getattr(config, "eos_token_id", None)
+        ids += config_eos if isinstance(config_eos, list) else [config_eos]
+    return tuple(dict.fromkeys(i for i in [*ids, *extra] if i is not None))
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:

@@ -60,24 +60,6 @@ def char_tokenizer(vocab: int = VOCAB):
     return fast
 
 
-def save_tiny_pair(root, *, draft_noise: float = 0.03):
-    """Write tiny target and draft checkpoints (with a tokenizer) under ``root``; return their paths."""
-    from pathlib import Path
-
-    root = Path(root)
-    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
-    draft = noisy_copy(target, scale=draft_noise, seed=1)
-    tok = char_tokenizer()
-    paths = []
-    for name, model in (("target", target), ("draft", draft)):
-        model.config.eos_token_id = 1
-        model.generation_config.eos_token_id = 1
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        paths.append(root / name)
-    return paths[0], paths[1]
-
-
 def layered_pair(layers: int = 8, draft_layers: int = 2, damping: float = 0.05):
     """(target, draft) where the draft is the target's first layers: the upper target layers are damped so
     the pair agrees often, and the draft costs a fraction of the target (a realistic c for smoke tests)."""

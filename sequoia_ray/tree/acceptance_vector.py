@@ -88,17 +88,16 @@ class AcceptanceVector:
 
     @classmethod
     def parse(cls, text: str) -> AcceptanceVector:
-        """A JSON file path (``{"p": [...], "reject": r}``) or a comma-separated list ``0.6,0.2,0.1``."""
+        """A comma-separated list ``0.6,0.2,0.1`` (any length: text that reads as numbers is a list), else a
+        JSON file path (``{"p": [...], "reject": r}``)."""
+        values = _numbers(text)
+        if values is not None:
+            return cls.from_p(values)
         path = Path(text)
-        if path.suffix == ".json" or path.is_file():
+        if path.suffix == ".json" or _is_file(path):
             return cls.load(path)
-        try:
-            values = [float(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise AcceptanceError(
-                f"acceptance {text!r:.80} is neither a JSON file nor a comma-separated list of numbers"
-            ) from None
-        return cls.from_p(values)
+        raise AcceptanceError(
+            f"acceptance {text!r:.200} is neither a JSON file nor a comma-separated list of numbers")
 
     @classmethod
     def load(cls, path: Path) -> AcceptanceVector:
@@ -109,6 +108,22 @@ class AcceptanceVector:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise AcceptanceError(f"acceptance file {path} is not valid JSON ({exc})") from None
         return cls.from_dict(obj, source=str(path))
+
+
+def _numbers(text: str) -> list[float] | None:
+    """The numbers of a comma-separated list, or None when ``text`` is not one."""
+    parts = [x for x in text.split(",") if x.strip()]
+    try:
+        return [float(x) for x in parts] if parts else None
+    except ValueError:
+        return None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # e.g. a name longer than the file system allows
+        return False
 
 
 def _implied_reject(row: tuple[float, ...]) -> float:

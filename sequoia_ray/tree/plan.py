@@ -87,9 +87,6 @@ class TreePlan:
             out.append(self.parents[out[-1]])
         return tuple(reversed(out))
 
-    def max_children(self) -> int:
-        return max(len(c) for c in self.children)
-
 
 def _validate_parents(parents: tuple[int, ...]) -> None:
     if not parents or parents[0] != -1:

@@ -3,7 +3,7 @@ plan store that serves a corrupt plan. (The draft dying mid-stream is in test_se
 
 The fault app has short timeouts (step 5 s, collective 8 s, health checks every 1 s) so a test sees a
 whole fail -> 503 -> restart -> serving-again cycle in well under a minute; the recovery times are
-printed (run with ``-s``) and quoted in the issue notes.
+printed (run with ``-s``) and quoted in the README (Faults).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import torch
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from deployments.service import RanksTarget, TargetUnavailable  # noqa: E402
-from deployments.tp import TargetGroup  # noqa: E402
+from actors.adapters import RanksTarget, TargetUnavailable  # noqa: E402
+from actors.placement import ActorResources  # noqa: E402
+from actors.spec import ModelActorSpec  # noqa: E402
+from actors.target import TargetGroup  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.draft import DraftTree  # noqa: E402
 from sequoia_ray.engine import ROOT_ONLY  # noqa: E402
@@ -39,7 +41,7 @@ def server(store_dir):
 
 
 def target_ranks(app: str) -> list:
-    return serve.get_deployment_handle("TargetServer", app).session.remote().result(timeout_s=120)["ranks"]
+    return serve.get_deployment_handle("TargetDeployment", app).actors.remote().result(timeout_s=120)["ranks"]
 
 
 def wait_until_serving(url: str, prompt: str, expected: str, since: float, timeout_s: float = 180.0) -> float:
@@ -89,10 +91,10 @@ def test_rank_death_mid_stream_is_a_503_then_the_group_restarts(server, local):
 
 def test_hung_draft_is_dropped_after_the_step_timeout(server, local):
     """A draft whose grow never returns: the request goes on with the target alone after step_timeout_s
-    and completes with the exact greedy text; the stuck DraftServer replica is then replaced."""
+    and completes with the exact greedy text; the stuck DraftDeployment replica is then replaced."""
     url = f"{server}/ft"
     expected = complete(url, "hello world", max_tokens=40)["choices"][0]["text"]
-    draft = serve.get_deployment_handle("DraftServer", "ft").session.remote().result(timeout_s=60)
+    draft = serve.get_deployment_handle("DraftDeployment", "ft").actors.remote().result(timeout_s=60)
 
     stall(draft, "grow")
     body = complete(url, "hello world", max_tokens=40)
@@ -117,8 +119,8 @@ def test_hung_rank_is_bounded_by_timeouts_then_the_group_restarts(server):
 def test_collective_timeout_breaks_the_waiting_rank(server):
     """Below Serve: with one rank stuck, the other's all-reduce gives up after collective_timeout_s and the
     rank reports itself broken (so its replica is replaced), while the caller gave up at step_timeout_s."""
-    cfg = {"target": "tiny-target", "dtype": "float32", "threads": 1, "collective_timeout_s": 4.0}
-    group = TargetGroup(cfg, 2, "gloo", 0.5, 0)
+    spec = ModelActorSpec("tiny-target", collective_timeout_s=4.0)
+    group = TargetGroup(spec, 2, "gloo", ActorResources(num_cpus=0.5))
     try:
         target = RanksTarget(group.ranks, timeout_s=2.0)
         target.start("r", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0), 0)

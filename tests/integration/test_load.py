@@ -23,7 +23,7 @@ def test_short_load_is_lossless_and_leaves_nothing_behind():
     assert summary["mismatches"] == 0, report["first_mismatches"]
     assert summary["completed"] >= 2 * CLIENTS, summary
     assert summary["tokens/step (mean)"] > 1.0, summary  # the tree path ran, not the target-alone fallback
-    assert {"DraftActor", "TPRank 0", "TPRank 1"} <= actors.keys()
+    assert {"DraftActor", "TargetRank 0", "TargetRank 1"} <= actors.keys()
     replaced = [row for row in actors.values() if row["delta MB"] is None or "->" in row["pid"]]
     assert not replaced, replaced  # no actor died and was replaced under load
     assert not any(report["active_after"].values()), report["active_after"]  # no leaked KV caches

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sequoia_ray.cli import main as cli_main
+from cli.main import main as cli_main
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from tuning.profile import discover_hardware, main as job_main, trial_bundles
 

@@ -212,9 +212,18 @@ def test_concurrent_requests_do_not_mix(server):
 
 
 def active_requests(app: str) -> tuple[int, int]:
-    draft = serve.get_deployment_handle("DraftServer", app).session.remote().result()
-    target = serve.get_deployment_handle("TargetServer", app).session.remote().result()
+    draft = serve.get_deployment_handle("DraftDeployment", app).actors.remote().result()
+    target = serve.get_deployment_handle("TargetDeployment", app).actors.remote().result()
     return ray.get(draft.active.remote()), sum(ray.get([r.active.remote() for r in target["ranks"]]))
+
+
+def test_actors_run_on_the_cpu_without_assigned_gpus(server):
+    """num_gpus 0 and device auto: every model actor resolves its device to the CPU."""
+    draft = serve.get_deployment_handle("DraftDeployment", "tp2").actors.remote().result()
+    target = serve.get_deployment_handle("TargetDeployment", "tp2").actors.remote().result()
+    assert ray.get(draft.info.remote())["device"] == "cpu"
+    assert target["device"] == "cpu" and len(target["ranks"]) == 2
+    assert [ray.get(r.info.remote())["device"] for r in target["ranks"]] == ["cpu", "cpu"]
 
 
 def test_cancelled_stream_frees_kv(server, local):
@@ -310,14 +319,14 @@ def test_metrics_are_exported(server):
 def test_draft_death_mid_stream_loses_nothing_and_speculation_comes_back(server, local):
     """Kill the draft actor while a greedy stream runs: the stream completes with exactly the tokens of
     an undisturbed run (target-only steps after the death); once Serve has replaced the unhealthy
-    DraftServer replica, new requests speculate again. (Runs last: it disturbs app tp1.)"""
+    DraftDeployment replica, new requests speculate again. (Runs last: it disturbs app tp1.)"""
     prompt = greedy_long_prompt(local)
     undisturbed = complete(f"{server}/tp1", prompt, max_tokens=500)["choices"][0]["text"]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 500, "temperature": 0, "stream": True}
     r = requests.post(f"{server}/tp1/v1/completions", json=body, stream=True, timeout=120)
     lines = r.iter_lines()
     first = next(line for line in lines if line)
-    ray.kill(serve.get_deployment_handle("DraftServer", "tp1").session.remote().result())
+    ray.kill(serve.get_deployment_handle("DraftDeployment", "tp1").actors.remote().result())
     events = sse_events([first, *lines])
     assert "error" not in events[-1], events[-1]
     assert "".join(e["choices"][0]["text"] for e in events) == undisturbed
@@ -355,7 +364,7 @@ def test_model_deployments_autoscale_on_held_requests(server, local):
     to their maximum of 2 replicas — Serve's own count of ongoing calls would stay ~0, as the ingress
     calls the model actors directly — and shrink back once the requests are done."""
     prompt = greedy_long_prompt(local)
-    assert running_replicas("auto", "TargetServer") == 1
+    assert running_replicas("auto", "TargetDeployment") == 1
     done, errors, stop = [], [], threading.Event()
 
     def long_requests():
@@ -370,15 +379,15 @@ def test_model_deployments_autoscale_on_held_requests(server, local):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (running_replicas("auto", "TargetServer") == 2
-                                               and running_replicas("auto", "DraftServer") == 2):
+    while time.monotonic() < deadline and not (running_replicas("auto", "TargetDeployment") == 2
+                                               and running_replicas("auto", "DraftDeployment") == 2):
         time.sleep(0.5)
-    scaled = running_replicas("auto", "TargetServer"), running_replicas("auto", "DraftServer")
+    scaled = running_replicas("auto", "TargetDeployment"), running_replicas("auto", "DraftDeployment")
     stop.set()
     for t in threads:
         t.join()
     assert not errors and scaled == (2, 2) and set(done) == {500}, (errors, scaled, done)
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and running_replicas("auto", "TargetServer") > 1:
+    while time.monotonic() < deadline and running_replicas("auto", "TargetDeployment") > 1:
         time.sleep(0.5)
-    assert running_replicas("auto", "TargetServer") == 1
+    assert running_replicas("auto", "TargetDeployment") == 1

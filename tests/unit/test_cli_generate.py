@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sequoia_ray.cli import main
+from cli.main import main
 from tests.tiny import save_tiny_pair
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sequoia_ray.cli import main
+from cli.main import main
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan_file import PlannedTree
@@ -49,3 +49,48 @@ def test_bad_input_exits_2_with_one_line(args, needle, capsys):
     err = capsys.readouterr().err.strip()
     assert needle in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_long_inline_acceptance_list_is_a_list(capsys):
+    """A measured vector pasted inline (32 values) is longer than a file name may be: still a list."""
+    p = [0.5 / 2**k for k in range(32)]
+    text = ",".join(f"{x:.17g}" for x in p)
+    assert len(text) > 255  # NAME_MAX: Path(text).is_file() would raise "File name too long"
+    assert main(["plan", "--acceptance", text, "--budget", "8", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["expected_tokens"] == pytest.approx(solve(AcceptanceVector.from_p(p), 8, None).value(8, None))
+
+
+def test_acceptance_that_is_no_list_and_no_file_names_the_value(capsys, tmp_path):
+    missing = str(tmp_path / "measured-acceptance")
+    assert main(["plan", "--acceptance", missing, "--budget", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert missing in err and "neither a JSON file" in err and len(err.splitlines()) == 1
+
+
+def test_plan_imports_neither_torch_transformers_nor_ray(tmp_path):
+    """`plan` needs numpy and the tree package: run it in a fresh interpreter and look at sys.modules."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\nfrom cli.main import build_parser, main\nbuild_parser()\n"
+            "assert main(['plan', '--acceptance', '0.8,0.1', '--budget', '4']) == 0\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules)\n"
+            "print('HEAVY', heavy)\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "tp_size=2", "--set", "tp_backend=nccl"], "set tp_backend: gloo"),
+    (["--set", "device=tpu"], "device"),
+    (["--port", "x"], "invalid int value"),
+])
+def test_serve_rejects_a_bad_config_in_one_line_before_starting_ray(args, needle, capsys):
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err

@@ -279,3 +279,14 @@ def test_pip_failure_is_a_fetch_error(monkeypatch, tmp_path):
     )
     with pytest.raises(FetchError, match="no route to host"):
         F.pip_install([_part(1)], tmp_path / "t", progress=False)
+
+
+def test_eos_ids_one_function_in_order_without_duplicates():
+    from types import SimpleNamespace
+
+    from sequoia_ray.models.loading import eos_ids
+
+    tok = SimpleNamespace(eos_token_id=2)
+    gen, config = SimpleNamespace(eos_token_id=[7, 2]), SimpleNamespace(eos_token_id=None)
+    assert eos_ids(tok, gen, config, extra=(9, 7)) == (2, 7, 9)
+    assert eos_ids(SimpleNamespace(eos_token_id=None), None) == ()

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from sequoia_ray.config import ServeConfig
+from deployments.config import ServeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO.parent / "shared" / "k8s-schemas"

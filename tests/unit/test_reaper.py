@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from deployments.reaper import Reaper
-from deployments.workers import DraftActor
+from actors.draft import DraftActor
+from actors.reaper import Reaper
+from actors.spec import ModelActorSpec
 from sequoia_ray.config import SamplingParams
 from tests.serving import Clock
 
@@ -22,7 +23,8 @@ def test_reaper_frees_only_idle_requests():
 
 
 def test_draft_actor_reaps_on_the_next_call():
-    actor = DraftActor({"draft": "tiny-draft", "dtype": "float32", "idle_timeout_s": 5.0})
+    actor = DraftActor(ModelActorSpec("tiny-draft", idle_timeout_s=5.0))
+    assert actor.info()["device"] == "cpu"  # auto without an assigned GPU
     clock = Clock()
     actor.reaper.clock = clock
     params = SamplingParams(max_tokens=8)

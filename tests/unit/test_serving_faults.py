@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from deployments.actor_health import CallTracker, raise_if_unhealthy
+from actors.health import CallTracker, raise_if_unhealthy
+from deployments.config import ServeConfig
 from deployments.service import PlanProvider
-from sequoia_ray.config import ServeConfig
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.request_state import UnknownRequest
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector

@@ -4,7 +4,7 @@ Every rank loads the target sharded with transformers' ``tp_plan="auto"`` (gloo 
 runs the same ``TargetWorker`` calls in lockstep: the forward all-reduces inside the model, the logits are
 replicated, and each rank walks the tree with an identically seeded generator, so all ranks reach the same
 verdict and compact their own KV shard the same way. The group returns rank 0's verdict and checks the
-others agree. Trap (DESIGN.md): transformers reads ``WORLD_SIZE``; without it every rank silently loads the
+others agree. Trap: transformers reads ``WORLD_SIZE``; without it every rank silently loads the
 whole model, so each rank asserts its weights really are sharded.
 """
 
@@ -17,8 +17,9 @@ from datetime import timedelta
 import ray
 import torch
 
-from deployments.actor_health import CallTracker
-from deployments.reaper import Reaper
+from actors.base import ModelActor, assigned_device, model_meta
+from actors.placement import ActorResources, in_bundle
+from actors.spec import ModelActorSpec, check_backend
 
 
 def free_port() -> int:
@@ -27,34 +28,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class TPRank:
-    """One rank of the target group (a Ray actor)."""
+class TargetRank(ModelActor):
+    """One rank of the target group (a Ray actor). Its device: with nccl the GPU Ray assigned it (Ray sets
+    ``CUDA_VISIBLE_DEVICES`` per actor, so ``LOCAL_RANK`` 0 = ``cuda:0`` here), with gloo the CPU."""
 
-    def __init__(self, rank: int, world: int, master: str, port: int, backend: str, cfg: dict) -> None:
+    def __init__(self, rank: int, world: int, master: str, port: int, backend: str, spec: ModelActorSpec) -> None:
+        from sequoia_ray.models.loading import resolve
+
+        os.environ["LOCAL_RANK"] = "0" if backend == "gloo" else str(rank % max(torch.cuda.device_count(), 1))
+        device = assigned_device(spec.device)
+        check_backend(backend, device.type, world)
+        super().__init__(spec, device, fatal_errors=world > 1)  # a failed collective leaves the group unusable
+        resolve(spec.source, progress=False)  # fetch / write checkpoints before the group exists
+        self.rank, self.world = rank, world
+        self.followers: list = []
+        self.worker = self._join_and_load(master, port, backend)
+        self.meta = model_meta(self.loaded, device)
+
+    def _join_and_load(self, master: str, port: int, backend: str):
         import torch.distributed as dist
 
-        torch.set_num_threads(max(1, int(cfg.get("threads") or 1)))
-        from sequoia_ray.models.loading import load_model, resolve
         from sequoia_ray.target import TargetWorker
 
-        resolve(cfg["target"], progress=False)  # fetch / write checkpoints before the group exists
-        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK="0" if backend == "gloo" else str(rank % max(torch.cuda.device_count(), 1)))
-        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://{master}:{port}",
-                                timeout=timedelta(seconds=cfg.get("collective_timeout_s", 120.0)))
-        self.rank, self.world = rank, world
-        loaded = load_model(cfg["target"], dtype=cfg["dtype"], progress=False, tp_plan="auto" if world > 1 else None)
-        check_sharded(loaded.model, world)
-        self.worker = TargetWorker(loaded.model)
-        self.reaper = Reaper(cfg.get("idle_timeout_s", 300.0))
-        self.tracker = CallTracker(fatal_errors=world > 1)  # a failed collective leaves the group unusable
-        self.followers: list = []
-        self.collective_timeout_s = cfg.get("collective_timeout_s", 120.0)
-        self.meta = {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context,
-                     "vocab": loaded.model.config.vocab_size, "threads": torch.get_num_threads()}
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(self.rank), WORLD_SIZE=str(self.world))
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world, init_method=f"tcp://{master}:{port}",
+                                timeout=timedelta(seconds=self.spec.collective_timeout_s))
+        self.loaded = self._load()
+        check_sharded(self.loaded.model, self.world)
+        return TargetWorker(self.loaded.model)
 
-    def info(self) -> dict:
-        return self.meta
+    def _load(self):
+        from sequoia_ray.models.loading import load_model
+
+        return load_model(self.spec.source, dtype=self.spec.dtype, progress=False, device=self.device,
+                          tp_plan="auto" if self.world > 1 else None)
 
     def lead(self, followers: list) -> None:
         """Make this rank (0) the group's entry point for ``followers`` (ranks 1..tp-1)."""
@@ -68,22 +75,13 @@ class TPRank:
         with self.tracker.running(method):
             refs = [f.step.remote(method, request_id, *args) for f in self.followers]
             mine = self.reaper.call(self.worker, method, request_id, *args)
-            if any(theirs != mine for theirs in ray.get(refs, timeout=self.collective_timeout_s)):
+            if any(theirs != mine for theirs in ray.get(refs, timeout=self.spec.collective_timeout_s)):
                 raise RuntimeError(f"tensor-parallel ranks disagree on {method} for request {request_id}")
             return mine
 
     def step(self, method: str, request_id: str, *args):
         """A follower's share of a call forwarded by rank 0."""
-        with self.tracker.running(method):
-            return self.reaper.call(self.worker, method, request_id, *args)
-
-    @ray.method(concurrency_group="health")
-    def health(self) -> dict:
-        return self.tracker.health()
-
-    @ray.method(concurrency_group="health")
-    def active(self) -> int:
-        return len(self.worker.requests)
+        return self._run(method, request_id, *args)
 
     def time_forward(self, sizes, context: int, repeats: int) -> dict[int, float]:
         """Target timings; every rank must run this at once (the forward is collective)."""
@@ -105,24 +103,14 @@ def check_sharded(model, world: int) -> None:
 
 
 class TargetGroup:
-    """``tp_size`` rank actors in bundles 1..tp_size of the replica's placement group (bundle 0 is the
-    replica itself), or anywhere when there is no placement group (in-process tests)."""
+    """``tp_size`` rank actors in bundles 1..tp_size of the caller's placement group (bundle 0 is the
+    replica or trial itself), or anywhere when there is none (in-process tests)."""
 
-    def __init__(self, cfg: dict, tp_size: int, backend: str, num_cpus: float, num_gpus: float) -> None:
-        from ray.util.placement_group import get_current_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        pg = get_current_placement_group()
-        master = ray.util.get_node_ip_address()
-        port = free_port()
-        actor = ray.remote(concurrency_groups={"health": 1})(TPRank)
-        self.ranks = []
-        for rank in range(tp_size):
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank + 1) if pg else None
-            opts = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_concurrency": 1}
-            if strategy is not None:
-                opts["scheduling_strategy"] = strategy
-            self.ranks.append(actor.options(**opts).remote(rank, tp_size, master, port, backend, cfg))
+    def __init__(self, spec: ModelActorSpec, tp_size: int, backend: str, resources: ActorResources) -> None:
+        master, port = ray.util.get_node_ip_address(), free_port()
+        actor = ray.remote(concurrency_groups={"health": 1})(TargetRank)
+        self.ranks = [actor.options(**in_bundle(resources, rank + 1), max_concurrency=1)
+                      .remote(rank, tp_size, master, port, backend, spec) for rank in range(tp_size)]
         self.meta = ray.get([r.info.remote() for r in self.ranks])[0]
         ray.get(self.ranks[0].lead.remote(self.ranks[1:]))
 
@@ -133,4 +121,3 @@ class TargetGroup:
     def kill(self) -> None:
         for r in self.ranks:
             ray.kill(r)
-

@@ -1,6 +1,8 @@
-"""The ``sequoia-ray`` command line: plan | measure | profile | generate | serve | bench | models.
+"""The ``sequoia-ray`` command line: plan | measure | profile | generate | serve | models.
 
-Every verb validates its input and exits with code 2 and a one-line message on bad input.
+Every verb validates its input and exits with code 2 and a one-line message on bad input. A verb imports
+what it uses when it runs: building the parser imports neither torch, transformers nor Ray, and ``plan``
+needs only numpy and the tree package.
 """
 
 from __future__ import annotations
@@ -10,40 +12,16 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-EXIT_BAD_INPUT = 2
-
-
-class CLIError(ValueError):
-    """Bad command-line input; printed as one line, exit code 2."""
-
-
-def _depth_arg(text: str) -> int | None:
-    if text.lower() in ("unbounded", "none", "inf"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'unbounded'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (levels, root included)")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, described, given, nonneg_float,
+                                   one_line, positive_int)
+from sequoia_ray.config import SamplingParams
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="optimal Sequoia tree for an acceptance vector and a node budget")
     p.add_argument("--acceptance", required=True, help="JSON file {'p': [...], 'reject': r} or a list '0.6,0.2,0.1'")
-    p.add_argument("--budget", required=True, type=_positive_int, help="tree nodes n, root included")
-    p.add_argument("--max-depth", type=_depth_arg, default=None, help="levels d, root included (default unbounded)")
+    p.add_argument("--budget", required=True, type=positive_int, help="tree nodes n, root included")
+    p.add_argument("--max-depth", type=depth, default=None, help="levels d, root included (default unbounded)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="write the plan file (JSON with schema_version) here")
     p.add_argument("--plot", help="draw G(n) per depth, baselines and the tree into this PNG")
@@ -80,16 +58,6 @@ def _plan_summary(planned) -> str:
     )
 
 
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default-draft", help="HF dir, .gguf file, hub id or default-draft")
     p.add_argument("--target", default="default-target", help="HF dir, .gguf file, hub id or default-target")
@@ -102,31 +70,29 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with tree speculative decoding")
     _add_model_args(p)
     p.add_argument("--plan", help="plan file from `sequoia-ray plan --out` (default: built-in plan)")
-    p.add_argument("--budget", type=_positive_int, help="tree nodes for the built-in plan")
-    p.add_argument("--max-depth", type=_depth_arg, default=6, help="tree levels for the built-in plan")
+    p.add_argument("--budget", type=positive_int, help="tree nodes for the built-in plan")
+    p.add_argument("--max-depth", type=depth, default=6, help="tree levels for the built-in plan")
     p.add_argument("--acceptance", help="acceptance vector for the built-in plan (file or list)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-tokens", type=_positive_int, default=64)
-    p.add_argument("--temperature", type=_nonneg_float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-tokens", type=positive_int, help=described(SamplingParams, "max_tokens"))
+    p.add_argument("--temperature", type=nonneg_float, help=described(SamplingParams, "temperature"))
+    p.add_argument("--top-p", type=float, help=described(SamplingParams, "top_p"))
+    p.add_argument("--seed", type=int, help=described(SamplingParams, "seed"))
+    p.add_argument("--stop", action="append", help="stop string (repeatable); " + described(SamplingParams, "stop"))
     p.add_argument("--no-speculation", action="store_true", help="the target alone, for comparison")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from sequoia_ray.config import SamplingParams
     from sequoia_ray.local import LocalPair
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
     from sequoia_ray.tree.builtin import load_or_build
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, stop=args.stop)
+    params = SamplingParams(**given(args, ["max_tokens", "temperature", "top_p", "seed", "stop"]))
     acceptance = AcceptanceVector.parse(args.acceptance) if args.acceptance else None
-    planned = load_or_build(args.plan, temperature=args.temperature, budget=args.budget,
+    planned = load_or_build(args.plan, temperature=params.temperature, budget=args.budget,
                             max_depth=args.max_depth, acceptance=acceptance)
     pair = LocalPair.load(args.target, None if args.no_speculation else args.draft, dtype=args.dtype,
                           draft_quantize=args.draft_quantize, progress=not args.json)
@@ -153,10 +119,10 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("measure", help="measure the acceptance vector p[1..W] of a draft/target pair")
     _add_model_args(p)
     p.add_argument("--prompts", required=True, help="a .jsonl file ({'prompt': ..., 'chat': bool}) or text lines")
-    p.add_argument("--temperature", type=_nonneg_float, default=0.0)
-    p.add_argument("--width", type=_positive_int, default=8, help="W: children of the star tree")
-    p.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens generated per prompt")
-    p.add_argument("--limit", type=_positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--temperature", type=nonneg_float, default=0.0)
+    p.add_argument("--width", type=positive_int, default=8, help="W: children of the star tree")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per prompt")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--out", required=True, help="acceptance JSON to write")
     p.set_defaults(run=_run_measure)
 
@@ -196,8 +162,6 @@ def _run_models(args: argparse.Namespace) -> int:
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
-    from sequoia_ray.profiling import add_job_args
-
     p = sub.add_parser("profile", help="profile this machine, choose the tree, publish plan + profile (no Ray)")
     add_job_args(p)
     p.set_defaults(run=_run_profile)
@@ -205,7 +169,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 def _run_profile(args: argparse.Namespace) -> int:
     from sequoia_ray.hardware import hardware_id
-    from sequoia_ray.profiling import format_results, job_config, publish_heatmaps, run_trial
+    from sequoia_ray.arguments import job_config
+    from sequoia_ray.profiling import format_results, publish_heatmaps, run_trial
 
     cfg = job_config(args)
     hw = hardware_id(None, cfg.tp_size)
@@ -217,14 +182,14 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start the Ray Serve app (see deployments/launch.py; --help there)",
+    p = sub.add_parser("serve", help="start the Ray Serve app (`sequoia-ray serve --help` lists its options)",
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(run=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from deployments.launch import main as launch  # Ray is imported only by this verb
+    from deployments.launch import main as launch  # Ray is imported by this verb only
 
     return launch(args.rest)
 
@@ -233,15 +198,8 @@ VERBS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_plan, _add_generate, _add_measure, _add_profile, _add_serve, _add_models]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (and exit code 2), not a usage dump."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sequoia-ray", description=__doc__.splitlines()[0])
+    parser = Parser(prog="sequoia-ray", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     for add in VERBS:
         add(sub)
@@ -250,29 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # everything after `serve` belongs to deployments/launch.py's parser
-        return _run_serve(argparse.Namespace(rest=argv[1:]))
     try:
-        args = build_parser().parse_args(argv)
+        if argv[:1] == ["serve"]:  # everything after `serve` belongs to deployments/launch.py's parser
+            args = argparse.Namespace(verb="serve", rest=argv[1:], run=_run_serve)
+        else:
+            args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage errors and --help
         return int(exc.code or 0)
     try:
         return args.run(args)
+    except SystemExit as exc:  # `serve`'s own parser: usage errors and --help
+        return int(exc.code or 0)
     except (ValueError, OSError) as exc:
         print(f"sequoia-ray {args.verb}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-
-
-def one_line(exc: Exception) -> str:
-    """A readable single line for any input error (pydantic's multi-line report included)."""
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        try:
-            return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r:.60})"
-                             for e in errors())
-        except (TypeError, KeyError):
-            pass
-    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

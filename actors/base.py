@@ -1,0 +1,59 @@
+"""What every model actor shares: its device, the in-process worker it wraps (a core ``DraftWorker`` or
+``TargetWorker``), idle-request reaping, call tracking for health checks, and the calls a deployment makes
+(``health``, ``active``, ``info``) in their own concurrency group so they answer while a step runs."""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from actors.health import CallTracker
+from actors.reaper import Reaper
+from actors.spec import ModelActorSpec
+from sequoia_ray.devices import resolve_device
+
+
+def assigned_device(spec: str) -> torch.device:
+    """The device for ``spec`` (auto | cpu | cuda) from the GPUs Ray assigned this actor; outside Ray (an
+    actor class used in-process by a test) there are none. Sets torch's current CUDA device to it."""
+    gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []  # get_gpu_ids() would start Ray otherwise
+    if spec == "auto" and ray.is_initialized() and not gpu_ids:
+        return torch.device("cpu")  # no GPU assigned: never take one Ray left visible to a num_gpus 0 actor
+    device = resolve_device(spec, gpu_ids=gpu_ids)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+class ModelActor:
+    """Base of ``DraftActor`` and ``TargetRank``; subclasses set ``self.worker`` and ``self.meta``."""
+
+    def __init__(self, spec: ModelActorSpec, device: torch.device, *, fatal_errors: bool) -> None:
+        torch.set_num_threads(spec.threads)
+        self.spec, self.device = spec, device
+        self.reaper = Reaper(spec.idle_timeout_s)
+        self.tracker = CallTracker(fatal_errors=fatal_errors)  # fatal: a failed collective breaks a TP group
+        self.worker = None
+        self.meta: dict = {}
+
+    def _run(self, method: str, request_id: str, *args):
+        """``worker.<method>(request_id, *args)``, tracked for health and reaping idle requests first."""
+        with self.tracker.running(method):
+            return self.reaper.call(self.worker, method, request_id, *args)
+
+    def info(self) -> dict:
+        """What the deployment needs to know of the loaded model (EOS ids, context, vocab, threads, device)."""
+        return self.meta
+
+    @ray.method(concurrency_group="health")
+    def active(self) -> int:
+        return len(self.worker.requests)
+
+    @ray.method(concurrency_group="health")
+    def health(self) -> dict:
+        return self.tracker.health()
+
+
+def model_meta(loaded, device: torch.device) -> dict:
+    return {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context, "vocab": loaded.model.config.vocab_size,
+            "threads": torch.get_num_threads(), "device": str(device)}

@@ -1,0 +1,23 @@
+"""The draft model on its own actor: grows a request's token tree and returns it as host tensors."""
+
+from __future__ import annotations
+
+from actors.base import ModelActor, assigned_device, model_meta
+from actors.spec import ModelActorSpec
+
+
+class DraftActor(ModelActor):
+    """Holds the draft model and per-request draft state (a Ray actor; plain Python in tests)."""
+
+    def __init__(self, spec: ModelActorSpec) -> None:
+        from sequoia_ray.draft import DraftWorker
+        from sequoia_ray.models.loading import load_model
+
+        device = assigned_device(spec.device)
+        super().__init__(spec, device, fatal_errors=False)
+        loaded = load_model(spec.source, dtype=spec.dtype, quantize=spec.quantize, progress=False, device=device)
+        self.worker = DraftWorker(loaded.model)
+        self.meta = model_meta(loaded, device)
+
+    def call(self, method: str, request_id: str, *args):
+        return self._run(method, request_id, *args)

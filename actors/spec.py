@@ -1,0 +1,45 @@
+"""What a model actor needs to know, as a small typed record the layers above build (a ServeConfig in
+``deployments``, a ProfileJobConfig in ``tuning``): actors never see those configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sequoia_ray.devices import DEVICE_CHOICES
+
+COLLECTIVE_TIMEOUT_S = 120.0  # torch.distributed timeout of a TP group: a collective on a hung rank fails after it
+IDLE_TIMEOUT_S = 300.0  # free a request's KV state after this long without a call
+TP_BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # torch.distributed backend -> the device type it serves
+
+
+@dataclass(frozen=True)
+class ModelActorSpec:
+    """One model actor: which model, how to load it, where to run it, how long to keep idle requests."""
+
+    source: str  # HF dir, .gguf file, hub id, default-draft / default-target, tiny-draft / tiny-target
+    dtype: str = "float32"
+    quantize: str | None = None  # "int8": dynamic int8 (CPU only)
+    device: str = "auto"  # auto | cpu | cuda; auto = the accelerator Ray assigned, else the CPU
+    threads: int = 1  # torch intra-op threads
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICE_CHOICES)}")
+        if self.threads < 1:
+            raise ValueError(f"threads {self.threads} must be >= 1")
+        if self.quantize is not None and self.device == "cuda":
+            raise ValueError(f"quantize {self.quantize!r} (dynamic int8) runs on the CPU only; use device cpu, "
+                             "or no quantisation and dtype bfloat16/float16 for a GPU model")
+
+
+def check_backend(backend: str, device_type: str, world: int) -> None:
+    """A TP backend must match the ranks' device type when they talk (world > 1): gloo for CPUs, nccl for
+    GPUs. A single rank runs no collective, so any backend serves it."""
+    if backend not in TP_BACKENDS:
+        raise ValueError(f"tp_backend {backend!r} must be one of {', '.join(TP_BACKENDS)}")
+    if world > 1 and TP_BACKENDS[backend] != device_type:
+        fix = next(b for b, d in TP_BACKENDS.items() if d == device_type)
+        raise ValueError(f"tp_backend {backend!r} serves {TP_BACKENDS[backend]} devices but the ranks run on "
+                         f"{device_type}; set tp_backend: {fix} (or change device / num_gpus)")

@@ -1,0 +1,1 @@
+"""The command line: the top layer (may import every other package)."""

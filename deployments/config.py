@@ -1,0 +1,88 @@
+"""The Ray Serve application's configuration: models, tensor parallelism, resources and device per actor,
+plans, limits. It builds the actors' own small specs (``actors.spec``); actors never see this model."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from actors.placement import ActorResources
+from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, ModelActorSpec, check_backend
+from sequoia_ray.devices import DEVICE_CHOICES
+
+
+class ServeConfig(BaseModel):
+    """The Ray Serve application: models, tensor parallelism, resources and device per actor, plans, limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_name: str = Field("sequoia-default", description="The model id clients send and /v1/models lists.")
+    draft: str | None = Field("default-draft", description="Draft source; None serves the target alone.")
+    target: str = Field("default-target", description="Target source (HF dir, .gguf, hub id, default-target, tiny).")
+    dtype: str = Field("bfloat16", description="float32 (exact greedy identity) | bfloat16 | float16.")
+    draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
+    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the target (one actor each).")
+    tp_backend: str = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPU).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (each TP rank and the draft).")
+    device: str = Field("auto", description="Where the model actors run: auto (the GPU Ray assigned an actor, "
+                        "else the CPU) | cpu | cuda (fails without an assigned GPU).")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per actor.")
+    accelerator_type: str | None = Field(None, description="Pin actors to this GPU type (e.g. A100, L4).")
+    plan_store: str | None = Field(None, description="Plan store URI; None = built-in plans only.")
+    hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
+    plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
+    max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
+    max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")
+    max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
+    request_idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0, description="Free a request's KV state after this idle time.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (bytes); beyond -> 413.")
+    api_key: str | None = Field(None, description="Bearer token required on every route but /health (None = open).")
+    api_key_env: str | None = Field(None, description="Read the API key from this environment variable instead.")
+    step_timeout_s: float = Field(60.0, gt=0, description="Longest one draft or verify call may take; a target "
+                                  "beyond it -> 503 (retryable), a draft beyond it -> the target alone.")
+    collective_timeout_s: float = Field(COLLECTIVE_TIMEOUT_S, gt=0, description="torch.distributed timeout of the TP group: a "
+                                        "collective waiting on a hung rank fails after this.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks the model deployments.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
+    num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
+    autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the draft and target "
+                                     "deployments; target_ongoing_requests counts requests held per replica.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v):
+        if v not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {v!r} must be float32, bfloat16 or float16")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        if v not in DEVICE_CHOICES:
+            raise ValueError(f"device {v!r} must be one of {', '.join(DEVICE_CHOICES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _placement(self):
+        if self.device == "cuda" and not self.num_gpus:
+            raise ValueError("device cuda needs a GPU per actor; set num_gpus: 1 (or device: auto / cpu)")
+        if self.draft_quantize and self.device_type == "cuda":
+            raise ValueError(f"draft_quantize {self.draft_quantize!r} runs on the CPU only; drop it and use "
+                             "dtype bfloat16 or float16 for a GPU draft (or set device: cpu)")
+        check_backend(self.tp_backend, self.device_type, self.tp_size)
+        return self
+
+    @property
+    def device_type(self) -> str:
+        """Where the actors will run: ``auto`` means a GPU when each actor gets one."""
+        return ("cuda" if self.num_gpus else "cpu") if self.device == "auto" else self.device
+
+    def actor_spec(self, role: str) -> ModelActorSpec:
+        """The draft's or the target's actor spec."""
+        draft = role == "draft"
+        return ModelActorSpec(self.draft if draft else self.target, dtype=self.dtype,
+                              quantize=self.draft_quantize if draft else None, device=self.device,
+                              threads=max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
+                              collective_timeout_s=self.collective_timeout_s)
+
+    def resources(self) -> ActorResources:
+        return ActorResources(self.num_cpus, self.num_gpus, self.accelerator_type)

@@ -1,0 +1,70 @@
+"""The Ray Serve deployments that own the model actors: ``DraftDeployment`` (one ``DraftActor``) and
+``TargetDeployment`` (a ``TargetGroup`` of TP ranks), each actor in a bundle of the replica's placement
+group.
+
+Per-step calls must reach the replica that holds a request's KV cache, so each deployment hands out the
+Ray actor handles of the actors it owns (``actors()``): the ingress asks once per request — Serve
+load-balances *that* call across replicas — and then talks to those actors directly for every step.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray import serve
+
+from actors.draft import DraftActor
+from actors.health import raise_if_unhealthy
+from actors.placement import bundles, in_bundle
+from actors.target import TargetGroup
+from deployments.autoscaling import HELD
+from deployments.config import ServeConfig
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class DraftDeployment:
+    def __init__(self, config: dict) -> None:
+        self.cfg = ServeConfig.model_validate(config)
+        self.actor = ray.remote(concurrency_groups={"health": 1})(DraftActor).options(
+            **in_bundle(self.cfg.resources(), 1)).remote(self.cfg.actor_spec("draft"))
+        ray.get(self.actor.info.remote())  # returns once the model has loaded
+
+    def actors(self):
+        """The draft actor's handle (the ingress then calls it directly every step)."""
+        return self.actor
+
+    def check_health(self) -> None:
+        state = ray.get(self.actor.health.remote(), timeout=self.cfg.health_check_timeout_s)
+        raise_if_unhealthy([state], self.cfg.step_timeout_s, "draft actor")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {HELD: await self.actor.active.remote()}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class TargetDeployment:
+    def __init__(self, config: dict) -> None:
+        self.cfg = ServeConfig.model_validate(config)
+        self.group = TargetGroup(self.cfg.actor_spec("target"), self.cfg.tp_size, self.cfg.tp_backend,
+                                 self.cfg.resources())
+
+    def actors(self) -> dict:
+        """The rank handles and what the ingress needs of the model (EOS ids, context, hardware id, device)."""
+        from sequoia_ray.hardware import hardware_id
+
+        hw = self.cfg.hardware_id or hardware_id(self.cfg.accelerator_type, self.cfg.tp_size,
+                                                 self.group.meta["threads"])
+        return {"ranks": self.group.ranks, "hardware_id": hw, **self.group.meta}
+
+    def check_health(self) -> None:
+        """A dead rank (its call raises), a broken or stuck one -> unhealthy -> Serve replaces this replica,
+        and with it the whole TP group (the rank actors are owned by, and die with, the replica)."""
+        states = ray.get([r.health.remote() for r in self.group.ranks], timeout=self.cfg.health_check_timeout_s)
+        raise_if_unhealthy(states, self.cfg.step_timeout_s, "target rank")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {HELD: await self.group.ranks[0].active.remote()}  # every rank holds the same requests
+
+
+def replica_bundles(cfg: ServeConfig, actors: int) -> list[dict]:
+    """A replica's placement-group bundles: its own, then one per model actor it owns."""
+    return bundles(cfg.resources(), actors)

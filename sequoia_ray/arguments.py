@@ -1,0 +1,140 @@
+"""Command-line helpers shared by every entry point (``cli/``, ``tuning/profile.py``): a parser whose
+usage errors are one line and exit code 2, argument types that say what was wrong, the one-line form of
+any input error, and the profiling job's arguments.
+
+Light on purpose: importing this module imports argparse and pydantic only (no torch, transformers or
+Ray), so building a parser stays fast. Defaults live in the pydantic models; an argument the user did not
+give is ``None`` here and the model fills it in.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pydantic import BaseModel
+
+from sequoia_ray.config import ProfileJobConfig
+
+EXIT_BAD_INPUT = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit code 2), not a usage dump."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def one_line(exc: Exception) -> str:
+    """A readable single line for any input error (pydantic's multi-line report included)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r:.60})"
+                             for e in errors())
+        except (TypeError, KeyError):
+            pass
+    return " ".join(str(exc).split())
+
+
+# ---- argument types ------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def depth(text: str) -> int | None:
+    """Tree levels, root included, or ``unbounded``."""
+    if text.lower() in ("unbounded", "none", "inf"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'unbounded'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (levels, root included)")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def described(model: type[BaseModel], name: str) -> str:
+    """A field's description and default, as argparse help (the model is the one home of both)."""
+    field = model.model_fields[name]
+    default = None if field.default_factory is not None else field.default
+    shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+    return f"{field.description} (default: {shown})"
+
+
+def given(args: argparse.Namespace, names: list[str]) -> dict:
+    """The arguments among ``names`` the user gave (not None): what overrides a model's defaults."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+# ---- the profiling job (``sequoia-ray profile`` and ``tuning/profile.py``) -------------------------
+_JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "tp_size"]
+
+
+def add_job_args(p: argparse.ArgumentParser) -> None:
+    """The ProfileJobConfig fields as options; defaults and help come from the model."""
+    def doc(name: str) -> str:
+        return described(ProfileJobConfig, name)
+
+    p.add_argument("--storage", required=True, help=ProfileJobConfig.model_fields["storage"].description)
+    p.add_argument("--draft", help=doc("draft"))
+    p.add_argument("--target", help=doc("target"))
+    p.add_argument("--temperatures", help="comma-separated; " + doc("temperatures"))
+    p.add_argument("--budgets", help="comma-separated; " + doc("budgets"))
+    p.add_argument("--max-depth", type=int, help=doc("max_depth"))
+    p.add_argument("--width", type=int, help=doc("width"))
+    p.add_argument("--prompts", help=doc("prompts"))
+    p.add_argument("--acceptance", action="append", default=[], metavar="T=FILE",
+                   help="use this acceptance vector for temperature T instead of measuring (repeatable)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=doc("dtype"))
+    p.add_argument("--draft-quantize", choices=["int8"], help=doc("draft_quantize"))
+    p.add_argument("--tp-size", type=int, help=doc("tp_size"))
+    p.add_argument("--smoke-test", action="store_true", help=ProfileJobConfig.model_fields["smoke_test"].description)
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{name} {text!r} must be comma-separated numbers") from None
+
+
+def _acceptance_files(items: list[str]) -> dict[float, str]:
+    acceptance = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--acceptance {item!r} must be T=FILE, e.g. 0.6=acc.json")
+        t, path = item.split("=", 1)
+        acceptance[_floats(t, "acceptance")[0]] = path
+    return acceptance
+
+
+def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:
+    """The validated job config from parsed arguments; bad values raise ValueError naming them."""
+    fields = given(args, _JOB_PLAIN)
+    if args.temperatures is not None:
+        fields["temperatures"] = _floats(args.temperatures, "temperatures")
+    if args.budgets is not None:
+        budgets = _floats(args.budgets, "budgets")
+        if any(b != int(b) for b in budgets):
+            raise ValueError(f"--budgets {args.budgets!r} must be whole numbers")
+        fields["budgets"] = tuple(int(b) for b in budgets)
+    return ProfileJobConfig(storage=args.storage, acceptance=_acceptance_files(args.acceptance),
+                            smoke_test=args.smoke_test, **fields, **extra)

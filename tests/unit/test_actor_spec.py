@@ -1,0 +1,81 @@
+"""The actors' own spec and the ServeConfig that builds it: device, backend and placement validation."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from actors.placement import ActorResources, bundles
+from actors.spec import COLLECTIVE_TIMEOUT_S, ModelActorSpec, check_backend
+from deployments.config import ServeConfig
+
+
+def test_serve_config_builds_the_actor_specs():
+    cfg = ServeConfig(draft="d", target="t", dtype="float32", draft_quantize="int8", num_cpus=3,
+                      request_idle_timeout_s=7.0)
+    draft, target = cfg.actor_spec("draft"), cfg.actor_spec("target")
+    assert draft == ModelActorSpec("d", dtype="float32", quantize="int8", device="auto", threads=3,
+                                   idle_timeout_s=7.0, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    assert target.source == "t" and target.quantize is None  # only the draft is quantised
+    assert cfg.collective_timeout_s == ModelActorSpec("x").collective_timeout_s == COLLECTIVE_TIMEOUT_S
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"tp_size": 2, "tp_backend": "nccl"}, "set tp_backend: gloo"),  # nccl on CPU ranks
+    ({"tp_size": 2, "tp_backend": "gloo", "num_gpus": 1}, "set tp_backend: nccl"),  # gloo on GPU ranks (auto)
+    ({"tp_size": 2, "tp_backend": "gloo", "num_gpus": 1, "device": "cuda"}, "set tp_backend: nccl"),
+    ({"tp_backend": "mpi"}, "must be one of gloo, nccl"),
+    ({"device": "tpu"}, "must be one of auto, cpu, cuda"),
+    ({"device": "cuda"}, "set num_gpus: 1"),
+    ({"num_gpus": 1, "draft_quantize": "int8"}, "runs on the CPU only"),
+])
+def test_bad_placement_is_a_config_error_naming_the_fix(args, needle):
+    with pytest.raises(ValidationError) as err:
+        ServeConfig(**args)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("args", [
+    {"tp_size": 2, "tp_backend": "nccl", "num_gpus": 1},  # auto on an assigned GPU
+    {"tp_size": 2, "tp_backend": "gloo", "num_gpus": 1, "device": "cpu"},  # GPUs reserved, ranks on the CPU
+    {"tp_size": 1, "tp_backend": "gloo", "num_gpus": 1},  # a single rank runs no collective
+    {"num_gpus": 1, "draft_quantize": "int8", "device": "cpu"},
+])
+def test_consistent_placements_validate(args):
+    ServeConfig(**args)
+
+
+def test_actor_spec_validates_itself():
+    with pytest.raises(ValueError, match="not one of auto, cpu, cuda"):
+        ModelActorSpec("m", device="gpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        ModelActorSpec("m", quantize="int8", device="cuda")
+    with pytest.raises(ValueError, match="threads 0"):
+        ModelActorSpec("m", threads=0)
+    with pytest.raises(ValueError, match="set tp_backend: nccl"):
+        check_backend("gloo", "cuda", world=2)
+    check_backend("gloo", "cuda", world=1)
+
+
+def test_bundles_one_per_actor_after_the_replica():
+    gpu = ActorResources(num_cpus=2, num_gpus=1, accelerator_type="L4")
+    assert bundles(gpu, 2) == [{"CPU": 0.001}] + [{"CPU": 2, "GPU": 1, "accelerator_type:L4": 0.001}] * 2
+    assert bundles(ActorResources(), 1) == [{"CPU": 0.001}, {"CPU": 1.0}]
+    assert gpu.options() == {"num_cpus": 2, "num_gpus": 1, "accelerator_type": "L4"}
+
+
+def test_actor_device_follows_what_ray_assigned(monkeypatch):
+    """auto: the GPU Ray assigned (cuda:0 in the actor: Ray narrows CUDA_VISIBLE_DEVICES), else the CPU even
+    when GPUs are visible to a num_gpus 0 actor."""
+    import torch
+
+    from actors import base
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(base.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [])
+    assert base.assigned_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [3])
+    assert base.assigned_device("auto") == torch.device("cuda", 0)
+    assert base.assigned_device("cpu") == torch.device("cpu")

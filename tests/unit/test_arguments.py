@@ -1,0 +1,46 @@
+"""The shared command-line helpers: the profiling job's options take their defaults from the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from sequoia_ray.arguments import Parser, add_job_args, described, job_config, one_line
+from sequoia_ray.config import ProfileJobConfig, SamplingParams
+
+
+def parse(*argv: str):
+    p = Parser(prog="test")
+    add_job_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_unset_options_take_the_model_defaults():
+    assert job_config(parse("--storage", "/tmp/s")) == ProfileJobConfig(storage="/tmp/s")
+
+
+def test_given_options_override_the_model():
+    cfg = job_config(parse("--storage", "s", "--budgets", "4,2", "--temperatures", "0.6", "--max-depth", "3",
+                           "--dtype", "float32", "--acceptance", "0.6=a.json", "--smoke-test"))
+    assert cfg.budgets == (1, 2, 4) and cfg.temperatures == (0.6,) and cfg.max_depth == 3
+    assert cfg.dtype == "float32" and cfg.acceptance == {0.6: "a.json"} and cfg.smoke_test
+    assert cfg.draft == ProfileJobConfig.model_fields["draft"].default
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--budgets", "1.5"], "whole numbers"), (["--temperatures", "x"], "comma-separated numbers"),
+    (["--acceptance", "acc.json"], "T=FILE"), (["--max-depth", "0"], "max_depth")])
+def test_bad_job_options_name_the_value(argv, needle):
+    with pytest.raises(ValueError) as err:
+        job_config(parse("--storage", "s", *argv))
+    assert needle in one_line(err.value)
+
+
+def test_help_shows_the_model_default():
+    assert described(SamplingParams, "max_tokens").endswith("(default: 128)")
+    assert "(default: 1,2,4,8" in described(ProfileJobConfig, "budgets")
+
+
+def test_usage_error_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse("--storage")
+    assert exc.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
