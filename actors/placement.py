@@ -27,8 +27,10 @@ class ActorResources:
 
 
 def bundles(resources: ActorResources, actors: int) -> list[dict]:
-    """Bundle 0 for the (resource-free) replica, then one bundle per model actor it owns."""
-    return [{"CPU": 0.001}] + [resources.bundle() for _ in range(actors)]
+    """One bundle per model actor a replica owns; the (resource-free) replica shares bundle 0 with the first
+    actor. (Ray refuses an all-zero bundle, and a separate token bundle for the replica would make a config
+    that fills the machine exactly — one CPU per model actor on two cores — unplaceable.)"""
+    return [resources.bundle() for _ in range(actors)]
 
 
 def in_bundle(resources: ActorResources, index: int) -> dict:

@@ -103,13 +103,15 @@ def check_sharded(model, world: int) -> None:
 
 
 class TargetGroup:
-    """``tp_size`` rank actors in bundles 1..tp_size of the caller's placement group (bundle 0 is the
-    replica or trial itself), or anywhere when there is none (in-process tests)."""
+    """``tp_size`` rank actors in bundles ``first_bundle``.. of the caller's placement group, or anywhere when
+    there is none (in-process tests). A Serve replica holds no resources and shares bundle 0 with rank 0; a
+    Tune trial runs the draft itself in bundle 0, so its ranks start at bundle 1."""
 
-    def __init__(self, spec: ModelActorSpec, tp_size: int, backend: str, resources: ActorResources) -> None:
+    def __init__(self, spec: ModelActorSpec, tp_size: int, backend: str, resources: ActorResources, *,
+                 first_bundle: int = 0) -> None:
         master, port = ray.util.get_node_ip_address(), free_port()
         actor = ray.remote(concurrency_groups={"health": 1})(TargetRank)
-        self.ranks = [actor.options(**in_bundle(resources, rank + 1), max_concurrency=1)
+        self.ranks = [actor.options(**in_bundle(resources, first_bundle + rank), max_concurrency=1)
                       .remote(rank, tp_size, master, port, backend, spec) for rank in range(tp_size)]
         self.meta = ray.get([r.info.remote() for r in self.ranks])[0]
         ray.get(self.ranks[0].lead.remote(self.ranks[1:]))

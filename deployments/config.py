@@ -25,7 +25,13 @@ class ServeConfig(BaseModel):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (each TP rank and the draft).")
     device: str = Field("auto", description="Where the model actors run: auto (the GPU Ray assigned an actor, "
                         "else the CPU) | cpu | cuda (fails without an assigned GPU).")
-    num_cpus: float = Field(1.0, gt=0, description="CPUs per actor.")
+    num_cpus: float = Field(1.0, gt=0, description="Logical CPUs each model actor reserves (Ray scheduling).")
+    threads: int | None = Field(None, ge=1, description="Cores torch uses in each model actor (None = num_cpus). "
+                                "The draft and the target take turns within a step, so on a small machine each "
+                                "may use every core while reserving fewer.")
+    check_placement: bool = Field(True, description="Fail at deploy time when the cluster as it is now can never "
+                                  "place the model actors; turn off on clusters whose nodes come later "
+                                  "(autoscaling from zero).")
     accelerator_type: str | None = Field(None, description="Pin actors to this GPU type (e.g. A100, L4).")
     plan_store: str | None = Field(None, description="Plan store URI; None = built-in plans only.")
     hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
@@ -81,7 +87,7 @@ class ServeConfig(BaseModel):
         draft = role == "draft"
         return ModelActorSpec(self.draft if draft else self.target, dtype=self.dtype,
                               quantize=self.draft_quantize if draft else None, device=self.device,
-                              threads=max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
+                              threads=self.threads or max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
                               collective_timeout_s=self.collective_timeout_s)
 
     def resources(self) -> ActorResources:

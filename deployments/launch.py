@@ -43,7 +43,7 @@ def start(args: dict, port: int, address: str | None):
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=max(4, int(2 * ServeConfig.model_validate(args).num_cpus + 2)), include_dashboard=False)
+        ray.init(include_dashboard=False)  # the machine's real CPUs: what `serve run` gets too
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="sequoia", route_prefix="/")
     return f"http://127.0.0.1:{port}"

@@ -25,7 +25,7 @@ class DraftDeployment:
     def __init__(self, config: dict) -> None:
         self.cfg = ServeConfig.model_validate(config)
         self.actor = ray.remote(concurrency_groups={"health": 1})(DraftActor).options(
-            **in_bundle(self.cfg.resources(), 1)).remote(self.cfg.actor_spec("draft"))
+            **in_bundle(self.cfg.resources(), 0)).remote(self.cfg.actor_spec("draft"))
         ray.get(self.actor.info.remote())  # returns once the model has loaded
 
     def actors(self):
@@ -66,5 +66,5 @@ class TargetDeployment:
 
 
 def replica_bundles(cfg: ServeConfig, actors: int) -> list[dict]:
-    """A replica's placement-group bundles: its own, then one per model actor it owns."""
+    """A replica's placement-group bundles: one per model actor it owns (the replica shares bundle 0)."""
     return bundles(cfg.resources(), actors)

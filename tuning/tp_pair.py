@@ -20,7 +20,8 @@ class GroupPair:
         dtype = "float32" if cfg.smoke_test else cfg.dtype
         self.draft = load_model(draft, dtype=dtype, quantize=cfg.draft_quantize, progress=False)
         spec = ModelActorSpec(target, dtype=dtype, threads=max(1, int(num_cpus)))
-        self.group = TargetGroup(spec, cfg.tp_size, backend, ActorResources(num_cpus, num_gpus))
+        self.group = TargetGroup(spec, cfg.tp_size, backend, ActorResources(num_cpus, num_gpus),
+                                 first_bundle=1)
         self.tokenizer = self.draft.tokenizer
 
     def encode(self, text: str, *, chat: bool) -> list[int]:

@@ -57,10 +57,10 @@ def test_actor_spec_validates_itself():
     check_backend("gloo", "cuda", world=1)
 
 
-def test_bundles_one_per_actor_after_the_replica():
+def test_bundles_one_per_actor_the_replica_shares_the_first():
     gpu = ActorResources(num_cpus=2, num_gpus=1, accelerator_type="L4")
-    assert bundles(gpu, 2) == [{"CPU": 0.001}] + [{"CPU": 2, "GPU": 1, "accelerator_type:L4": 0.001}] * 2
-    assert bundles(ActorResources(), 1) == [{"CPU": 0.001}, {"CPU": 1.0}]
+    assert bundles(gpu, 2) == [{"CPU": 2, "GPU": 1, "accelerator_type:L4": 0.001}] * 2
+    assert bundles(ActorResources(), 1) == [{"CPU": 1.0}]
     assert gpu.options() == {"num_cpus": 2, "num_gpus": 1, "accelerator_type": "L4"}
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deployments.placement import Demand, Unplaceable, check_placeable
+from deployments.capacity import Demand, Unplaceable, check_placeable
 
 TWO_CPU = [{"CPU": 2.0, "memory": 8e9}]
 
@@ -47,3 +47,17 @@ def test_replicas_multiply_the_demand():
     check_placeable(ok, TWO_CPU)
     with pytest.raises(Unplaceable, match="needs 3 CPU in all"):
         check_placeable([Demand("TargetDeployment", ({"CPU": 1.0},), replicas=3)], TWO_CPU)
+
+
+def test_the_shipped_config_fits_a_two_core_machine():
+    from deployments.app import demands as app_demands
+    from deployments.config import ServeConfig
+    from deployments.launch import DEFAULT_CONFIG, app_args
+
+    cfg = ServeConfig.model_validate(app_args(DEFAULT_CONFIG, []))
+    check_placeable(app_demands(cfg), TWO_CPU)
+    with pytest.raises(Unplaceable, match="needs 4 CPU in all"):
+        check_placeable(app_demands(cfg.model_copy(update={"num_cpus": 2.0})), TWO_CPU)
+    tp2 = cfg.model_copy(update={"tp_size": 2, "num_gpus": 1.0})
+    assert [d.bundles for d in app_demands(tp2)] == [({"CPU": 1.0, "GPU": 1.0},), ({"CPU": 1.0, "GPU": 1.0},) * 2]
+    assert app_demands(cfg.model_copy(update={"draft": None}))[0].deployment == "TargetDeployment"

@@ -1,0 +1,131 @@
+"""``serve run deployments/config.yaml`` on a 2-CPU Ray cluster, as a new user runs it on a 2-core machine:
+the shipped resources come up and serve; a configuration the cluster can never place fails at once
+(DEPLOY_FAILED, with the resource and the fix in the message) instead of replicas waiting for ever."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+ENV = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+           PYTHONPATH=str(REPO))
+TINY = {"draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "draft_quantize": None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def two_cpu_cluster(tmp_path: Path):
+    """``ray start --head --num-cpus=2``: the logical CPUs of this 2-core machine, whatever runs the test."""
+    port, dash = free_port(), free_port()
+    start = [str(BIN / "ray"), "start", "--head", "--num-cpus=2", f"--port={port}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dash}", "--include-dashboard=true", "--disable-usage-stats"]
+    subprocess.run(start, check=True, env=ENV, cwd=tmp_path, capture_output=True, timeout=180)
+    try:
+        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+
+
+def shipped_config(tmp_path: Path, **overrides) -> tuple[Path, int]:
+    """deployments/config.yaml as shipped, on a free HTTP port and a temporary plan store, with overrides."""
+    spec = yaml.safe_load((REPO / "deployments" / "config.yaml").read_text())
+    port = free_port()
+    spec["http_options"]["port"] = port
+    spec["applications"][0]["args"].update(plan_store=str(tmp_path / "plans"), **overrides)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, port
+
+
+@contextlib.contextmanager
+def serve_run(address: str, config: Path):
+    proc = subprocess.Popen([str(BIN / "serve"), "run", "--address", address, str(config)], cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)  # serve run shuts the app down on Ctrl-C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def app_status(dashboard: str) -> dict:
+    out = subprocess.run([str(BIN / "serve"), "status", "--address", dashboard], env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    return (yaml.safe_load(out.stdout) or {}).get("applications", {}).get("sequoia", {})
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(2)
+    raise AssertionError(f"{what} not within {timeout_s:.0f} s")
+
+
+def models_up(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/v1/models", timeout=10).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def check_serves(tmp_path: Path, timeout_s: float, **overrides) -> None:
+    with two_cpu_cluster(tmp_path) as (address, _):
+        config, port = shipped_config(tmp_path, **overrides)
+        url = f"http://127.0.0.1:{port}"
+        with serve_run(address, config) as proc:
+            wait_until(lambda: models_up(url) or proc.poll() is not None, timeout_s, "/v1/models answering 200")
+            assert proc.poll() is None, "serve run exited"
+            body = {"model": "sequoia-default", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
+            r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_shipped_resources_come_up_on_two_cpus(tmp_path):
+    """The shipped config's resources (tiny models in place of the real pair, to stay fast)."""
+    check_serves(tmp_path, timeout_s=240, **TINY)
+
+
+@pytest.mark.slow
+def test_shipped_config_comes_up_on_two_cpus(tmp_path):
+    """Exactly the shipped config (the real pair, bf16 target, int8 draft)."""
+    check_serves(tmp_path, timeout_s=420)
+
+
+def test_unplaceable_config_fails_fast_naming_the_resource(tmp_path):
+    with two_cpu_cluster(tmp_path) as (address, dashboard):
+        config, _ = shipped_config(tmp_path, num_cpus=3, **TINY)
+        begin = time.monotonic()
+        with serve_run(address, config):
+            status = wait_until(lambda: (s := app_status(dashboard)).get("status") == "DEPLOY_FAILED" and s, 120,
+                                "DEPLOY_FAILED")
+        elapsed = time.monotonic() - begin
+    message = status.get("message", "")
+    assert "needs 3 CPU on one node" in message and "largest node has 2" in message, message
+    assert "lower num_cpus" in message, message
+    assert elapsed < 90, f"took {elapsed:.0f} s to fail"
