@@ -46,3 +46,12 @@ def _env_rank(local_rank: int | None) -> int | None:
         return local_rank
     value = os.environ.get("LOCAL_RANK")
     return int(value) if value not in (None, "") else None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU): call it before reading a clock, since an
+    accelerator runs kernels asynchronously and a timer read right after a launch measures only the launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, device.type):
+        getattr(torch, device.type).synchronize()  # mps, xpu, ... expose the same call
