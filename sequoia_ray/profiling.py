@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from sequoia_ray.acceptance import measure
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
+from sequoia_ray.devices import DEVICE_CHOICES
 from sequoia_ray.hardware import Choice, choose, profile
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
@@ -50,8 +51,9 @@ class TrialResult:
 
 def load_pair(cfg: ProfileJobConfig) -> LocalPair:
     if cfg.smoke_test:
-        return LocalPair.tiny()
-    return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize)
+        return LocalPair.tiny(device=cfg.device)
+    return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize,
+                          device=cfg.device)
 
 
 def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None) -> tuple[list[TrialResult], dict]:
@@ -169,6 +171,8 @@ def add_job_args(p) -> None:
     p.add_argument("--acceptance", action="append", default=[], help="T=FILE: use this vector, skip measuring")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--draft-quantize", default=None, choices=["int8"])
+    p.add_argument("--device", default="auto", choices=list(DEVICE_CHOICES),
+                   help="where the models run: auto = the assigned accelerator, else the CPU")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--smoke-test", action="store_true", help="tiny random models, small sizes: seconds")
 
@@ -196,6 +200,7 @@ def job_config(args, **extra) -> ProfileJobConfig:
         temperatures=_floats(args.temperatures, "temperatures"), budgets=tuple(int(b) for b in budgets),
         max_depth=args.max_depth, width=args.width, prompts=args.prompts, acceptance=acceptance,
         dtype=args.dtype, draft_quantize=args.draft_quantize, tp_size=args.tp_size, smoke_test=args.smoke_test,
+        device=args.device,
         **extra)
 
 
