@@ -43,6 +43,11 @@ class LoadedModel:
 
 def resolve(source: str, *, progress: bool = True) -> tuple[str, str | None]:
     """(directory or hub id, gguf file name or None) for a model source string."""
+    with progress_bars(progress):
+        return _resolve(source, progress)
+
+
+def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
     from sequoia_ray.models import fetch
 
     if source in (TINY_DRAFT, TINY_TARGET):
@@ -160,7 +165,8 @@ def _tiny_checkpoint(source: str) -> Path:
 
 def load_tokenizer(source: str, *, progress: bool = True):
     """Only the tokenizer of a model source (what an ingress needs to encode prompts)."""
-    return _tokenizer(*resolve(source, progress=progress))
+    with progress_bars(progress):
+        return _tokenizer(*resolve(source, progress=progress))
 
 
 def _tokenizer(where: str, gguf: str | None):

@@ -64,3 +64,19 @@ def test_progress_bars_switch_restores_the_previous_state():
         assert not hf_logging.is_progress_bar_enabled()
         assert gguf.tqdm is not before
     assert hf_logging.is_progress_bar_enabled() and gguf.tqdm is before
+
+
+def test_profile_job_device_is_validated_and_reaches_the_cli():
+    import argparse
+
+    from pydantic import ValidationError
+
+    from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray.profiling import add_job_args, job_config
+
+    assert ProfileJobConfig(storage="/tmp/x").device == "auto"
+    with pytest.raises(ValidationError, match="'tpu' is not one of auto, cpu, cuda"):
+        ProfileJobConfig(storage="/tmp/x", device="tpu")
+    parser = argparse.ArgumentParser()
+    add_job_args(parser)
+    assert job_config(parser.parse_args(["--storage", "/tmp/x", "--device", "cpu"])).device == "cpu"
