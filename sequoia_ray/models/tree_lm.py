@@ -59,6 +59,8 @@ class KVSession:
             assert start == past, "a causal forward has no tree region in the cache"
             allowed = torch.ones(q, q, dtype=torch.bool, device=device).tril_()
         assert allowed.shape == (q, past + q - start), f"allowed {tuple(allowed.shape)} != {(q, past + q - start)}"
+        for name, t in (("tokens", tokens), ("positions", positions), ("allowed", allowed)):
+            assert t.device == device, f"{name} on {t.device}, model on {device}: build it with device=session.device"
         assert bool(allowed[:, past - start :].diagonal().all()), "every token must attend to itself"
         dtype = self.model.dtype
         mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=device)

@@ -215,6 +215,12 @@ def test_tree_forward_and_keep_on_the_model_device(pair, mode):
     _clean(mode)
 
 
+def test_host_tokens_for_a_device_model_name_the_fix(pair, mode):
+    target, _ = pair
+    with pytest.raises(AssertionError, match="tokens on cpu, model on cuda:0: build it with device=session.device"):
+        KVSession(target).forward(torch.tensor([1, 2], device="cpu"), torch.arange(2, device=target.device))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_grow_verify_commit(pair, mode, temperature):
     target, draft = pair
