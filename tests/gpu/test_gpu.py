@@ -21,10 +21,15 @@ CUDA = torch.device("cuda", 0)
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [7] * 12]
 
 
+def host_pair():
+    """The tiny pair on the CPU (noisy_copy draws its noise with a host generator)."""
+    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
+    return target, noisy_copy(target, scale=0.03, seed=1)
+
+
 @pytest.fixture(scope="module")
 def pair():
-    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
-    draft = noisy_copy(target, scale=0.03, seed=1)
+    target, draft = host_pair()
     return target.to(CUDA), draft.to(CUDA)
 
 
@@ -72,12 +77,21 @@ def test_model_cache_and_generator_are_on_cuda(pair):
 
 def test_bf16_draft_with_an_fp32_target_is_still_the_target(pair):
     target, draft = pair
-    draft16 = noisy_copy(target, scale=0.03, seed=1).to(torch.bfloat16)
+    draft16 = host_pair()[1].to(CUDA, torch.bfloat16)
     params = SamplingParams(max_tokens=24)
     alone = generate(target, None, chain(0), params)
     spec = generate(target, draft16, specinfer(3, 3), params)
     assert draft16.device.type == "cuda" and draft16.dtype == torch.bfloat16
     assert spec.token_ids == alone.token_ids  # the fp32 target decides every token
+
+
+def test_a_cpu_draft_with_a_cuda_target(pair):
+    """The actor layout: trees grown on the host cross to a GPU target."""
+    target, _ = pair
+    cpu_draft = host_pair()[1]
+    params = SamplingParams(max_tokens=24)
+    assert generate(target, cpu_draft, specinfer(3, 3), params).token_ids == generate(
+        target, None, chain(0), params).token_ids
 
 
 def test_loading_and_timing_on_cuda():

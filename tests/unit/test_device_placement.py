@@ -258,6 +258,20 @@ def test_generate_matches_the_host_run(pair, monkeypatch, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_host_draft_with_a_device_target(pair, monkeypatch, temperature):
+    """The actor layout: the draft on the CPU, the target on the accelerator; trees cross as host tensors."""
+    target, _ = pair
+    host_draft = noisy_copy(sharpen(tiny_model("qwen2", seed=0), 12.0), scale=0.03, seed=1)  # not claimed
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=5)
+    monkeypatch.setattr(torch, "Generator", ClaimedGenerator)
+    with ClaimedAccelerator() as mode:
+        spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(host_draft), k_ary(2, 3))
+        out = spec.generate([7, 3, 9], params)
+    _clean(mode)
+    assert out.stats.tokens == 12 and out.stats.tokens_per_step > 1.2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_the_verify_walk_reads_the_device_once(mode, temperature):
     """A chain the target accepts to the end: today's per-node reads would show as 5+ host reads."""
     from sequoia_ray.draft import DraftTree
