@@ -1,6 +1,7 @@
 """End to end on the real pair: target alone vs transformers' assisted generation vs Sequoia trees.
 
     .venv/bin/python benchmarks/e2e.py [--dtype bfloat16] [--limit 6] [--max-tokens 64] [--temperatures 0,0.6]
+                                       [--device auto|cpu|cuda]
 
 Same prompts (benchmarks/prompts.jsonl: code and prose) for every configuration, in one run. For each
 temperature: the target alone; assisted generation with the same draft (num_assistant_tokens 3, 5, 8);
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.devices import DEVICE_CHOICES, synchronize  # noqa: E402
 from sequoia_ray.hardware import choose, hardware_id, profile  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
@@ -51,21 +53,29 @@ def run_ours(pair: LocalPair, plan, prompts, temperature: float, max_tokens: int
 
 def run_assisted(pair: LocalPair, k: int, prompts, temperature: float, max_tokens: int):
     target, draft = pair.target.model, pair.draft.model
+    device = target.device
     draft.generation_config.num_assistant_tokens = k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     tokens, seconds = 0, 0.0
     for i, prompt in enumerate(prompts):
         torch.manual_seed(i)  # transformers' sampling reads the global generator
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         sample = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {
             "do_sample": False}
         start = time.perf_counter()
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
                               max_new_tokens=max_tokens, eos_token_id=list(pair.target.eos_ids),
                               pad_token_id=pair.target.eos_ids[0], **sample)
+        synchronize(device)  # generate returns before a GPU has finished; our decoder returns python ints
         seconds += time.perf_counter() - start
         tokens += out.shape[1] - ids.shape[1]
     return tokens, seconds, None
+
+
+def _hardware(pair: LocalPair) -> str:
+    device = pair.target.model.device
+    gpu = torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else None
+    return hardware_id(gpu)
 
 
 def main() -> None:
@@ -78,10 +88,12 @@ def main() -> None:
     ap.add_argument("--acceptance", action="append", default=[], help="T=file measured vectors, e.g. 0=acc.json")
     ap.add_argument("--budgets", default="8,16,32", help="tree sizes n of the fixed Sequoia plans")
     ap.add_argument("--depths", default="6", help="max depths d of the fixed Sequoia plans")
+    ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto = a GPU if torch sees one")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    pair = LocalPair.load(dtype=args.dtype, draft_quantize=args.draft_quantize)
+    pair = LocalPair.load(dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device)
+    print(f"target on {pair.target.model.device}, draft on {pair.draft.model.device}", flush=True)
     prompts = load_prompts(HERE / "prompts.jsonl")
     by_kind = defaultdict(list)
     for p in prompts:
@@ -93,7 +105,7 @@ def main() -> None:
         acceptance[float(t)] = AcceptanceVector.parse(path)
 
     print("profiling t(n) and c on this machine ...", flush=True)
-    prof = profile(pair.target.model, pair.draft.model, hardware=hardware_id(), budgets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
+    prof = profile(pair.target.model, pair.draft.model, hardware=_hardware(pair), budgets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
                    widths=(1, 2, 4, 8, 16, 32), context=128, repeats=3, dtype=args.dtype)
     print(f"t(n) = {prof.t}\nc(w) = {prof.c}\ntarget step = {prof.target_step_s * 1000:.0f} ms")
 

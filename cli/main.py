@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, described, given, nonneg_float,
                                    one_line, positive_int)
 from sequoia_ray.config import SamplingParams
+from sequoia_ray.devices import DEVICE_CHOICES
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +65,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="float32 = exact greedy identity; bfloat16 is faster on most CPUs")
     p.add_argument("--draft-quantize", choices=["int8"], default=None, help="dynamic int8 draft (CPU)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where the models run: auto = a GPU if torch sees one, else the CPU")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -95,7 +98,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     planned = load_or_build(args.plan, temperature=params.temperature, budget=args.budget,
                             max_depth=args.max_depth, acceptance=acceptance)
     pair = LocalPair.load(args.target, None if args.no_speculation else args.draft, dtype=args.dtype,
-                          draft_quantize=args.draft_quantize, progress=not args.json)
+                          draft_quantize=args.draft_quantize, progress=not args.json, device=args.device)
     decoder = pair.decoder(planned.plan)
     prompt = pair.encode(args.prompt, chat=args.chat)
     if args.json:
@@ -133,7 +136,8 @@ def _run_measure(args: argparse.Namespace) -> int:
     from sequoia_ray.prompts import load_prompts
 
     prompts = load_prompts(args.prompts)[: args.limit]
-    pair = LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize)
+    pair = LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize,
+                          device=args.device)
     encoded = [pair.encode(p.text, chat=p.chat) for p in prompts]
     acceptance, steps = measure(pair.decoder, encoded, width=args.width, temperature=args.temperature,
                                 max_tokens=args.max_tokens)

@@ -14,6 +14,7 @@ import argparse
 from pydantic import BaseModel
 
 from sequoia_ray.config import ProfileJobConfig
+from sequoia_ray.devices import DEVICE_CHOICES
 
 EXIT_BAD_INPUT = 2
 
@@ -85,7 +86,7 @@ def given(args: argparse.Namespace, names: list[str]) -> dict:
 
 
 # ---- the profiling job (``sequoia-ray profile`` and ``tuning/profile.py``) -------------------------
-_JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "tp_size"]
+_JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "device", "tp_size"]
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +106,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
                    help="use this acceptance vector for temperature T instead of measuring (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=doc("dtype"))
     p.add_argument("--draft-quantize", choices=["int8"], help=doc("draft_quantize"))
+    p.add_argument("--device", choices=DEVICE_CHOICES, help=doc("device"))
     p.add_argument("--tp-size", type=int, help=doc("tp_size"))
     p.add_argument("--smoke-test", action="store_true", help=ProfileJobConfig.model_fields["smoke_test"].description)
 

@@ -71,6 +71,8 @@ class ProfileJobConfig(BaseModel):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size of the target (part of the hardware id).")
     hardware: tuple[str, ...] = Field((), description="Accelerator types to profile; default: every type in the cluster.")
     smoke_test: bool = Field(False, description="Tiny random models and small sizes: seconds, for CI.")
+    device: str = Field("auto", description="Where the models run: auto (the trial's assigned accelerator, else "
+                        "the CPU) | cpu | cuda.")
 
     @field_validator("budgets")
     @classmethod
@@ -85,3 +87,14 @@ class ProfileJobConfig(BaseModel):
         if not value or min(value) < 0:
             raise ValueError(f"temperatures {value} must be >= 0")
         return tuple(value)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value):
+        from sequoia_ray.devices import DEVICE_CHOICES
+
+        if value not in DEVICE_CHOICES:
+            raise ValueError(f"device {value!r} is not one of {', '.join(DEVICE_CHOICES)}; "
+                             "auto = the assigned accelerator, else the CPU")
+        return value
+

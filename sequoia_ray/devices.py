@@ -4,15 +4,19 @@
 assigned (``CUDA_VISIBLE_DEVICES``), so an actor with ``num_gpus: 0`` resolves to the CPU and one with a GPU
 to that GPU; a tensor-parallel rank launched outside Ray picks its GPU by ``LOCAL_RANK``. The device is
 decided once, when a model loads; afterwards every tensor the core builds takes its device from the model
-(``model.device``), never assumes the host. Tensors that cross between processes travel as host tensors and are placed on arrival.
+(``model.device``), never assumes the host. Tensors that cross between processes travel as host tensors
+and are placed on arrival. (torch is imported inside the functions: the command line reads ``DEVICE_CHOICES``
+without loading torch.)
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -25,6 +29,8 @@ def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), loc
     ``CUDA_VISIBLE_DEVICES`` to them, so the first assigned GPU is ``cuda:0`` in this process. Without
     assigned ids, ``local_rank`` (default: the ``LOCAL_RANK`` environment variable) picks the GPU.
     """
+    import torch
+
     if spec not in DEVICE_CHOICES:
         raise ValueError(f"device {spec!r} is not one of {', '.join(DEVICE_CHOICES)}; "
                          "auto = the assigned accelerator, else the CPU")
@@ -46,3 +52,14 @@ def _env_rank(local_rank: int | None) -> int | None:
         return local_rank
     value = os.environ.get("LOCAL_RANK")
     return int(value) if value not in (None, "") else None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU): call it before reading a clock, since an
+    accelerator runs kernels asynchronously and a timer read right after a launch measures only the launch."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, device.type):
+        getattr(torch, device.type).synchronize()  # mps, xpu, ... expose the same call

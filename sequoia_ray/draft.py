@@ -5,6 +5,10 @@ tokens (their last one is the root), then, level by level, only the nodes that h
 logits and K/V are never used, and most nodes of an optimal tree are leaves); at a node with k children
 it draws k distinct tokens without replacement from D (greedy: the top-k) and keeps D, truncated to its
 top ``support`` tokens, for the verifier. ``commit`` keeps only the accepted path's K/V.
+
+Devices: the tree is grown on the draft model's device, with the request's generator on that device; ``grow``
+returns it as host tensors (``DraftTree.to("cpu")``), which is what crosses to the target (a Ray actor sends
+host tensors), and the target places it on its own device on arrival.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ class DraftTree:
 
     tokens: torch.Tensor  # [n] int64; tokens[0] is the root (the last committed token)
     dists: dict[int, SparseDist]  # node id -> D its children were drawn from (empty when greedy)
+
+    def to(self, device: torch.device | str) -> DraftTree:
+        """The same tree with its tokens and distributions on ``device`` (no copy for those already there)."""
+        return DraftTree(self.tokens.to(device), {node: d.to(device) for node, d in self.dists.items()})
 
     def nbytes(self) -> int:
         sizes = [d.tokens.numel() * d.tokens.element_size() + d.probs.numel() * d.probs.element_size()
@@ -53,16 +61,18 @@ class DraftWorker(RequestTable):
         self.vocab = model.config.vocab_size
 
     def grow(self, request_id: str, plan: TreePlan) -> DraftTree:
-        req = self.get(request_id)
+        """Grow ``plan``'s tree on the draft's device; returns it as host tensors (what crosses processes)."""
+        req, device = self.get(request_id), self.device
         req.session.truncate(req.cached)
         req.base = len(req.committed) - 1
-        pending = torch.tensor(req.committed[req.cached :])
-        hidden = req.session.hidden(pending, torch.arange(req.cached, req.base + 1))
+        pending = torch.tensor(req.committed[req.cached :], device=device)
+        hidden = req.session.hidden(pending, torch.arange(req.cached, req.base + 1, device=device))
         logits = req.session.head(hidden[-1:])  # [1, V] at the root; the rest of the prefix needs no logits
-        tokens = torch.zeros(plan.n, dtype=torch.long)
+        tokens = torch.zeros(plan.n, dtype=torch.long, device=device)
         tokens[0] = req.committed[-1]
         dists: dict[int, SparseDist] = {}
-        mask = torch.from_numpy(plan.ancestor_mask())
+        mask = torch.from_numpy(plan.ancestor_mask()).to(device)  # [n, n] bool
+        depth = torch.tensor(plan.depth, device=device)  # [n]
         forwarded, inner = [0], [0]  # tree nodes in the cache (slot order); nodes whose logits we hold
         while True:
             self._draw_children(req, plan, inner, logits, tokens, dists)
@@ -70,13 +80,13 @@ class DraftWorker(RequestTable):
             inner = [c for node in inner for c in plan.children[node] if plan.children[c]]
             if not inner:
                 break
-            idx = torch.tensor(inner)
-            positions = req.base + torch.tensor([plan.depth[c] for c in inner])
-            logits = req.session.forward(tokens[idx], positions, mask[idx][:, forwarded + inner], req.base)
+            idx = torch.tensor(inner, device=device)
+            cols = torch.tensor(forwarded + inner, device=device)
+            logits = req.session.forward(tokens[idx], req.base + depth[idx], mask[idx][:, cols], req.base)
             forwarded += inner
         req.forwarded = {node: slot for slot, node in enumerate(forwarded)}
         req.grown = True
-        return DraftTree(tokens, dists)
+        return DraftTree(tokens, dists).to("cpu")
 
     def _draw_children(self, req: _Request, plan: TreePlan, nodes, logits, tokens, dists) -> None:
         for row, node in enumerate(nodes):
@@ -89,7 +99,7 @@ class DraftWorker(RequestTable):
                 probs = target_probs(logits[row], req.params.temperature, req.params.top_p)
                 dists[node] = truncate(probs, self.support)
                 drawn = draw_without_replacement(dists[node], len(kids), self.vocab, req.generator)
-            tokens[list(kids)] = drawn
+            tokens[torch.tensor(kids, device=tokens.device)] = drawn
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None:
         """The verifier kept ``path`` (node ids from the root) and appended ``new_tokens``."""
@@ -102,6 +112,8 @@ class DraftWorker(RequestTable):
     def _keep_path(req: _Request, path: list[int]) -> None:
         req.grown = False
         kept = [req.forwarded[node] for node in path if node in req.forwarded]  # a prefix of the path
-        slots = torch.cat([torch.arange(req.base), req.base + torch.tensor(kept, dtype=torch.long)])
+        device = req.session.device
+        slots = torch.cat([torch.arange(req.base, device=device),
+                           req.base + torch.tensor(kept, dtype=torch.long, device=device)])
         req.session.keep(slots)
         req.cached = req.base + len(kept)

@@ -187,7 +187,8 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         tree = draft.call("grow", plan) if plan.n > 1 else None
         if tree is None:  # no draft, a root-only plan, or the draft just failed: the target alone
-            plan, tree = ROOT_ONLY, DraftTree(torch.tensor([last_token]), {})
+            # A host tensor, like every tree that crosses to the target: the target places it on arrival.
+            plan, tree = ROOT_ONLY, DraftTree(torch.tensor([last_token], device="cpu"), {})
         t1 = time.perf_counter()
         verdict = self.target.verify(rid, plan, tree)
         t2 = time.perf_counter()

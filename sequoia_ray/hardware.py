@@ -8,6 +8,9 @@ nodes at level l
     predicted speedup(n, d) = G(n, d) / (t(n) + sum_{l : i_l > 0} c(i_l))
 
 which is the paper's G / (t(n) + d·c) with c measured per level width instead of assumed constant.
+
+Timings run on the model's device and synchronise it before every clock read (an accelerator runs kernels
+asynchronously; without the sync a timer measures only the launches).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sequoia_ray.devices import synchronize
 from sequoia_ray.models.tree_lm import KVSession
 from sequoia_ray.tree.dp import DPTable
 from sequoia_ray.tree.plan import TreePlan
@@ -122,15 +126,16 @@ def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS) ->
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def median_time(fn, repeats: int, warmup: int = 0) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
+def median_time(fn, repeats: int, warmup: int = 0, device: torch.device | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs; ``device`` (the
+    device ``fn`` queues work on, if an accelerator) is synchronised before each clock read."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = _clock(device)
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(_clock(device) - start)
     return statistics.median(times)
 
 
@@ -138,17 +143,20 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
                  head_rows: int | None = None) -> dict[int, float]:
     """Median seconds to forward s new tokens after ``context`` cached ones, for each s in ``sizes``, with
     the LM head on the first ``head_rows`` of them (None = all, as the draft and the verifier do)."""
-    gen = torch.Generator().manual_seed(seed)
+    device = model.device
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # the same random inputs on every device
     vocab = model.config.vocab_size
     session = KVSession(model)
-    session.forward(torch.randint(0, vocab, (context,), generator=gen), torch.arange(context))
-    inputs = {s: torch.randint(0, vocab, (s,), generator=gen) for s in sizes}
+    prefix = torch.randint(0, vocab, (context,), generator=gen, device="cpu").to(device)
+    session.forward(prefix, torch.arange(context, device=device))
+    inputs = {s: torch.randint(0, vocab, (s,), generator=gen, device="cpu").to(device) for s in sizes}
+    positions = {s: context + torch.arange(s, device=device) for s in sizes}
 
     def step(s: int) -> float:
-        start = time.perf_counter()
-        hidden = session.hidden(inputs[s], context + torch.arange(s))
+        start = _clock(device)
+        hidden = session.hidden(inputs[s], positions[s])
         session.head(hidden if head_rows is None else hidden[:head_rows])
-        elapsed = time.perf_counter() - start
+        elapsed = _clock(device) - start
         session.truncate(context)
         return elapsed
 
@@ -157,6 +165,13 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
             step(s)
     rounds = [[step(s) for s in sizes] for _ in range(repeats)]  # round-robin: drift hits every size alike
     return {s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
+
+
+def _clock(device: torch.device | None) -> float:
+    """``perf_counter`` after the queued work on ``device`` has finished."""
+    if device is not None:
+        synchronize(device)
+    return time.perf_counter()
 
 
 def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRAFT_WIDTHS, context: int = 256,

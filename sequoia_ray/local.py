@@ -18,20 +18,23 @@ class LocalPair:
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *, dtype: str = "float32",
-             draft_quantize: str | None = None, progress: bool = True) -> LocalPair:
-        t = load_model(target, dtype=dtype, progress=progress)
-        d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress) if draft else None
+             draft_quantize: str | None = None, progress: bool = True, device: str = "cpu") -> LocalPair:
+        """Both models on ``device`` (``auto | cpu | cuda``, see ``sequoia_ray.devices``)."""
+        t = load_model(target, dtype=dtype, progress=progress, device=device)
+        d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device) if draft else None
         if d is not None:
             check_same_vocab(t, d)
         return cls(t, d)
 
     @classmethod
-    def tiny(cls) -> LocalPair:
+    def tiny(cls, device: str = "cpu") -> LocalPair:
         """A tiny random pair (the draft is the target's first layers) with a character tokenizer: smoke tests."""
+        from sequoia_ray.devices import resolve_device
         from sequoia_ray.models.loading import eos_ids
         from sequoia_ray.models.tiny import char_tokenizer, layered_pair
 
-        target, draft = layered_pair()
+        where = resolve_device(device)
+        target, draft = (m.to(where) for m in layered_pair())
         tok = char_tokenizer()
         loaded = [LoadedModel(m, tok, eos_ids(tok, m.generation_config), name, m.config.max_position_embeddings)
                   for m, name in ((target, "tiny-target"), (draft, "tiny-draft"))]

@@ -48,10 +48,11 @@ class TrialResult:
     profile_key: str
 
 
-def load_pair(cfg: ProfileJobConfig) -> LocalPair:
+def load_pair(cfg: ProfileJobConfig, *, progress: bool = True) -> LocalPair:
     if cfg.smoke_test:
-        return LocalPair.tiny()
-    return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize)
+        return LocalPair.tiny(device=cfg.device)
+    return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize,
+                          device=cfg.device, progress=progress)
 
 
 def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None) -> tuple[list[TrialResult], dict]:
@@ -60,7 +61,7 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
     ``pair`` defaults to an in-process ``LocalPair``; a tensor-parallel job passes one whose target is a
     group of rank actors (``decoder``, ``encode``, ``draft`` and ``time_target`` are all it needs)."""
     store = PlanStore(cfg.storage)
-    pair = pair or load_pair(cfg)
+    pair = pair or load_pair(cfg, progress=progress)
     prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
     budgets = SMOKE_BUDGETS if cfg.smoke_test else cfg.budgets
     depth = min(cfg.max_depth, 5) if cfg.smoke_test else cfg.max_depth

@@ -1,5 +1,9 @@
 """Per-request state shared by the draft and target workers: a KV session, the committed tokens, the
-sampling parameters and the request's own random generator, in a table keyed by request id."""
+sampling parameters and the request's own random generator, in a table keyed by request id.
+
+The generator lives where the worker samples (``generator_device``): the draft draws children on its model's
+device, so its generator is created there (a CUDA sampling op needs a CUDA generator); the target walks the
+verified tree on the host, so its generator is a host generator."""
 
 from __future__ import annotations
 
@@ -32,8 +36,18 @@ class RequestTable:
         self.model = model
         self.requests: dict[str, RequestState] = {}
 
+    @property
+    def device(self) -> torch.device:
+        """The model's device: every tensor this worker builds for its model is built there."""
+        return self.model.device
+
+    @property
+    def generator_device(self) -> torch.device:
+        """Where this worker's sampling ops run; the request generators are created there."""
+        return self.device
+
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=self.generator_device).manual_seed(seed)
         self.requests[request_id] = self.state_type(KVSession(self.model), list(prompt), params, gen)
 
     def finish(self, request_id: str) -> None:

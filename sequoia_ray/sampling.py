@@ -11,6 +11,9 @@ emits a *residual* token drawn from R. An accepted node with no children emits a
 Greedy (T = 0): the children are the draft's top-k; the child equal to argmax P is accepted; else argmax P.
 
 Randomness is always a ``torch.Generator`` passed in; nothing here seeds or reads global RNG state.
+Devices: every function works on the device of its inputs, and a generator must live on that same device
+(a CUDA sampling op needs a CUDA generator): the draft samples on its model's device, the verifier walks on
+the host (``sequoia_ray.verify``).
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ class SparseDist:
     tokens: torch.Tensor  # [K] int64, distinct
     probs: torch.Tensor  # [K] float, sums to 1
 
+    def to(self, device: torch.device | str) -> SparseDist:
+        return SparseDist(self.tokens.to(device), self.probs.to(device))
+
     def dense(self, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [V]
-        out = torch.zeros(vocab, dtype=dtype)
+        out = torch.zeros(vocab, dtype=dtype, device=self.probs.device)
         out[self.tokens] = self.probs.to(dtype)
         return out
 
@@ -60,14 +66,17 @@ def truncate(probs: torch.Tensor, k: int) -> SparseDist:
 
 
 def draw_without_replacement(dist: SparseDist, k: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
-    """k distinct tokens [k]: sequential draws from ``dist`` (Gumbel-top-k), then uniform over the rest."""
-    gumbel = -torch.log(-torch.log(torch.rand(len(dist.tokens), generator=generator, dtype=torch.float64)))
+    """k distinct tokens [k]: sequential draws from ``dist`` (Gumbel-top-k), then uniform over the rest.
+    ``generator`` lives on ``dist``'s device."""
+    device = dist.tokens.device
+    noise = torch.rand(len(dist.tokens), generator=generator, dtype=torch.float64, device=device)
+    gumbel = -torch.log(-torch.log(noise))
     keys = torch.log(dist.probs.double()) + gumbel
     order = torch.argsort(keys, descending=True)[:k]
     drawn = dist.tokens[order]
     if len(drawn) == k:
         return drawn
-    rest = torch.randperm(vocab, generator=generator)
+    rest = torch.randperm(vocab, generator=generator, device=device)
     rest = rest[~torch.isin(rest, drawn)]
     return torch.cat([drawn, rest[: k - len(drawn)]])
 
@@ -121,7 +130,7 @@ def verify_node(
     """Accept one child (fresh uniforms per child) or emit a residual token drawn from R."""
     residual = p
     for i, step in enumerate(node_steps(p, d, children)):
-        u = torch.rand((), generator=generator, dtype=torch.float64)
+        u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
         if u < step.accept_prob:
             return NodeVerdict(accepted=i, token=None)
         residual = step.residual_after

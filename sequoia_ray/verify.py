@@ -1,4 +1,12 @@
-"""Walk a verified tree from the root: keep the longest accepted path plus one residual/bonus token."""
+"""Walk a verified tree from the root: keep the longest accepted path plus one residual/bonus token.
+
+Devices: the target's logits stay on its device, and the walk never syncs the host once per node. Greedy:
+one argmax over all n rows on the device, one transfer of the ``[n]`` ids, then the walk in Python. Sampled
+(T > 0): the ``[n, V]`` logits come to the host in ONE transfer and the walk runs there — temperature, top-p,
+the per-node acceptance tests and the residual/bonus draws — with the request's *host* generator (the
+target worker creates it on the CPU). So the draws do not depend on the target's device: same seed, same
+tokens on a CPU or a GPU target (given the same logits), and at batch 1 exactly the draws of a host walk.
+"""
 
 from __future__ import annotations
 
@@ -20,19 +28,27 @@ class Verdict:
 
 def verify_tree(
     plan: TreePlan,
-    draft: DraftTree,
-    logits: torch.Tensor,  # [n, V] target logits at every tree node
+    draft: DraftTree,  # host tensors
+    logits: torch.Tensor,  # [n, V] target logits at every tree node, on the target's device
     params: SamplingParams,
-    generator: torch.Generator,
+    generator: torch.Generator,  # a host generator (the walk runs on the host)
 ) -> Verdict:
+    tree_tokens = draft.tokens.tolist()
+    if params.greedy:
+        best = logits.argmax(dim=-1).tolist()  # [n]: one device op, one transfer
+        return _walk(plan, tree_tokens, lambda node, kids: _greedy_step(best[node], kids))
+    host = logits.float().cpu()  # [n, V]: the one transfer of a sampled walk (a no-op on a CPU target)
+    return _walk(plan, tree_tokens,
+                 lambda node, kids: _sampled_step(host[node], draft, node, kids, params, generator))
+
+
+def _walk(plan: TreePlan, tree_tokens: list[int], step) -> Verdict:
+    """From the root, ``step(node, child_tokens) -> (chosen child index | None, token)`` until it stops."""
     node, path, out = 0, [0], []
     while True:
         kids = plan.children[node]
-        child_tokens = [int(draft.tokens[c]) for c in kids]
-        if params.greedy:
-            chosen, token = _greedy_step(logits[node], child_tokens)
-        else:
-            chosen, token = _sampled_step(logits[node], draft, node, child_tokens, params, generator)
+        child_tokens = [tree_tokens[c] for c in kids]
+        chosen, token = step(node, child_tokens)
         if chosen is None:
             out.append(token)
             return Verdict(path, out)
@@ -41,8 +57,7 @@ def verify_tree(
         out.append(child_tokens[chosen])
 
 
-def _greedy_step(logits: torch.Tensor, children: list[int]) -> tuple[int | None, int]:
-    best = int(torch.argmax(logits))
+def _greedy_step(best: int, children: list[int]) -> tuple[int | None, int]:
     return (children.index(best) if best in children else None), best
 
 

@@ -4,6 +4,7 @@ place of ``LocalPair`` (the same ``decoder`` / ``encode`` / ``time_target`` surf
 from __future__ import annotations
 
 from actors.adapters import RanksTarget
+from actors.base import assigned_device
 from actors.placement import ActorResources
 from actors.spec import ModelActorSpec
 from actors.target import TargetGroup
@@ -18,8 +19,9 @@ class GroupPair:
     def __init__(self, cfg: ProfileJobConfig, *, backend: str, num_cpus: float, num_gpus: float) -> None:
         draft, target = (TINY_DRAFT, TINY_TARGET) if cfg.smoke_test else (cfg.draft, cfg.target)
         dtype = "float32" if cfg.smoke_test else cfg.dtype
-        self.draft = load_model(draft, dtype=dtype, quantize=cfg.draft_quantize, progress=False)
-        spec = ModelActorSpec(target, dtype=dtype, threads=max(1, int(num_cpus)))
+        self.draft = load_model(draft, dtype=dtype, quantize=cfg.draft_quantize, progress=False,
+                                device=assigned_device(cfg.device))
+        spec = ModelActorSpec(target, dtype=dtype, device=cfg.device, threads=max(1, int(num_cpus)))
         self.group = TargetGroup(spec, cfg.tp_size, backend, ActorResources(num_cpus, num_gpus),
                                  first_bundle=1)
         self.tokenizer = self.draft.tokenizer

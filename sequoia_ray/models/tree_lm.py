@@ -5,6 +5,9 @@ committed tokens. ``forward`` appends q new tokens that may attend to every cach
 tokens allowed by ``allowed`` (a tree: each node sees its ancestors), with explicit positions; the mask is a
 *float additive* 4D mask (0 = attend, finfo.min = blocked), correct under both eager and SDPA attention.
 ``keep`` compacts the cache to a chosen list of slots (the accepted path), contiguous, in place.
+
+Devices: the session works on its model's device (``device``); the mask and cache positions are built
+there, and the callers pass ``tokens``, ``positions``, ``allowed`` and ``slots`` already on it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ class KVSession:
 
     def __post_init__(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @property
     def length(self) -> int:
@@ -46,22 +53,24 @@ class KVSession:
         tree_start: int | None = None,  # slots before this are visible to all new tokens (default: past)
     ) -> torch.Tensor:  # [q, H] final hidden states (after the last norm, before the LM head)
         """Append ``tokens``; slots >= ``tree_start`` (cached or new) are visible as ``allowed`` says."""
-        q, past = tokens.shape[0], self.length
+        q, past, device = tokens.shape[0], self.length, self.device
         start = past if tree_start is None else tree_start
         if allowed is None:
             assert start == past, "a causal forward has no tree region in the cache"
-            allowed = torch.ones(q, q, dtype=torch.bool).tril_()
+            allowed = torch.ones(q, q, dtype=torch.bool, device=device).tril_()
         assert allowed.shape == (q, past + q - start), f"allowed {tuple(allowed.shape)} != {(q, past + q - start)}"
+        for name, t in (("tokens", tokens), ("positions", positions), ("allowed", allowed)):
+            assert t.device == device, f"{name} on {t.device}, model on {device}: build it with device=session.device"
         assert bool(allowed[:, past - start :].diagonal().all()), "every token must attend to itself"
         dtype = self.model.dtype
-        mask = torch.zeros(1, 1, q, past + q, dtype=dtype)
+        mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=device)
         mask[0, 0, :, start:].masked_fill_(~allowed, torch.finfo(dtype).min)
         out = self.model.get_decoder()(
             input_ids=tokens[None],
             position_ids=positions[None],
             attention_mask=mask,
             past_key_values=self.cache,
-            cache_position=torch.arange(past, past + q),
+            cache_position=torch.arange(past, past + q, device=device),
             use_cache=True,
         )
         return out.last_hidden_state[0]
@@ -78,7 +87,7 @@ class KVSession:
     def keep(self, slots: torch.Tensor) -> None:  # slots: [m] int64, increasing, into the current cache
         """Compact the cache to ``slots`` (in order), dropping every other slot."""
         assert slots.ndim == 1 and (slots.numel() < 2 or bool((slots[1:] > slots[:-1]).all()))
-        if slots.numel() == self.length and bool((slots == torch.arange(self.length)).all()):
+        if slots.numel() == self.length and bool((slots == torch.arange(self.length, device=slots.device)).all()):
             return
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", False):
@@ -89,6 +98,8 @@ class KVSession:
 
     def truncate(self, length: int) -> None:
         """Drop every slot at or after ``length``."""
-        self.keep(torch.arange(min(length, self.length)))
+        if length >= self.length:
+            return
+        self.keep(torch.arange(min(length, self.length), device=self.device))
 
 

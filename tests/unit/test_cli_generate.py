@@ -23,7 +23,7 @@ def run_json(capsys, *args) -> dict:
 def test_generate_json_speculative_equals_target_alone(pair, capsys):
     target, draft = pair
     common = ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "hello world",
-              "--max-tokens", "24", "--json"]
+              "--max-tokens", "24", "--json", "--device", "cpu"]
     spec = run_json(capsys, *common, "--budget", "12", "--max-depth", "5")
     alone = run_json(capsys, *common, "--no-speculation")
     assert spec["token_ids"] == alone["token_ids"] and len(spec["token_ids"]) == 24

@@ -35,3 +35,48 @@ def test_int8_draft_is_cpu_only():
 
     with pytest.raises(ValueError, match="CPU only.*bfloat16 or float16"):
         load_model("tiny-draft", quantize="int8", device=torch.device("cuda", 0))
+
+
+def test_quiet_loading_draws_no_bar_and_logs_plain_lines(capfd, caplog):
+    """Actors load with progress=False: a bar's carriage returns become blank lines in a Ray driver's log."""
+    import logging
+
+    from sequoia_ray.models.loading import load_model
+
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="sequoia_ray.models.loading"):
+        load_model("tiny-target", progress=False)
+    quiet = capfd.readouterr()
+    assert "\r" not in quiet.err + quiet.out and "it/s" not in quiet.err, quiet.err[-500:]
+    assert any(r.getMessage().startswith("loading tiny-target on cpu ... done in ") for r in caplog.records)
+    load_model("tiny-target", progress=True)  # the command line's bars are back (the switch was restored)
+    assert "Loading weights" in capfd.readouterr().err
+
+
+def test_progress_bars_switch_restores_the_previous_state():
+    import transformers.modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging as hf_logging
+
+    from sequoia_ray.models.loading import progress_bars
+
+    before = gguf.tqdm
+    with progress_bars(False):
+        assert not hf_logging.is_progress_bar_enabled()
+        assert gguf.tqdm is not before
+    assert hf_logging.is_progress_bar_enabled() and gguf.tqdm is before
+
+
+def test_profile_job_device_is_validated_and_reaches_the_cli():
+    import argparse
+
+    from pydantic import ValidationError
+
+    from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray.arguments import add_job_args, job_config
+
+    assert ProfileJobConfig(storage="/tmp/x").device == "auto"
+    with pytest.raises(ValidationError, match="'tpu' is not one of auto, cpu, cuda"):
+        ProfileJobConfig(storage="/tmp/x", device="tpu")
+    parser = argparse.ArgumentParser()
+    add_job_args(parser)
+    assert job_config(parser.parse_args(["--storage", "/tmp/x", "--device", "cpu"])).device == "cpu"

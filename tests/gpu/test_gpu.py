@@ -1,0 +1,104 @@
+"""The core on a real CUDA device (skipped without one; see tests/conftest.py and scripts/gpu_check.sh).
+
+The CPU-only twin of these tests is tests/unit/test_device_placement.py, which checks placement with a
+claimed device; here the kernels really run on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.engine import SpeculativeDecoder
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.plan import chain, k_ary, specinfer
+from tests.tiny import noisy_copy, sharpen, tiny_model
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [7] * 12]
+
+
+def host_pair():
+    """The tiny pair on the CPU (noisy_copy draws its noise with a host generator)."""
+    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
+    return target, noisy_copy(target, scale=0.03, seed=1)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = host_pair()
+    return target.to(CUDA), draft.to(CUDA)
+
+
+def generate(target, draft, plan, params):
+    spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft) if draft is not None else None, plan)
+    return spec.generate(PROMPTS[0], params)
+
+
+@pytest.mark.parametrize("plan", [chain(4), k_ary(2, 3), specinfer(3, 3)], ids=["chain", "binary", "specinfer"])
+def test_greedy_is_the_target_alone_in_fp32(pair, plan):
+    target, draft = pair
+    for prompt in PROMPTS:
+        alone = SpeculativeDecoder(TargetWorker(target), None, chain(0)).generate(prompt, SamplingParams(max_tokens=24))
+        spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), plan).generate(
+            prompt, SamplingParams(max_tokens=24))
+        assert spec.token_ids == alone.token_ids
+    assert spec.stats.tokens_per_step > 1.2  # the noisy copy is accepted: speculation really ran
+
+
+def test_sampled_same_seed_same_tokens(pair):
+    target, draft = pair
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=123)
+    first = generate(target, draft, specinfer(3, 3), params)
+    assert generate(target, draft, specinfer(3, 3), params).token_ids == first.token_ids
+    other = generate(target, draft, specinfer(3, 3), params.model_copy(update={"seed": 124}))
+    assert other.token_ids != first.token_ids
+
+
+def test_model_cache_and_generator_are_on_cuda(pair):
+    target, draft = pair
+    params = SamplingParams(max_tokens=8, temperature=0.8)
+    dw, tw = DraftWorker(draft), TargetWorker(target)
+    for worker in (dw, tw):
+        worker.start("r", PROMPTS[0], params, seed=1)
+    tree = dw.grow("r", specinfer(2, 2))
+    assert tree.tokens.device.type == "cpu", "trees cross processes as host tensors"
+    tw.verify("r", specinfer(2, 2), tree)
+    for worker in (dw, tw):
+        layers = [layer for layer in worker.requests["r"].session.cache.layers if layer.is_initialized]
+        assert layers and all(layer.keys.device.type == "cuda" for layer in layers)
+        assert worker.device.type == "cuda"
+    assert dw.requests["r"].generator.device.type == "cuda"  # the draft samples on the GPU
+    assert tw.requests["r"].generator.device.type == "cpu"  # the verify walk runs on the host
+
+
+def test_bf16_draft_with_an_fp32_target_is_still_the_target(pair):
+    target, draft = pair
+    draft16 = host_pair()[1].to(CUDA, torch.bfloat16)
+    params = SamplingParams(max_tokens=24)
+    alone = generate(target, None, chain(0), params)
+    spec = generate(target, draft16, specinfer(3, 3), params)
+    assert draft16.device.type == "cuda" and draft16.dtype == torch.bfloat16
+    assert spec.token_ids == alone.token_ids  # the fp32 target decides every token
+
+
+def test_a_cpu_draft_with_a_cuda_target(pair):
+    """The actor layout: trees grown on the host cross to a GPU target."""
+    target, _ = pair
+    cpu_draft = host_pair()[1]
+    params = SamplingParams(max_tokens=24)
+    assert generate(target, cpu_draft, specinfer(3, 3), params).token_ids == generate(
+        target, None, chain(0), params).token_ids
+
+
+def test_loading_and_timing_on_cuda():
+    from sequoia_ray.hardware import time_forward
+    from sequoia_ray.models.loading import load_model
+
+    loaded = load_model("tiny-target", device="cuda", progress=False)
+    assert loaded.model.device == CUDA
+    times = time_forward(loaded.model, (1, 4, 16), context=32, repeats=2)
+    assert all(t > 0 for t in times.values())
