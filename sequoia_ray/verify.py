@@ -1,11 +1,14 @@
 """Walk a verified tree from the root: keep the longest accepted path plus one residual/bonus token.
 
 Devices: the target's logits stay on its device, and the walk never syncs the host once per node. Greedy:
-one argmax over all n rows on the device, one transfer of the ``[n]`` ids, then the walk in Python. Sampled
+one argmax over all n rows on the device, one transfer of the ``[n]`` ids, then the walk in Python (on a
+CPU target, where there is no sync to save, only the visited rows). Sampled
 (T > 0): the ``[n, V]`` logits come to the host in ONE transfer and the walk runs there — temperature, top-p,
 the per-node acceptance tests and the residual/bonus draws — with the request's *host* generator (the
 target worker creates it on the CPU). So the draws do not depend on the target's device: same seed, same
 tokens on a CPU or a GPU target (given the same logits), and at batch 1 exactly the draws of a host walk.
+Cost of that choice: the transfer is n x V float32 (n = 64, V = 152k: 39 MB, a few ms over PCIe). Moving less
+would mean drawing the residual/bonus candidates on the device before the walk — a different random stream.
 """
 
 from __future__ import annotations
@@ -35,11 +38,19 @@ def verify_tree(
 ) -> Verdict:
     tree_tokens = draft.tokens.tolist()
     if params.greedy:
-        best = logits.argmax(dim=-1).tolist()  # [n]: one device op, one transfer
-        return _walk(plan, tree_tokens, lambda node, kids: _greedy_step(best[node], kids))
+        best = _argmax_per_node(logits)
+        return _walk(plan, tree_tokens, lambda node, kids: _greedy_step(best(node), kids))
     host = logits.float().cpu()  # [n, V]: the one transfer of a sampled walk (a no-op on a CPU target)
     return _walk(plan, tree_tokens,
                  lambda node, kids: _sampled_step(host[node], draft, node, kids, params, generator))
+
+
+def _argmax_per_node(logits: torch.Tensor):  # [n, V] -> (node -> argmax of its row)
+    """On an accelerator all n rows at once, one transfer of the [n] ids (a read per node would sync per
+    node); on the CPU only the rows the walk visits (nothing to sync, and n rows of a large vocabulary cost)."""
+    if logits.device.type == "cpu":
+        return lambda node: int(logits[node].argmax())
+    return logits.argmax(dim=-1).tolist().__getitem__
 
 
 def _walk(plan: TreePlan, tree_tokens: list[int], step) -> Verdict:
