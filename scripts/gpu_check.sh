@@ -3,11 +3,9 @@
 #
 #   bash scripts/gpu_check.sh [--quick]
 #
-# 1. Set up .venv (scripts/setup.sh). setup.sh installs the CPU build of torch by default; a CUDA build is
-#    chosen with SEQUOIA_TORCH / SEQUOIA_TORCH_PIP_ARGS, which this script sets to a CUDA wheel unless you
-#    set them yourself, e.g.
-#      SEQUOIA_TORCH="torch==2.13.0" SEQUOIA_TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cu128" \
-#        bash scripts/gpu_check.sh
+# 1. Set up .venv (scripts/setup.sh) with SEQUOIA_TORCH (default torch==2.13.0). On a Linux GPU machine
+#    PyPI's torch wheel is the CUDA build; to pick another build (another CUDA version, a mirror) set
+#    SEQUOIA_TORCH_PIP_ARGS to the pip options that select it (e.g. an --index-url).
 #    (setup.sh is idempotent: it reinstalls only when the torch spec or pyproject.toml changed.)
 # 2. pytest -m gpu tests/gpu: the tiny pair on CUDA (greedy == target alone in fp32, same seed -> same tokens,
 #    model / KV cache / generators where they belong, a bf16 draft) and, where the file exists,
@@ -18,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SEQUOIA_TORCH=${SEQUOIA_TORCH:-torch==2.13.0}
-export SEQUOIA_TORCH_PIP_ARGS=${SEQUOIA_TORCH_PIP_ARGS:---index-url https://download.pytorch.org/whl/cu128}
+export SEQUOIA_TORCH_PIP_ARGS=${SEQUOIA_TORCH_PIP_ARGS:-}
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 PY=.venv/bin/python
