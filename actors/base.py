@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import ray
 import torch
 
@@ -17,18 +19,33 @@ def assigned_device(spec: str) -> torch.device:
     """The device for ``spec`` (auto | cpu | cuda) from the GPUs Ray assigned this actor; outside Ray (an
     actor class used in-process by a test) there are none. Sets torch's current CUDA device to it."""
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []  # get_gpu_ids() would start Ray otherwise
-    if spec == "auto" and ray.is_initialized() and not gpu_ids:
-        return torch.device("cpu")  # no GPU assigned: never take one Ray left visible to a num_gpus 0 actor
+    if ray.is_initialized() and not gpu_ids:  # never take a GPU Ray left visible to a num_gpus 0 actor
+        if spec == "cuda":
+            raise ValueError("device cuda, but Ray assigned this actor no GPU; set num_gpus >= 1 (or device auto)")
+        return torch.device("cpu")
     device = resolve_device(spec, gpu_ids=gpu_ids)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
 
 
+def log_lines_to_stderr(level: int = logging.INFO) -> None:
+    """In an actor, the core's log lines (model loading, plan changes) go to stderr — which Ray forwards to
+    the driver's log — as plain lines; no handler is set up there otherwise, and INFO would be dropped."""
+    log = logging.getLogger("sequoia_ray")
+    if not any(getattr(h, "_sequoia_actor", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._sequoia_actor = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(level)
+
+
 class ModelActor:
     """Base of ``DraftActor`` and ``TargetRank``; subclasses set ``self.worker`` and ``self.meta``."""
 
     def __init__(self, spec: ModelActorSpec, device: torch.device, *, fatal_errors: bool) -> None:
+        log_lines_to_stderr()
         torch.set_num_threads(spec.threads)
         self.spec, self.device = spec, device
         self.reaper = Reaper(spec.idle_timeout_s)

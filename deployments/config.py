@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.placement import ActorResources
 from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, ModelActorSpec, check_backend
-from sequoia_ray.devices import DEVICE_CHOICES
+from sequoia_ray.devices import check_device
 
 
 class ServeConfig(BaseModel):
@@ -63,9 +63,7 @@ class ServeConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v):
-        if v not in DEVICE_CHOICES:
-            raise ValueError(f"device {v!r} must be one of {', '.join(DEVICE_CHOICES)}")
-        return v
+        return check_device(v)
 
     @model_validator(mode="after")
     def _placement(self):
