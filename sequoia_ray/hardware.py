@@ -126,19 +126,6 @@ def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS) ->
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def median_time(fn, repeats: int, warmup: int = 0, device: torch.device | None = None) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs; ``device`` (the
-    device ``fn`` queues work on, if an accelerator) is synchronised before each clock read."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = _clock(device)
-        fn()
-        times.append(_clock(device) - start)
-    return statistics.median(times)
-
-
 def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 1, seed: int = 0,
                  head_rows: int | None = None) -> dict[int, float]:
     """Median seconds to forward s new tokens after ``context`` cached ones, for each s in ``sizes``, with
