@@ -13,6 +13,7 @@ from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
 from sequoia_ray.devices import resolve_device
+from sequoia_ray.hardware import accelerator_name
 
 
 def assigned_device(spec: str) -> torch.device:
@@ -73,4 +74,4 @@ class ModelActor:
 
 def model_meta(loaded, device: torch.device) -> dict:
     return {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context, "vocab": loaded.model.config.vocab_size,
-            "threads": torch.get_num_threads(), "device": str(device)}
+            "threads": torch.get_num_threads(), "device": str(device), "accelerator": accelerator_name(device)}

@@ -172,12 +172,13 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from sequoia_ray.hardware import hardware_id
+    from sequoia_ray.devices import resolve_device
+    from sequoia_ray.hardware import accelerator_name, hardware_id
     from sequoia_ray.arguments import job_config
     from sequoia_ray.profiling import format_results, publish_heatmaps, run_trial
 
     cfg = job_config(args)
-    hw = hardware_id(None, cfg.tp_size)
+    hw = hardware_id(accelerator_name(resolve_device(cfg.device)), cfg.tp_size)
     results, grids = run_trial(cfg, hw)
     reports = publish_heatmaps(cfg, hw, grids)
     print(format_results(results))

@@ -192,6 +192,14 @@ def hardware_id(accelerator: str | None = None, tp_size: int = 1, threads: int |
     return f"cpu-{_cpu_model()}-{threads or torch.get_num_threads()}c{suffix}"
 
 
+def accelerator_name(device: torch.device) -> str | None:
+    """The GPU's name as a hardware-id part (``NVIDIA_A100-SXM4-80GB``) for a CUDA device, else None; call it
+    where the device is visible (in the actor that owns it)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
 def _cpu_model() -> str:
     name = platform.processor() or platform.machine()
     try:
