@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sequoia_ray.devices import check_device
 
 COLLECTIVE_TIMEOUT_S = 120.0  # torch.distributed timeout of a TP group: a collective on a hung rank fails after it
+STEP_TIMEOUT_S = 60.0  # longest one draft or verify call may take before the caller gives up on it
 IDLE_TIMEOUT_S = 300.0  # free a request's KV state after this long without a call
 TP_BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # torch.distributed backend -> the device type it serves
 
