@@ -22,7 +22,7 @@ class ActorDraft:
     """The Draft protocol over one DraftActor handle; a call slower than ``timeout_s`` fails (and the
     engine goes on without the draft)."""
 
-    def __init__(self, actor, timeout_s: float = 60.0) -> None:
+    def __init__(self, actor, timeout_s: float = STEP_TIMEOUT_S) -> None:
         self.actor, self.timeout_s = actor, timeout_s
 
     def _call(self, method: str, request_id: str, *args):
@@ -51,7 +51,7 @@ class RanksTarget:
     failure — a dead or broken rank, no answer within ``timeout_s``, ranks that disagree — raises
     ``TargetUnavailable``; the request is then over (its state goes with the group, which is replaced)."""
 
-    def __init__(self, ranks: list, timeout_s: float = 60.0) -> None:
+    def __init__(self, ranks: list, timeout_s: float = STEP_TIMEOUT_S) -> None:
         self.ranks, self.timeout_s = ranks, timeout_s
         self.failed = False
 

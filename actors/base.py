@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import ray
 import torch
 
@@ -11,24 +13,40 @@ from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
 from sequoia_ray.devices import resolve_device
+from sequoia_ray.hardware import accelerator_name
 
 
 def assigned_device(spec: str) -> torch.device:
     """The device for ``spec`` (auto | cpu | cuda) from the GPUs Ray assigned this actor; outside Ray (an
     actor class used in-process by a test) there are none. Sets torch's current CUDA device to it."""
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []  # get_gpu_ids() would start Ray otherwise
-    if spec == "auto" and ray.is_initialized() and not gpu_ids:
-        return torch.device("cpu")  # no GPU assigned: never take one Ray left visible to a num_gpus 0 actor
+    if ray.is_initialized() and not gpu_ids:  # never take a GPU Ray left visible to a num_gpus 0 actor
+        if spec == "cuda":
+            raise ValueError("device cuda, but Ray assigned this actor no GPU; set num_gpus >= 1 (or device auto)")
+        return torch.device("cpu")
     device = resolve_device(spec, gpu_ids=gpu_ids)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
 
 
+def log_lines_to_stderr(level: int = logging.INFO) -> None:
+    """In an actor, the core's log lines (model loading, plan changes) go to stderr — which Ray forwards to
+    the driver's log — as plain lines; no handler is set up there otherwise, and INFO would be dropped."""
+    log = logging.getLogger("sequoia_ray")
+    if not any(getattr(h, "_sequoia_actor", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._sequoia_actor = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(level)
+
+
 class ModelActor:
     """Base of ``DraftActor`` and ``TargetRank``; subclasses set ``self.worker`` and ``self.meta``."""
 
     def __init__(self, spec: ModelActorSpec, device: torch.device, *, fatal_errors: bool) -> None:
+        log_lines_to_stderr()
         torch.set_num_threads(spec.threads)
         self.spec, self.device = spec, device
         self.reaper = Reaper(spec.idle_timeout_s)
@@ -56,4 +74,4 @@ class ModelActor:
 
 def model_meta(loaded, device: torch.device) -> dict:
     return {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context, "vocab": loaded.model.config.vocab_size,
-            "threads": torch.get_num_threads(), "device": str(device)}
+            "threads": torch.get_num_threads(), "device": str(device), "accelerator": accelerator_name(device)}

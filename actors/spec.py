@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sequoia_ray.devices import DEVICE_CHOICES
+from sequoia_ray.devices import check_device
 
 COLLECTIVE_TIMEOUT_S = 120.0  # torch.distributed timeout of a TP group: a collective on a hung rank fails after it
+STEP_TIMEOUT_S = 60.0  # longest one draft or verify call may take before the caller gives up on it
 IDLE_TIMEOUT_S = 300.0  # free a request's KV state after this long without a call
 TP_BACKENDS = {"gloo": "cpu", "nccl": "cuda"}  # torch.distributed backend -> the device type it serves
 
@@ -25,8 +26,7 @@ class ModelActorSpec:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICE_CHOICES:
-            raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICE_CHOICES)}")
+        check_device(self.device)
         if self.threads < 1:
             raise ValueError(f"threads {self.threads} must be >= 1")
         if self.quantize is not None and self.device == "cuda":

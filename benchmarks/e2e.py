@@ -26,7 +26,7 @@ from common import print_table, write_json  # noqa: E402
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.devices import DEVICE_CHOICES, synchronize  # noqa: E402
-from sequoia_ray.hardware import choose, hardware_id, profile  # noqa: E402
+from sequoia_ray.hardware import accelerator_name, choose, hardware_id, profile  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector  # noqa: E402
@@ -73,9 +73,7 @@ def run_assisted(pair: LocalPair, k: int, prompts, temperature: float, max_token
 
 
 def _hardware(pair: LocalPair) -> str:
-    device = pair.target.model.device
-    gpu = torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else None
-    return hardware_id(gpu)
+    return hardware_id(accelerator_name(pair.target.model.device))
 
 
 def main() -> None:

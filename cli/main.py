@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 
 from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, described, given, nonneg_float,
                                    one_line, positive_int)
-from sequoia_ray.config import SamplingParams
+from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.devices import DEVICE_CHOICES
+from sequoia_ray.tree.builtin import DEFAULT_DEPTH
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -60,13 +61,24 @@ def _plan_summary(planned) -> str:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default="default-draft", help="HF dir, .gguf file, hub id or default-draft")
-    p.add_argument("--target", default="default-target", help="HF dir, .gguf file, hub id or default-target")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="float32 = exact greedy identity; bfloat16 is faster on most CPUs")
-    p.add_argument("--draft-quantize", choices=["int8"], default=None, help="dynamic int8 draft (CPU)")
-    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                   help="where the models run: auto = a GPU if torch sees one, else the CPU")
+    # No defaults here: LocalPair.load's own (the default pair, float32, device auto) apply when not given.
+    p.add_argument("--draft", help="HF dir, .gguf file, hub id or default-draft (the default)")
+    p.add_argument("--target", help="HF dir, .gguf file, hub id or default-target (the default)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="float32 (the default) = exact greedy identity; bfloat16 is faster on most CPUs")
+    p.add_argument("--draft-quantize", choices=["int8"], help="dynamic int8 draft (CPU)")
+    p.add_argument("--device", choices=DEVICE_CHOICES,
+                   help="where the models run: auto (the default) = a GPU if torch sees one, else the CPU")
+
+
+_MODEL_ARGS = ["target", "dtype", "draft_quantize", "device"]  # passed to LocalPair.load only when given
+
+
+def _load_pair(args: argparse.Namespace, *, speculate: bool = True, progress: bool = True):
+    from sequoia_ray.local import LocalPair
+
+    draft = {} if args.draft is None else {"draft": args.draft}
+    return LocalPair.load(**given(args, _MODEL_ARGS), **(draft if speculate else {"draft": None}), progress=progress)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +86,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     p.add_argument("--plan", help="plan file from `sequoia-ray plan --out` (default: built-in plan)")
     p.add_argument("--budget", type=positive_int, help="tree nodes for the built-in plan")
-    p.add_argument("--max-depth", type=depth, default=6, help="tree levels for the built-in plan")
+    p.add_argument("--max-depth", type=depth, default=DEFAULT_DEPTH, help="tree levels for the built-in plan")
     p.add_argument("--acceptance", help="acceptance vector for the built-in plan (file or list)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -89,7 +101,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from sequoia_ray.local import LocalPair
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
     from sequoia_ray.tree.builtin import load_or_build
 
@@ -97,8 +108,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     acceptance = AcceptanceVector.parse(args.acceptance) if args.acceptance else None
     planned = load_or_build(args.plan, temperature=params.temperature, budget=args.budget,
                             max_depth=args.max_depth, acceptance=acceptance)
-    pair = LocalPair.load(args.target, None if args.no_speculation else args.draft, dtype=args.dtype,
-                          draft_quantize=args.draft_quantize, progress=not args.json, device=args.device)
+    pair = _load_pair(args, speculate=not args.no_speculation, progress=not args.json)
     decoder = pair.decoder(planned.plan)
     prompt = pair.encode(args.prompt, chat=args.chat)
     if args.json:
@@ -122,9 +132,11 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("measure", help="measure the acceptance vector p[1..W] of a draft/target pair")
     _add_model_args(p)
     p.add_argument("--prompts", required=True, help="a .jsonl file ({'prompt': ..., 'chat': bool}) or text lines")
-    p.add_argument("--temperature", type=nonneg_float, default=0.0)
-    p.add_argument("--width", type=positive_int, default=8, help="W: children of the star tree")
-    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="the temperature bucket to measure")
+    p.add_argument("--width", type=positive_int, default=ProfileJobConfig.model_fields["width"].default,
+                   help=described(ProfileJobConfig, "width"))
+    p.add_argument("--max-tokens", type=positive_int, default=ProfileJobConfig.model_fields["measure_tokens"].default,
+                   help=described(ProfileJobConfig, "measure_tokens"))
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--out", required=True, help="acceptance JSON to write")
     p.set_defaults(run=_run_measure)
@@ -132,12 +144,10 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
 
 def _run_measure(args: argparse.Namespace) -> int:
     from sequoia_ray.acceptance import Measurement, measure
-    from sequoia_ray.local import LocalPair
     from sequoia_ray.prompts import load_prompts
 
     prompts = load_prompts(args.prompts)[: args.limit]
-    pair = LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize,
-                          device=args.device)
+    pair = _load_pair(args)
     encoded = [pair.encode(p.text, chat=p.chat) for p in prompts]
     acceptance, steps = measure(pair.decoder, encoded, width=args.width, temperature=args.temperature,
                                 max_tokens=args.max_tokens)
@@ -172,12 +182,13 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from sequoia_ray.hardware import hardware_id
+    from sequoia_ray.devices import resolve_device
+    from sequoia_ray.hardware import accelerator_name, hardware_id
     from sequoia_ray.arguments import job_config
     from sequoia_ray.profiling import format_results, publish_heatmaps, run_trial
 
     cfg = job_config(args)
-    hw = hardware_id(None, cfg.tp_size)
+    hw = hardware_id(accelerator_name(resolve_device(cfg.device)), cfg.tp_size)
     results, grids = run_trial(cfg, hw)
     reports = publish_heatmaps(cfg, hw, grids)
     print(format_results(results))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.placement import ActorResources
-from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, ModelActorSpec, check_backend
-from sequoia_ray.devices import DEVICE_CHOICES
+from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, STEP_TIMEOUT_S, ModelActorSpec, check_backend
+from sequoia_ray.devices import check_device
 
 
 class ServeConfig(BaseModel):
@@ -43,7 +43,7 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (bytes); beyond -> 413.")
     api_key: str | None = Field(None, description="Bearer token required on every route but /health (None = open).")
     api_key_env: str | None = Field(None, description="Read the API key from this environment variable instead.")
-    step_timeout_s: float = Field(60.0, gt=0, description="Longest one draft or verify call may take; a target "
+    step_timeout_s: float = Field(STEP_TIMEOUT_S, gt=0, description="Longest one draft or verify call may take; a target "
                                   "beyond it -> 503 (retryable), a draft beyond it -> the target alone.")
     collective_timeout_s: float = Field(COLLECTIVE_TIMEOUT_S, gt=0, description="torch.distributed timeout of the TP group: a "
                                         "collective waiting on a hung rank fails after this.")
@@ -63,9 +63,7 @@ class ServeConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v):
-        if v not in DEVICE_CHOICES:
-            raise ValueError(f"device {v!r} must be one of {', '.join(DEVICE_CHOICES)}")
-        return v
+        return check_device(v)
 
     @model_validator(mode="after")
     def _placement(self):

@@ -22,10 +22,10 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import openai_api as api
-from deployments.metrics import ServiceMetrics
 from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
+from deployments import openai_api as api
 from deployments.config import ServeConfig
+from deployments.metrics import ServiceMetrics
 from deployments.service import PlanProvider, Runner
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder

@@ -8,7 +8,7 @@
 #    SEQUOIA_TORCH_PIP_ARGS to the pip options that select it (e.g. an --index-url).
 #    (setup.sh is idempotent: it reinstalls only when the torch spec or pyproject.toml changed.)
 # 2. pytest -m gpu tests/gpu: the tiny pair on CUDA (greedy == target alone in fp32, same seed -> same tokens,
-#    model / KV cache / generators where they belong, a bf16 draft) and, where the file exists,
+#    model / KV cache / generators where they belong, a bf16 draft) and
 #    tests/gpu/test_tp_nccl.py (TP 2 over NCCL == TP 1; needs 2 GPUs).
 # 3. Greedy identity on the real pair (fp32, on the GPU): speculative output == the target alone.
 # 4. A speedup table on the real pair (bfloat16): benchmarks/e2e.py --device cuda. --quick shortens it.

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Create or reuse .venv and install the project into it. Idempotent: a second run with an unchanged
-# pyproject.toml does nothing. torch is installed first as the CPU build: a bare `torch` from PyPI pulls
-# a multi-GB CUDA build. Override with SEQUOIA_TORCH="torch==X" / SEQUOIA_TORCH_PIP_ARGS="--index-url ...".
+# pyproject.toml does nothing. torch is installed first, and as the CPU build by name (torch==2.13.0+cpu):
+# a bare `torch` from PyPI is a multi-GB CUDA build on Linux. The CPU build comes from wherever pip finds it
+# (a local wheel folder or index), else from PyTorch's CPU wheel index. Another build (a GPU machine: see
+# scripts/gpu_check.sh): SEQUOIA_TORCH="torch==X" and SEQUOIA_TORCH_PIP_ARGS="<pip options>".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-TORCH_SPEC=${SEQUOIA_TORCH:-torch==2.13.0}
+TORCH_SPEC=${SEQUOIA_TORCH:-torch==2.13.0+cpu}
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 VENV=.venv
 STAMP=$VENV/.sequoia-ray-installed
 
@@ -19,8 +22,16 @@ pip() {
   "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" >>"$LOG" 2>&1 \
     || { echo "setup: 'pip install $*' failed; the log is $LOG:" >&2; tail -20 "$LOG" >&2; exit 1; }
 }
-echo "setup: installing $TORCH_SPEC (CPU build) and sequoia-ray into $VENV ..." >&2
-pip install "$TORCH_SPEC" ${SEQUOIA_TORCH_PIP_ARGS:-}
+install_torch() {
+  if [ -n "${SEQUOIA_TORCH:-}${SEQUOIA_TORCH_PIP_ARGS:-}" ]; then
+    pip install "$TORCH_SPEC" ${SEQUOIA_TORCH_PIP_ARGS:-}
+  elif ! "$VENV/bin/python" -m pip --disable-pip-version-check -q install "$TORCH_SPEC" >>"$LOG" 2>&1; then
+    echo "setup: $TORCH_SPEC is not on the configured package index; trying PyTorch's CPU wheel index" >&2
+    pip install "$TORCH_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
+  fi
+}
+echo "setup: installing $TORCH_SPEC and sequoia-ray into $VENV ..." >&2
+install_torch
 pip install -e ".[dev]"
 "$VENV/bin/python" -c "import sequoia_ray, actors, deployments.app, cli.main, ray, transformers" || { echo "setup: install failed" >&2; exit 1; }
 echo "$want" > "$STAMP"

@@ -124,6 +124,8 @@ def _acceptance_files(items: list[str]) -> dict[float, str]:
         if "=" not in item:
             raise ValueError(f"--acceptance {item!r} must be T=FILE, e.g. 0.6=acc.json")
         t, path = item.split("=", 1)
+        if not t.strip() or not path:
+            raise ValueError(f"--acceptance {item!r} must be T=FILE with both parts, e.g. 0.6=acc.json")
         acceptance[_floats(t, "acceptance")[0]] = path
     return acceptance
 

@@ -91,10 +91,7 @@ class ProfileJobConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, value):
-        from sequoia_ray.devices import DEVICE_CHOICES
+        from sequoia_ray.devices import check_device
 
-        if value not in DEVICE_CHOICES:
-            raise ValueError(f"device {value!r} is not one of {', '.join(DEVICE_CHOICES)}; "
-                             "auto = the assigned accelerator, else the CPU")
-        return value
+        return check_device(value)
 

@@ -21,6 +21,14 @@ if TYPE_CHECKING:
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
+def check_device(spec: str) -> str:
+    """``spec`` if it is a device choice, else a ValueError naming it and the choices (every config's check)."""
+    if spec not in DEVICE_CHOICES:
+        raise ValueError(f"device {spec!r} is not one of {', '.join(DEVICE_CHOICES)}; "
+                         "auto = the assigned accelerator, else the CPU")
+    return spec
+
+
 def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), local_rank: int | None = None,
                    cuda_available: bool | None = None) -> torch.device:
     """The torch device for ``spec``.
@@ -31,9 +39,7 @@ def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), loc
     """
     import torch
 
-    if spec not in DEVICE_CHOICES:
-        raise ValueError(f"device {spec!r} is not one of {', '.join(DEVICE_CHOICES)}; "
-                         "auto = the assigned accelerator, else the CPU")
+    check_device(spec)
     available = torch.cuda.is_available() if cuda_available is None else cuda_available
     if spec == "cpu" or (spec == "auto" and not available):
         return torch.device("cpu")

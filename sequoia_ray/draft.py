@@ -33,13 +33,16 @@ class DraftTree:
     dists: dict[int, SparseDist]  # node id -> D its children were drawn from (empty when greedy)
 
     def to(self, device: torch.device | str) -> DraftTree:
-        """The same tree with its tokens and distributions on ``device`` (no copy for those already there)."""
-        return DraftTree(self.tokens.to(device), {node: d.to(device) for node, d in self.dists.items()})
-
-    def nbytes(self) -> int:
-        sizes = [d.tokens.numel() * d.tokens.element_size() + d.probs.numel() * d.probs.element_size()
-                 for d in self.dists.values()]
-        return self.tokens.numel() * self.tokens.element_size() + sum(sizes)
+        """The same tree on ``device``: every node's D is packed into one tensor of tokens and one of
+        probabilities, so crossing devices costs one transfer each, not two per inner node."""
+        if not self.dists:
+            return DraftTree(self.tokens.to(device), {})
+        nodes = list(self.dists)
+        sizes = [len(self.dists[node].tokens) for node in nodes]
+        tokens = torch.cat([self.dists[node].tokens for node in nodes]).to(device)  # [sum K] int64
+        probs = torch.cat([self.dists[node].probs for node in nodes]).to(device)  # [sum K] float
+        dists = {node: SparseDist(t, p) for node, t, p in zip(nodes, tokens.split(sizes), probs.split(sizes))}
+        return DraftTree(self.tokens.to(device), dists)
 
 
 @dataclass

@@ -126,19 +126,6 @@ def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS) ->
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def median_time(fn, repeats: int, warmup: int = 0, device: torch.device | None = None) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs; ``device`` (the
-    device ``fn`` queues work on, if an accelerator) is synchronised before each clock read."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = _clock(device)
-        fn()
-        times.append(_clock(device) - start)
-    return statistics.median(times)
-
-
 def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 1, seed: int = 0,
                  head_rows: int | None = None) -> dict[int, float]:
     """Median seconds to forward s new tokens after ``context`` cached ones, for each s in ``sizes``, with
@@ -203,6 +190,14 @@ def hardware_id(accelerator: str | None = None, tp_size: int = 1, threads: int |
     if accelerator:
         return f"{accelerator}{suffix}"
     return f"cpu-{_cpu_model()}-{threads or torch.get_num_threads()}c{suffix}"
+
+
+def accelerator_name(device: torch.device) -> str | None:
+    """The GPU's name as a hardware-id part (``NVIDIA_A100-SXM4-80GB``) for a CUDA device, else None; call it
+    where the device is visible (in the actor that owns it)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device).replace(" ", "_")
 
 
 def _cpu_model() -> str:

@@ -18,7 +18,7 @@ class LocalPair:
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *, dtype: str = "float32",
-             draft_quantize: str | None = None, progress: bool = True, device: str = "cpu") -> LocalPair:
+             draft_quantize: str | None = None, progress: bool = True, device: str = "auto") -> LocalPair:
         """Both models on ``device`` (``auto | cpu | cuda``, see ``sequoia_ray.devices``)."""
         t = load_model(target, dtype=dtype, progress=progress, device=device)
         d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device) if draft else None
@@ -27,7 +27,7 @@ class LocalPair:
         return cls(t, d)
 
     @classmethod
-    def tiny(cls, device: str = "cpu") -> LocalPair:
+    def tiny(cls, device: str = "auto") -> LocalPair:
         """A tiny random pair (the draft is the target's first layers) with a character tokenizer: smoke tests."""
         from sequoia_ray.devices import resolve_device
         from sequoia_ray.models.loading import eos_ids

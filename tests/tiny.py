@@ -1,6 +1,20 @@
 """Tiny models for tests: see sequoia_ray.models.tiny; checkpoints on disk for the command-line tests."""
 
-from sequoia_ray.models.tiny import VOCAB, char_tokenizer, noisy_copy, sharpen, tiny_model  # noqa: F401
+import torch
+
+from sequoia_ray.models.tiny import VOCAB, char_tokenizer, sharpen, tiny_model  # noqa: F401
+
+
+def noisy_copy(model, *, scale: float, seed: int):
+    """A draft that agrees with ``model`` often: the same weights plus Gaussian noise."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
+    return draft.eval()
 
 
 def save_tiny_pair(root, *, draft_noise: float = 0.03):

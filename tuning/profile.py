@@ -58,10 +58,10 @@ def discover_hardware(resources: dict[str, float]) -> list[str]:
 def trial_bundles(hw: str, tp_size: int, cpus: float) -> list[dict[str, float]]:
     """The trial's own bundle (it runs the draft), then one bundle per tensor-parallel rank when tp > 1,
     every bundle pinned to the hardware type; CPU trials take CPUs only."""
-    pin = {} if hw == CPU else {"GPU": 1, f"{ACCEL_PREFIX}{hw}": 0.001}
-    if tp_size == 1:
-        return [{"CPU": cpus, **pin}]
-    return [{"CPU": cpus, **pin}] + [{"CPU": cpus, **pin} for _ in range(tp_size)]
+    from actors.placement import ActorResources
+
+    bundle = (ActorResources(cpus) if hw == CPU else ActorResources(cpus, 1, accelerator_type=hw)).bundle()
+    return [dict(bundle) for _ in range(1 if tp_size == 1 else tp_size + 1)]
 
 
 def join_uri(uri: str, *parts: str) -> str:
@@ -76,18 +76,22 @@ def trainable(config: dict) -> None:
     """One Tune trial: everything for one hardware type (runs on a node of that type)."""
     from ray import tune
 
+    from actors.base import assigned_device
     from sequoia_ray.hardware import hardware_id
     from sequoia_ray.profiling import publish_heatmaps, run_trial
 
     cfg = ProfileJobConfig(**config["job"])
     hw = config["hw"]
     hw_id = hardware_id(None if hw == CPU else hw, cfg.tp_size)
+    device = assigned_device(cfg.device)  # the GPU Ray gave this trial, else the CPU (never an unassigned GPU)
+    cfg = cfg.model_copy(update={"device": device.type})
     pair = None
     if cfg.tp_size > 1:  # the target as rank actors in this trial's bundles 1..tp
         from tuning.tp_pair import GroupPair
 
-        pair = GroupPair(cfg, backend="gloo" if hw == CPU else "nccl", num_cpus=config.get("cpus", 1.0),
-                         num_gpus=0 if hw == CPU else 1)
+        on_gpu = device.type == "cuda"
+        pair = GroupPair(cfg, backend="nccl" if on_gpu else "gloo", num_cpus=config.get("cpus", 1.0),
+                         num_gpus=1 if on_gpu else 0)
     results, grids = run_trial(cfg, hw_id, progress=False, pair=pair)
     publish_heatmaps(cfg, hw_id, grids)
     tune.report({"results": json.dumps([asdict(r) for r in results]),

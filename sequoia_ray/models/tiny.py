@@ -1,7 +1,6 @@
 """Tiny randomly initialised causal LMs (fp32, fixed seeds; nothing is downloaded).
 
-For tests, `--smoke-test` jobs and demos that must run in seconds. A noisy copy of the target makes a
-draft that is accepted often; ``sharpen`` makes a random model confident enough to be interesting.
+For tests, `--smoke-test` jobs and demos that must run in seconds. ``sharpen`` makes a random model confident enough to be interesting.
 """
 
 from __future__ import annotations
@@ -24,18 +23,6 @@ def tiny_model(kind: str = "qwen2", *, seed: int = 0, attn: str = "sdpa", vocab:
     else:
         raise ValueError(kind)
     return model.eval()
-
-
-def noisy_copy(model, *, scale: float, seed: int):
-    """A draft that agrees with ``model`` often: the same weights plus Gaussian noise."""
-    import copy
-
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
-    return draft.eval()
 
 
 def sharpen(model, factor: float):

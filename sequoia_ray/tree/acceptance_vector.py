@@ -49,9 +49,6 @@ class AcceptanceVector:
         """The p vector for the children of a node at ``depth`` (root = 0)."""
         return self.rows[min(depth, len(self.rows) - 1)]
 
-    def is_non_increasing(self) -> bool:
-        return all(all(a >= b for a, b in zip(r, r[1:])) for r in self.rows)
-
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
     def from_p(cls, p: list[float] | tuple[float, ...], reject: float | None = None) -> AcceptanceVector:

@@ -25,7 +25,7 @@ def test_serve_config_builds_the_actor_specs():
     ({"tp_size": 2, "tp_backend": "gloo", "num_gpus": 1}, "set tp_backend: nccl"),  # gloo on GPU ranks (auto)
     ({"tp_size": 2, "tp_backend": "gloo", "num_gpus": 1, "device": "cuda"}, "set tp_backend: nccl"),
     ({"tp_backend": "mpi"}, "must be one of gloo, nccl"),
-    ({"device": "tpu"}, "must be one of auto, cpu, cuda"),
+    ({"device": "tpu"}, "is not one of auto, cpu, cuda"),
     ({"device": "cuda"}, "set num_gpus: 1"),
     ({"num_gpus": 1, "draft_quantize": "int8"}, "runs on the CPU only"),
 ])
@@ -79,3 +79,26 @@ def test_actor_device_follows_what_ray_assigned(monkeypatch):
     monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [3])
     assert base.assigned_device("auto") == torch.device("cuda", 0)
     assert base.assigned_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [])
+    with pytest.raises(ValueError, match="no GPU; set num_gpus >= 1"):
+        base.assigned_device("cuda")  # never a GPU Ray left visible but did not assign
+
+
+def test_actor_log_lines_reach_stderr(capfd):
+    """Actors log plain lines (no progress bars); without a handler INFO would be dropped in an actor."""
+    import logging
+
+    from actors.base import log_lines_to_stderr
+
+    log = logging.getLogger("sequoia_ray")
+    before = list(log.handlers), log.level
+    try:
+        log_lines_to_stderr()
+        log_lines_to_stderr()  # idempotent: one handler, not one per actor class
+        logging.getLogger("sequoia_ray.models.loading").info("loading tiny-target on cpu ... done in 0.1 s")
+        err = capfd.readouterr().err
+        assert err.count("INFO sequoia_ray.models.loading: loading tiny-target on cpu ... done in 0.1 s") == 1
+        assert "\r" not in err
+    finally:
+        log.handlers[:], _ = before
+        log.setLevel(before[1])

@@ -80,3 +80,18 @@ def test_profile_job_device_is_validated_and_reaches_the_cli():
     parser = argparse.ArgumentParser()
     add_job_args(parser)
     assert job_config(parser.parse_args(["--storage", "/tmp/x", "--device", "cpu"])).device == "cpu"
+
+
+def test_a_tree_crosses_devices_in_one_transfer_per_field():
+    """DraftTree.to packs every inner node's D: one tokens and one probs tensor move, not two per node."""
+    from sequoia_ray.draft import DraftTree
+    from sequoia_ray.sampling import SparseDist
+
+    dists = {node: SparseDist(torch.tensor([node, node + 10]), torch.tensor([0.75, 0.25])) for node in (0, 2, 5)}
+    moved = DraftTree(torch.arange(7), dists).to("cpu")
+    assert list(moved.dists) == [0, 2, 5]
+    for node, d in moved.dists.items():
+        assert d.tokens.tolist() == [node, node + 10] and d.probs.tolist() == [0.75, 0.25]
+    assert len({d.tokens.untyped_storage().data_ptr() for d in moved.dists.values()}) == 1
+    assert len({d.probs.untyped_storage().data_ptr() for d in moved.dists.values()}) == 1
+    assert DraftTree(torch.arange(3), {}).to("cpu").dists == {}
