@@ -7,6 +7,8 @@ from __future__ import annotations
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from actors.spec import STEP_TIMEOUT_S
+
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
 from sequoia_ray.tree.plan import TreePlan
