@@ -60,7 +60,7 @@ def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None
                (not cfg.plan_store, "no plan store is configured"),
                ("://" in (cfg.plan_store or ""), f"the plan store {cfg.plan_store} is remote: run tuning/profile.py"),
                (cfg.draft is None, "no draft model: the target alone needs no plan"),
-               (address is not None, f"the actors run on the cluster at {address}, not on this machine"),
+               (address not in (None, "local"), f"the actors run on the cluster at {address}, not on this machine"),
                (cfg.tp_size > 1, f"tp_size {cfg.tp_size}: profile the TP group with tuning/profile.py")]
     return next((why for bad, why in reasons if bad), None)
 
@@ -118,7 +118,7 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
     except Exception as exc:  # noqa: BLE001 - a plan is an optimisation: any failure serves the built-in one
         print(f"plans: profiling failed, serving the built-in plan: {type(exc).__name__}: {exc}", flush=True)
         return "builtin"
-    print(f"plans: profiled in {clock() - start_t:.0f}s and published:\n{format_results(results)}", flush=True)
+    print(f"plans: profiled in {clock() - start_t:.0f}s (loading the models included) and published:\n{format_results(results)}", flush=True)
     return "profiled"
 
 
@@ -131,7 +131,9 @@ def start(args: dict, port: int, address: str | None):
     if address:
         ray.init(address=address)
     else:
-        ray.init(include_dashboard=False)  # the machine's real CPUs: what `serve run` gets too
+        # a new local Ray with the machine's real CPUs (what `serve run` gets too); a bare ray.init() would
+        # attach to any Ray already running here (another job's, a test's) and replace its "sequoia" app
+        ray.init(address="local", include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="sequoia", route_prefix="/")
     return f"http://127.0.0.1:{port}"

@@ -170,6 +170,7 @@ def publish_heatmaps(cfg: ProfileJobConfig, hardware: str, grids: dict) -> list[
 BOUNDED_BUDGETS = (1, 2, 4, 8, 16, 32)  # tree sizes n profiled under a time budget (the DP's largest n)
 BOUNDED_CONTEXT = 64  # cached context when timing t(n) and c under a budget
 BOUNDED_REPEATS = 2
+PROFILE_SHARE = 0.25  # of the budget: profiling t(n) and c (the sizes are chosen to fit)
 MEASURE_SHARE = 0.6  # of a temperature's time: measuring p; the rest validates the chosen plan
 MIN_TOKENS = 8  # fewer tokens than this per prompt measure nothing useful
 WARMUP_TOKENS = 4  # validate()'s warm-up generation
@@ -228,17 +229,19 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
     """``run_trial`` within ``serving.time_budget_s`` by construction: a few sizes profiled at a short
     context, then per temperature as many prompts and tokens as the measured step time fits into that
     temperature's share of the time left. BudgetExhausted when that is too little for a usable plan.
-    Publishes (profile and every temperature's plan) only when all temperatures have a plan."""
-    deadline = Deadline(serving.time_budget_s, clock)
+    Publishes (profile and every temperature's plan) only when all temperatures have a plan. Loading the
+    models is outside the budget: its time does not depend on what is measured (and the served actors
+    load the same models anyway)."""
     names = ["loading models", "profiling t(n) and c"] + [
         f"{s} T={t}" for t in cfg.temperatures for s in ("measuring p", "validating")]
-    stages = Stages(names, deadline, progress)
+    stages = Stages(names, Deadline(serving.time_budget_s, clock), progress)
     try:
         stages.next("loading models")
         pair = pair or load_pair(cfg, progress=False)
         prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
+        stages.deadline = deadline = Deadline(serving.time_budget_s, clock)  # from here: loading is not ours
         stages.next("profiling t(n) and c")
-        prof = _bounded_profile(cfg, pair, hardware)
+        prof = _bounded_profile(cfg, pair, hardware, deadline)
         planned = [_bounded_plan(cfg, pair, prof, prompts, i, deadline, stages, serving)
                    for i in range(len(cfg.temperatures))]
     finally:
@@ -246,10 +249,24 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
     return _publish_all(cfg, hardware, prof, planned)
 
 
-def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str) -> HardwareProfile:
-    widths = tuple(w for w in DRAFT_WIDTHS if w <= max(BOUNDED_BUDGETS))
-    return profile(None, pair.draft.model, hardware=hardware, budgets=BOUNDED_BUDGETS, widths=widths,
+def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadline) -> HardwareProfile:
+    sizes = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
+    widths = tuple(w for w in DRAFT_WIDTHS if w <= max(sizes))
+    return profile(None, pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
                    context=BOUNDED_CONTEXT, repeats=BOUNDED_REPEATS, dtype=cfg.dtype, time_target=pair.time_target)
+
+
+def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[int, ...]:
+    """The longest prefix of BOUNDED_BUDGETS whose profiling fits ``seconds``, from a probe's target
+    seconds at 1 and 8 tokens (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats)."""
+    def cost(sizes) -> float:
+        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in sizes)
+
+    fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1) if cost(BOUNDED_BUDGETS[:k]) <= seconds]
+    if not fits:
+        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3]):.0f}s "
+                              f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
+    return fits[0]
 
 
 def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: Deadline, stages: Stages,
@@ -260,8 +277,8 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
     stages.next(f"measuring p T={temperature}")
     measure_end = end - (end - deadline.elapsed()) * (1 - MEASURE_SHARE)
     acceptance, used, tokens, pace = measure_within(cfg, pair, prompts, temperature, deadline, measure_end, prof)
-    table = solve(acceptance, max(BOUNDED_BUDGETS), cfg.max_depth)
-    best, _ = choose(table, prof, BOUNDED_BUDGETS)
+    table = solve(acceptance, max(prof.t), cfg.max_depth)
+    best, _ = choose(table, prof, tuple(prof.t))
     stages.next(f"validating T={temperature}")
     speedup, per_step = _validate_within(pair, best, prompts[0], temperature, end - deadline.elapsed(), prof, pace,
                                          cfg.validate_tokens)
