@@ -56,7 +56,7 @@ def serving_hardware_id(cfg: ServeConfig) -> str:
 
 def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None) -> str | None:
     """Why the launcher must not profile this machine for ``cfg`` (None: it may)."""
-    reasons = [(not seconds, "profiling is off (--no-profile)"),
+    reasons = [(not seconds, "profiling is off (--no-profile or --profile-seconds 0)"),
                (not cfg.plan_store, "no plan store is configured"),
                ("://" in (cfg.plan_store or ""), f"the plan store {cfg.plan_store} is remote: run tuning/profile.py"),
                (cfg.draft is None, "no draft model: the target alone needs no plan"),

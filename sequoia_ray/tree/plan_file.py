@@ -41,7 +41,7 @@ class Provenance:
     threads: int | None = None  # the target's torch threads
     time_budget_s: float | None = None  # a bounded profile's time budget; None = unbounded
     prompts: int | None = None  # prompts the acceptance vector was measured on
-    tokens_measured: int | None = None  # tokens generated while measuring it
+    tokens_measured: int | None = None  # tokens asked for while measuring it (a prompt may end sooner at EOS)
 
 
 @dataclass(frozen=True)
