@@ -169,7 +169,7 @@ def publish_heatmaps(cfg: ProfileJobConfig, hardware: str, grids: dict) -> list[
 # ---- a bounded trial: the main job profiles this machine within a time budget ----------------------
 BOUNDED_BUDGETS = (1, 2, 4, 8, 16, 32)  # tree sizes n profiled under a time budget (the DP's largest n)
 BOUNDED_CONTEXT = 64  # cached context when timing t(n) and c under a budget
-BOUNDED_REPEATS = 2
+BOUNDED_REPEATS = 3
 PROFILE_SHARE = 0.25  # of the budget: profiling t(n) and c (the sizes are chosen to fit)
 MEASURE_SHARE = 0.6  # of a temperature's time: measuring p; the rest validates the chosen plan
 MIN_TOKENS = 8  # fewer tokens than this per prompt measure nothing useful
@@ -252,8 +252,21 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
 def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadline) -> HardwareProfile:
     sizes = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
     widths = tuple(w for w in DRAFT_WIDTHS if w <= max(sizes))
-    return profile(None, pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
-                   context=BOUNDED_CONTEXT, repeats=BOUNDED_REPEATS, dtype=cfg.dtype, time_target=pair.time_target)
+    return monotone(profile(None, pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
+                            context=BOUNDED_CONTEXT, repeats=BOUNDED_REPEATS, dtype=cfg.dtype,
+                            time_target=pair.time_target))
+
+
+def monotone(prof: HardwareProfile) -> HardwareProfile:
+    """t(n) and c(w) made non-decreasing (a running maximum): more tokens never cost less, and a few
+    repeats on a busy machine can say otherwise, which would make the DP favour big trees for free."""
+    def running_max(table: dict[int, float]) -> dict[int, float]:
+        out, top = {}, 0.0
+        for k in sorted(table):
+            top = out[k] = max(top, table[k])
+        return out
+
+    return replace(prof, t=running_max(prof.t), c=running_max(prof.c))
 
 
 def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[int, ...]:
@@ -304,14 +317,16 @@ def _prefill_s(prof: HardwareProfile, prompt_len: int) -> float:
 
 def measure_within(cfg: ProfileJobConfig, pair, prompts, temperature: float, deadline: Deadline, until: float,
                    prof: HardwareProfile) -> tuple[AcceptanceVector, int, int, float]:
-    """(p, prompts used, tokens generated, pace) measuring prompt after prompt until ``until`` (seconds into
-    the deadline): each prompt asks for as many tokens as fit in the time left at the step time profiled
-    or, once seen, the slower step time observed; pace = observed / profiled step time (>= 1)."""
+    """(p, prompts used, tokens asked for, pace) measuring prompt after prompt until ``until`` (seconds into
+    the deadline): each prompt asks for as many tokens as fit in the time left at the profiled step and
+    prefill times, scaled, once a prompt has run, by the pace observed (seconds seen / seconds predicted;
+    a profile taken on a busy machine can be off either way)."""
     predicted = prof.target_step_s * (prof.t_of(min(cfg.width + 1, max(prof.t))) + prof.c_of(1))
-    step_s, began = predicted, deadline.elapsed()
+    pace, began, predicted_total = 1.0, deadline.elapsed(), 0.0
     weighted, steps_total, used, tokens = [0.0] * (cfg.width + 1), 0, 0, 0
     for i, prompt in enumerate(prompts):
-        ask = min(cfg.measure_tokens, tokens_within(until - deadline.elapsed(), step_s, _prefill_s(prof, len(prompt))))
+        left = until - deadline.elapsed()
+        ask = min(cfg.measure_tokens, tokens_within(left, pace * predicted, pace * _prefill_s(prof, len(prompt))))
         if ask < MIN_TOKENS:
             break
         acc, steps = measure(pair.decoder, [prompt], width=cfg.width, temperature=temperature, max_tokens=ask,
@@ -319,20 +334,21 @@ def measure_within(cfg: ProfileJobConfig, pair, prompts, temperature: float, dea
         for k, v in enumerate((acc.reject[0], *acc.rows[0])):
             weighted[k] += v * steps
         steps_total, used, tokens = steps_total + steps, used + 1, tokens + ask
-        step_s = max(predicted, (deadline.elapsed() - began) / steps_total)
+        predicted_total += _prefill_s(prof, len(prompt)) + steps * predicted
+        pace = (deadline.elapsed() - began) / predicted_total
     if not used:
         raise BudgetExhausted(f"measuring p at T={temperature}: {until - deadline.elapsed():.1f}s left fit fewer than "
-                              f"{MIN_TOKENS} tokens at {step_s:.2f}s a step; raise the time budget (profile_seconds)")
+                              f"{MIN_TOKENS} tokens at {predicted:.2f}s a step; raise the time budget (profile_seconds)")
     acceptance = AcceptanceVector.from_p([w / steps_total for w in weighted[1:]], weighted[0] / steps_total)
-    return acceptance, used, tokens, step_s / predicted
+    return acceptance, used, tokens, pace
 
 
 def _validate_within(pair, best: Choice, prompt, temperature: float, seconds: float, prof: HardwareProfile,
                      pace: float, max_tokens: int) -> tuple[float, float]:
-    """validate() on one prompt with as many tokens as fit in ``seconds`` (the profiled step times scaled by
-    the pace measuring observed); (nan, nan) when too few fit."""
+    """validate() on one prompt with as many tokens as fit in ``seconds`` (the profiled times scaled by the
+    pace measuring observed); (nan, nan) when too few fit."""
     step_s = pace * prof.target_step_s * (1 + prof.t_of(best.plan.n) + prof.draft_cost(best.plan))  # alone + tree
-    fixed_s = 2 * _prefill_s(prof, len(prompt)) + WARMUP_TOKENS * step_s
+    fixed_s = pace * 2 * _prefill_s(prof, len(prompt)) + WARMUP_TOKENS * step_s
     ask = min(max_tokens, tokens_within(seconds, step_s, fixed_s))
     if ask < MIN_TOKENS:
         logger.warning("no time left to validate the plan (n=%d, d=%d); publishing it unvalidated", best.n, best.d)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -97,12 +98,19 @@ def test_tokens_within_counts_one_step_per_token_after_the_fixed_cost():
 
 
 def test_profiled_sizes_fit_their_share_of_the_budget():
-    probe = {1: 0.1, 8: 0.8}  # 0.1 s a token; each size costs 2 x (warm-up + 2 repeats) x its time
-    assert bounded_sizes(probe, 100.0) == (1, 2, 4, 8, 16, 32)  # 37.8 s
-    assert bounded_sizes(probe, 20.0) == (1, 2, 4, 8, 16)  # 18.6 s
-    assert bounded_sizes(probe, 5.0) == (1, 2, 4)  # 4.2 s
+    probe = {1: 0.1, 8: 0.8}  # 0.1 s a token; each size costs 2 x (warm-up + 3 repeats) x its time
+    assert profiling.BOUNDED_REPEATS == 3
+    assert bounded_sizes(probe, 100.0) == (1, 2, 4, 8, 16, 32)  # 50.4 s
+    assert bounded_sizes(probe, 30.0) == (1, 2, 4, 8, 16)  # 24.8 s
+    assert bounded_sizes(probe, 6.0) == (1, 2, 4)  # 5.6 s
     with pytest.raises(BudgetExhausted, match="raise the time budget"):
-        bounded_sizes(probe, 3.0)
+        bounded_sizes(probe, 5.0)
+
+
+def test_profile_is_made_monotone():
+    noisy = replace(_profile(), t={1: 1.0, 2: 0.9, 4: 1.3, 8: 1.2}, c={1: 0.2, 2: 0.1})
+    fixed = profiling.monotone(noisy)
+    assert fixed.t == {1: 1.0, 2: 1.0, 4: 1.3, 8: 1.3} and fixed.c == {1: 0.2, 2: 0.2}
 
 
 def test_deadline_reads_the_injected_clock():
@@ -125,40 +133,31 @@ class FakePair:
         raise AssertionError("the fake measure does not decode")
 
 
-def test_measuring_stops_when_its_time_is_spent(monkeypatch):
-    """At 1 s a step (1 s a token at worst) and 2 s of prefill per prompt, 40 s fit two prompts of 16 tokens
-    and not a third (the second asks at the observed 36/32 s a token: still 16); every call's asked tokens
-    fit in the time left, so the clock never passes 40 s."""
-    clock, asked = FakeClock(), []
-
-    def fake_measure(decoder_for, prompts, *, width, temperature, max_tokens, seed, progress):
+def _measure_taking(clock: FakeClock, seconds_per_unit: float, asked: list):
+    """A fake ``measure`` that takes ``seconds_per_unit`` x (2 prefill units + one unit per token asked)."""
+    def fake(decoder_for, prompts, *, width, temperature, max_tokens, seed, progress):
         asked.append(max_tokens)
-        clock.now += 2 + max_tokens  # prefill + one step per token (the worst case)
-        return AcceptanceVector.from_p([0.5] + [0.0] * (width - 1)), max_tokens
+        clock.now += seconds_per_unit * (2 + max_tokens)
+        return AcceptanceVector.from_p([0.5] + [0.0] * (width - 1)), max_tokens  # worst case: a token a step
+    return fake
 
-    monkeypatch.setattr(profiling, "measure", fake_measure)
+
+@pytest.mark.parametrize("unit_s, until, expected_asks, pace", [
+    (1.0, 40.0, [16, 16], 1.0),  # as profiled: 2 + 16 s a prompt; the third finds 4 s left (< 2 + 8)
+    (3.0, 90.0, [16, 10], 3.0),  # 3x slower than profiled: 54 s, then (36 - 6) / 3 = 10 tokens
+    (0.25, 20.0, [16, 16, 16, 16], 0.25),  # 4x faster (a profile on a busy machine): measuring is not starved
+])
+def test_measuring_fits_its_time(monkeypatch, unit_s, until, expected_asks, pace):
+    """The profile says 1 s a step and 2 s of prefill; the fake takes ``unit_s`` per unit. Every prompt asks
+    for what fits the time left at the pace seen so far, so the clock never passes ``until``."""
+    clock, asked = FakeClock(), []
+    monkeypatch.setattr(profiling, "measure", _measure_taking(clock, unit_s, asked))
     deadline = Deadline(100, clock)
     cfg = ProfileJobConfig(storage="unused", measure_tokens=16, width=2)
-    acceptance, used, tokens, pace = measure_within(cfg, FakePair(), [[1] * 10] * 6, 0.0, deadline, 40.0, _profile())
-    assert asked == [16, 16] and (used, tokens) == (2, 32) and deadline.elapsed() <= 40.0
-    assert acceptance.rows[0][0] == pytest.approx(0.5)
-    assert pace == pytest.approx(36 / 32)  # the observed pace counts the prefills too
-
-
-def test_measuring_slower_than_profiled_asks_for_fewer_tokens(monkeypatch):
-    clock, asked = FakeClock(), []
-
-    def slow_measure(decoder_for, prompts, *, width, temperature, max_tokens, seed, progress):
-        asked.append(max_tokens)
-        clock.now += 3 * max_tokens  # three times the profiled step time
-        return AcceptanceVector.from_p([0.5] + [0.0] * (width - 1)), max_tokens
-
-    monkeypatch.setattr(profiling, "measure", slow_measure)
-    deadline = Deadline(200, clock)
-    cfg = ProfileJobConfig(storage="unused", measure_tokens=16, width=2)
-    *_, pace = measure_within(cfg, FakePair(), [[1] * 10] * 6, 0.0, deadline, 80.0, _profile())
-    # the second prompt: 32 s left, 2 s prefill, 3 s a step seen -> 10 tokens; then 2 s left: stop
-    assert asked == [16, 10] and deadline.elapsed() <= 80.0 and pace == pytest.approx(3.0)
+    acceptance, used, tokens, seen = measure_within(cfg, FakePair(), [[1] * 10] * 6, 0.0, deadline, until,
+                                                    _profile())
+    assert asked == expected_asks and (used, tokens) == (len(asked), sum(asked)) and deadline.elapsed() <= until
+    assert acceptance.rows[0][0] == pytest.approx(0.5) and seen == pytest.approx(pace)
 
 
 def test_no_time_to_measure_is_budget_exhausted(monkeypatch):
