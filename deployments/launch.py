@@ -1,6 +1,14 @@
 """Start the service on local Ray (or a cluster), optionally send a demo request, keep serving.
 
     sequoia-ray serve [--config deployments/config.yaml] [--port 8000] [--demo] [--exit] [--set key=value ...]
+                      [--profile-seconds 120] [--no-profile]
+
+Before Serve starts, when the local plan store holds no plan for this machine's hardware id, the pair and
+a temperature bucket the job plans for (0.0 and 0.6), the launcher profiles this machine in-process with
+the serving configuration (dtype, draft quantisation, device, the target's threads) within
+``--profile-seconds``, publishes the plans and serves them; when that is impossible or fails, the
+built-in plan is served (the reason is printed). A plan already in the store, ``--no-profile``, a remote
+store, ``--address`` (the actors run elsewhere) or tensor parallelism skip it.
 
 ``--demo`` sends a real chat request twice (tree speculation, then the target alone, via the
 ``speculative: false`` request extension) and prints the answer and the speedup. ``--exit`` stops the
@@ -9,6 +17,7 @@ service afterwards; otherwise it keeps serving until Ctrl-C, printing the URL to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -17,8 +26,11 @@ import yaml
 
 from deployments.config import ServeConfig
 from sequoia_ray.arguments import Parser
+from sequoia_ray.config import ProfileJobConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
+PROFILE_SECONDS = 120.0
+SERVED_TEMPERATURES = ProfileJobConfig.model_fields["temperatures"].default  # the buckets profiling plans for
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
 
 
@@ -34,6 +46,82 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     return args
 
 
+def serving_hardware_id(cfg: ServeConfig) -> str:
+    """The hardware id the app's ``TargetDeployment`` looks plans up by: the same function on the same
+    inputs (the target actor sets torch to ``actor_spec("target").threads`` and reports that)."""
+    from sequoia_ray.hardware import hardware_id
+
+    return cfg.hardware_id or hardware_id(cfg.accelerator_type, cfg.tp_size, cfg.actor_spec("target").threads)
+
+
+def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None) -> str | None:
+    """Why the launcher must not profile this machine for ``cfg`` (None: it may)."""
+    reasons = [(not seconds, "profiling is off (--no-profile or --profile-seconds 0)"),
+               (not cfg.plan_store, "no plan store is configured"),
+               ("://" in (cfg.plan_store or ""), f"the plan store {cfg.plan_store} is remote: run tuning/profile.py"),
+               (cfg.draft is None, "no draft model: the target alone needs no plan"),
+               (address not in (None, "local"), f"the actors run on the cluster at {address}, not on this machine"),
+               (cfg.tp_size > 1, f"tp_size {cfg.tp_size}: profile the TP group with tuning/profile.py")]
+    return next((why for bad, why in reasons if bad), None)
+
+
+def missing_temperatures(cfg: ServeConfig, hardware: str) -> tuple[float, ...]:
+    """The served temperature buckets with no usable plan in the store for this hardware and pair."""
+    from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, StoreError
+
+    store, missing = PlanStore(cfg.plan_store), []
+    for temperature in SERVED_TEMPERATURES:
+        try:
+            store.fetch_plan(PlanKey(hardware, cfg.draft, cfg.target, temperature))
+        except (PlanNotFound, StoreError):  # a corrupt latest plan is replaced by a fresh one
+            missing.append(temperature)
+    return tuple(missing)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None = None, run=None,
+                 clock=time.monotonic) -> str:
+    """Profile this machine when the store lacks its plans (see the module docstring); returns what the
+    app will serve: ``skipped`` (reason printed), ``present``, ``profiled`` or ``builtin`` (profiling failed).
+    ``run`` is ``sequoia_ray.profiling.run_bounded`` unless a test passes another."""
+    from sequoia_ray.profiling import Serving, format_results, run_bounded
+
+    why = why_not_profile(cfg, seconds, address)
+    if why:
+        print(f"plans: not profiling ({why})", flush=True)
+        return "skipped"
+    hardware = serving_hardware_id(cfg)
+    missing = missing_temperatures(cfg, hardware)
+    if not missing:
+        print(f"plans: the store {cfg.plan_store} has plans for {hardware}; serving them", flush=True)
+        return "present"
+    job = ProfileJobConfig(storage=cfg.plan_store, draft=cfg.draft, target=cfg.target, temperatures=missing,
+                           dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=cfg.device)
+    serving = Serving(threads=cfg.actor_spec("target").threads, time_budget_s=float(seconds))
+    print(f"plans: none for {hardware} at T={', '.join(map(str, missing))}; profiling this machine "
+          f"(at most {seconds:.0f}s, --no-profile skips) ...", flush=True)
+    start_t = clock()
+    try:
+        with torch_threads(serving.threads):
+            results = (run or run_bounded)(job, hardware, serving, clock=clock)
+    except Exception as exc:  # noqa: BLE001 - a plan is an optimisation: any failure serves the built-in one
+        print(f"plans: profiling failed, serving the built-in plan: {type(exc).__name__}: {exc}", flush=True)
+        return "builtin"
+    print(f"plans: profiled in {clock() - start_t:.0f}s (loading the models included) and published:\n{format_results(results)}", flush=True)
+    return "profiled"
+
+
 def start(args: dict, port: int, address: str | None):
     import ray
     from ray import serve
@@ -43,7 +131,9 @@ def start(args: dict, port: int, address: str | None):
     if address:
         ray.init(address=address)
     else:
-        ray.init(include_dashboard=False)  # the machine's real CPUs: what `serve run` gets too
+        # a new local Ray with the machine's real CPUs (what `serve run` gets too); a bare ray.init() would
+        # attach to any Ray already running here (another job's, a test's) and replace its "sequoia" app
+        ray.init(address="local", include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="sequoia", route_prefix="/")
     return f"http://127.0.0.1:{port}"
@@ -83,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start local Ray)")
     p.add_argument("--demo", action="store_true", help="send a demo request and print answer and speedup")
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
+    p.add_argument("--profile-seconds", type=float, default=PROFILE_SECONDS,
+                   help="time budget for profiling this machine when the plan store has no plan for it")
+    p.add_argument("--no-profile", action="store_true", help="never profile: serve stored or built-in plans")
     opts = p.parse_args(argv)
     args = app_args(opts.config, opts.set)
     cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
@@ -91,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("fetching the default model pair (first run: ~3 minutes, then cached) ...", flush=True)
         fetch_default_pair()
+    ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
     url = start(args, opts.port, opts.address)
     print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)

@@ -21,13 +21,13 @@ import hashlib
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from sequoia_ray.hardware import HardwareProfile, ProfileError
-from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree, Provenance
+from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
 
 class PlanNotFound(LookupError):
@@ -88,7 +88,8 @@ class PlanStore:
 
     # ---- plans ---------------------------------------------------------------------------------
     def publish_plan(self, planned: PlannedTree, key: PlanKey) -> str:
-        prov = Provenance(draft=key.draft, target=key.target, temperature=key.temperature, hardware=key.hardware)
+        prov = replace(planned.provenance, draft=key.draft, target=key.target, temperature=key.temperature,
+                       hardware=key.hardware)  # the key's fields; what it was measured with stays
         stamped = PlannedTree(planned.plan, planned.acceptance, planned.budget, planned.max_depth,
                               planned.expected_tokens, prov)
         return self._publish(key.folder(), stamped.dumps())

@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import io
 import logging
+import math
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+
+from tqdm.auto import tqdm
 
 from sequoia_ray.acceptance import measure
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
-from sequoia_ray.hardware import Choice, choose, profile
+from sequoia_ray.hardware import DRAFT_WIDTHS, Choice, HardwareProfile, choose, profile
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.prompts import Prompt, load_prompts
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan import chain
-from sequoia_ray.tree.plan_file import PlannedTree
+from sequoia_ray.tree.plan_file import PlannedTree, Provenance
 
 logger = logging.getLogger(__name__)
 
@@ -160,3 +164,204 @@ def publish_heatmaps(cfg: ProfileJobConfig, hardware: str, grids: dict) -> list[
     store = PlanStore(cfg.storage)
     return [store.put_report(f"heatmap-{hardware}-t{t:.1f}.png", heatmap_png(grid, f"{hardware}  T={t}"))
             for t, grid in grids.items()]
+
+
+# ---- a bounded trial: the main job profiles this machine within a time budget ----------------------
+BOUNDED_BUDGETS = (1, 2, 4, 8, 16, 32)  # tree sizes n profiled under a time budget (the DP's largest n)
+BOUNDED_CONTEXT = 64  # cached context when timing t(n) and c under a budget
+BOUNDED_REPEATS = 3
+PROFILE_SHARE = 0.25  # of the budget: profiling t(n) and c (the sizes are chosen to fit)
+MEASURE_SHARE = 0.6  # of a temperature's time: measuring p; the rest validates the chosen plan
+MIN_TOKENS = 8  # fewer tokens than this per prompt measure nothing useful
+WARMUP_TOKENS = 4  # validate()'s warm-up generation
+
+
+class BudgetExhausted(RuntimeError):
+    """The time budget cannot produce a usable plan; the message names the stage, the time and the fix."""
+
+
+class Deadline:
+    """A time budget on an injected clock (``time.monotonic`` by default; tests pass a fake one)."""
+
+    def __init__(self, seconds: float, clock=time.monotonic) -> None:
+        if seconds <= 0:
+            raise ValueError(f"time budget {seconds} s must be > 0")
+        self.seconds, self.clock, self.start = seconds, clock, clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+class Stages:
+    """Progress over a trial's stages: a tqdm bar on a terminal, plain lines on stdout otherwise."""
+
+    def __init__(self, names: list[str], deadline: Deadline, progress: bool) -> None:
+        self.deadline, self.total, self.done = deadline, len(names), 0
+        self.bar = tqdm(total=len(names), desc="profiling", unit="stage", disable=not (progress and sys.stderr.isatty()))
+        self.lines = progress and self.bar.disable
+
+    def next(self, name: str) -> None:
+        note = f"{name} ({self.deadline.elapsed():.0f}s of {self.deadline.seconds:.0f}s)"
+        if self.lines:
+            print(f"profiling [{self.done + 1}/{self.total}] {note}", flush=True)
+        self.bar.update(self.done - self.bar.n)
+        self.bar.set_postfix_str(note)
+        self.done += 1
+
+    def close(self) -> None:
+        self.bar.update(self.done - self.bar.n)
+        self.bar.close()
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the plan is measured and served with beyond the job config (recorded in its provenance)."""
+
+    threads: int  # the target actor's torch threads (part of the hardware id)
+    time_budget_s: float
+
+
+def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock=time.monotonic,
+                progress: bool = True, pair=None) -> list[TrialResult]:
+    """``run_trial`` within ``serving.time_budget_s`` by construction: a few sizes profiled at a short
+    context, then per temperature as many prompts and tokens as the measured step time fits into that
+    temperature's share of the time left. BudgetExhausted when that is too little for a usable plan.
+    Publishes (profile and every temperature's plan) only when all temperatures have a plan. Loading the
+    models is outside the budget: its time does not depend on what is measured (and the served actors
+    load the same models anyway)."""
+    names = ["loading models", "profiling t(n) and c"] + [
+        f"{s} T={t}" for t in cfg.temperatures for s in ("measuring p", "validating")]
+    stages = Stages(names, Deadline(serving.time_budget_s, clock), progress)
+    try:
+        stages.next("loading models")
+        pair = pair or load_pair(cfg, progress=False)
+        prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
+        stages.deadline = deadline = Deadline(serving.time_budget_s, clock)  # from here: loading is not ours
+        stages.next("profiling t(n) and c")
+        prof = _bounded_profile(cfg, pair, hardware, deadline)
+        planned = [_bounded_plan(cfg, pair, prof, prompts, i, deadline, stages, serving)
+                   for i in range(len(cfg.temperatures))]
+    finally:
+        stages.close()
+    return _publish_all(cfg, hardware, prof, planned)
+
+
+def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadline) -> HardwareProfile:
+    sizes = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
+    widths = tuple(w for w in DRAFT_WIDTHS if w <= max(sizes))
+    return monotone(profile(None, pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
+                            context=BOUNDED_CONTEXT, repeats=BOUNDED_REPEATS, dtype=cfg.dtype,
+                            time_target=pair.time_target))
+
+
+def monotone(prof: HardwareProfile) -> HardwareProfile:
+    """t(n) and c(w) made non-decreasing (a running maximum): more tokens never cost less, and a few
+    repeats on a busy machine can say otherwise, which would make the DP favour big trees for free."""
+    def running_max(table: dict[int, float]) -> dict[int, float]:
+        out, top = {}, 0.0
+        for k in sorted(table):
+            top = out[k] = max(top, table[k])
+        return out
+
+    return replace(prof, t=running_max(prof.t), c=running_max(prof.c))
+
+
+def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[int, ...]:
+    """The longest prefix of BOUNDED_BUDGETS whose profiling fits ``seconds``, from a probe's target
+    seconds at 1 and 8 tokens (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats)."""
+    def cost(sizes) -> float:
+        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in sizes)
+
+    fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1) if cost(BOUNDED_BUDGETS[:k]) <= seconds]
+    if not fits:
+        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3]):.0f}s "
+                              f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
+    return fits[0]
+
+
+def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: Deadline, stages: Stages,
+                  serving: Serving) -> tuple[PlannedTree, TrialResult]:
+    """Temperature ``cfg.temperatures[i]`` within its share of the time left: measure p, DP, choose, validate."""
+    temperature = cfg.temperatures[i]
+    end = deadline.elapsed() + deadline.left() / (len(cfg.temperatures) - i)
+    stages.next(f"measuring p T={temperature}")
+    measure_end = end - (end - deadline.elapsed()) * (1 - MEASURE_SHARE)
+    acceptance, used, tokens, pace = measure_within(cfg, pair, prompts, temperature, deadline, measure_end, prof)
+    table = solve(acceptance, max(prof.t), cfg.max_depth)
+    best, _ = choose(table, prof, tuple(prof.t))
+    stages.next(f"validating T={temperature}")
+    speedup, per_step = _validate_within(pair, best, prompts[0], temperature, end - deadline.elapsed(), prof, pace,
+                                         cfg.validate_tokens)
+    prov = Provenance(dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=str(pair.target.model.device),
+                      threads=serving.threads, time_budget_s=serving.time_budget_s, prompts=used, tokens_measured=tokens)
+    planned = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d), prov)
+    result = TrialResult(prof.hardware_id, temperature, best.n, best.d, best.expected_tokens, best.predicted_speedup,
+                         speedup, per_step, "", "")
+    return planned, result
+
+
+def tokens_within(seconds: float, step_s: float, fixed_s: float) -> int:
+    """Tokens a generation can be asked for in ``seconds``: every step yields at least one token, so
+    ``fixed_s`` (prefill, warm-up) plus one ``step_s`` per token bounds its time."""
+    return max(0, int((seconds - fixed_s) / step_s))
+
+
+def _prefill_s(prof: HardwareProfile, prompt_len: int) -> float:
+    """Target and draft prefill of a prompt, from t(n) (linear beyond the largest profiled n)."""
+    top = max(prof.t)
+    return 2 * prof.target_step_s * prof.t_of(top) * -(-prompt_len // top)
+
+
+def measure_within(cfg: ProfileJobConfig, pair, prompts, temperature: float, deadline: Deadline, until: float,
+                   prof: HardwareProfile) -> tuple[AcceptanceVector, int, int, float]:
+    """(p, prompts used, tokens asked for, pace) measuring prompt after prompt until ``until`` (seconds into
+    the deadline): each prompt asks for as many tokens as fit in the time left at the profiled step and
+    prefill times, scaled, once a prompt has run, by the pace observed (seconds seen / seconds predicted;
+    a profile taken on a busy machine can be off either way)."""
+    predicted = prof.target_step_s * (prof.t_of(min(cfg.width + 1, max(prof.t))) + prof.c_of(1))
+    pace, began, predicted_total = 1.0, deadline.elapsed(), 0.0
+    weighted, steps_total, used, tokens = [0.0] * (cfg.width + 1), 0, 0, 0
+    for i, prompt in enumerate(prompts):
+        left = until - deadline.elapsed()
+        ask = min(cfg.measure_tokens, tokens_within(left, pace * predicted, pace * _prefill_s(prof, len(prompt))))
+        if ask < MIN_TOKENS:
+            break
+        acc, steps = measure(pair.decoder, [prompt], width=cfg.width, temperature=temperature, max_tokens=ask,
+                             seed=i, progress=False)
+        for k, v in enumerate((acc.reject[0], *acc.rows[0])):
+            weighted[k] += v * steps
+        steps_total, used, tokens = steps_total + steps, used + 1, tokens + ask
+        predicted_total += _prefill_s(prof, len(prompt)) + steps * predicted
+        pace = (deadline.elapsed() - began) / predicted_total
+    if not used:
+        raise BudgetExhausted(f"measuring p at T={temperature}: {until - deadline.elapsed():.1f}s left fit fewer than "
+                              f"{MIN_TOKENS} tokens at {predicted:.2f}s a step; raise the time budget (profile_seconds)")
+    acceptance = AcceptanceVector.from_p([w / steps_total for w in weighted[1:]], weighted[0] / steps_total)
+    return acceptance, used, tokens, pace
+
+
+def _validate_within(pair, best: Choice, prompt, temperature: float, seconds: float, prof: HardwareProfile,
+                     pace: float, max_tokens: int) -> tuple[float, float]:
+    """validate() on one prompt with as many tokens as fit in ``seconds`` (the profiled times scaled by the
+    pace measuring observed); (nan, nan) when too few fit."""
+    step_s = pace * prof.target_step_s * (1 + prof.t_of(best.plan.n) + prof.draft_cost(best.plan))  # alone + tree
+    fixed_s = pace * 2 * _prefill_s(prof, len(prompt)) + WARMUP_TOKENS * step_s
+    ask = min(max_tokens, tokens_within(seconds, step_s, fixed_s))
+    if ask < MIN_TOKENS:
+        logger.warning("no time left to validate the plan (n=%d, d=%d); publishing it unvalidated", best.n, best.d)
+        return math.nan, math.nan
+    return validate(pair, best, [prompt], temperature, ask)
+
+
+def _publish_all(cfg: ProfileJobConfig, hardware: str, prof: HardwareProfile,
+                 planned: list[tuple[PlannedTree, TrialResult]]) -> list[TrialResult]:
+    store = PlanStore(cfg.storage)
+    profile_key = store.publish_profile(prof)
+    results = []
+    for (tree, r), temperature in zip(planned, cfg.temperatures):
+        plan_key = store.publish_plan(tree, PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature))
+        results.append(replace(r, plan_key=plan_key, profile_key=profile_key))
+    return results

@@ -26,10 +26,22 @@ class PlanFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Provenance:
+    """Where a plan applies and what it was measured with. Every field is optional (None = not recorded),
+    so files written before a field existed still load; the serving configuration fields (dtype through
+    threads) say what the acceptance vector and the profile were measured with, which is what the plan
+    is only right for."""
+
     draft: str | None = None
     target: str | None = None
     temperature: float | None = None
     hardware: str | None = None
+    dtype: str | None = None  # float32 | bfloat16 | float16
+    draft_quantize: str | None = None  # e.g. int8; None = not quantised (or not recorded)
+    device: str | None = None  # where the models ran (e.g. cpu, cuda:0)
+    threads: int | None = None  # the target's torch threads
+    time_budget_s: float | None = None  # a bounded profile's time budget; None = unbounded
+    prompts: int | None = None  # prompts the acceptance vector was measured on
+    tokens_measured: int | None = None  # tokens asked for while measuring it (a prompt may end sooner at EOS)
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,7 @@ class PlannedTree:
             "nodes": self.plan.n,
             "parents": list(self.plan.parents),
             "acceptance": self.acceptance.to_dict(),
-            "provenance": {k: v for k, v in vars(self.provenance).items()},
+            "provenance": {k: v for k, v in vars(self.provenance).items() if v is not None},
         }
 
     def dumps(self) -> str:
@@ -137,7 +149,14 @@ def _provenance(obj: Any, bad) -> Provenance:
     temp = obj.get("temperature")
     if temp is not None and (not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0):
         raise bad("provenance.temperature", f"{temp!r} must be a finite number >= 0")
-    for key in ("draft", "target", "hardware"):
+    for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device"):
         if obj.get(key) is not None and not isinstance(obj[key], str):
             raise bad(f"provenance.{key}", f"{obj[key]!r} must be a string")
+    for key in ("threads", "prompts", "tokens_measured"):
+        v = obj.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise bad(f"provenance.{key}", f"{v!r} must be an integer >= 0")
+    budget = obj.get("time_budget_s")
+    if budget is not None and (not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0):
+        raise bad("provenance.time_budget_s", f"{budget!r} must be a finite number > 0")
     return Provenance(**obj)

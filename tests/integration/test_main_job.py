@@ -1,0 +1,33 @@
+"""The main job's plan end to end with tiny models: the launcher's profile-when-missing publishes plans
+under the hardware id the served app's TargetDeployment computes, so the app serves them (its
+/v1/models shows a ``store:`` plan source with the serving configuration in the plan's provenance)."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+pytest.importorskip("ray")
+
+from deployments.config import ServeConfig  # noqa: E402
+from deployments.launch import ensure_plans, serving_hardware_id  # noqa: E402
+from sequoia_ray.plan_store import PlanStore  # noqa: E402
+from tests.serving import BASE, serving  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+def test_profiled_plan_is_the_one_served(tmp_path):
+    args = {**BASE, "plan_store": str(tmp_path / "plans"), "num_cpus": 1, "threads": 1}
+    assert ensure_plans(ServeConfig.model_validate(args), 30.0) == "profiled"
+    published = PlanStore(args["plan_store"]).list_plans()
+    assert len(published) == 2  # T=0.0 and T=0.6
+    with serving({"main": args}) as url:
+        meta = requests.get(f"{url}/main/v1/models", timeout=60).json()["data"][0]["metadata"]
+        greedy = [p for p in published if "/t0.0/" in p]
+        assert meta["plan_source"] == f"store:{greedy[0]}", meta
+        assert meta["hardware_id"] == serving_hardware_id(ServeConfig.model_validate(args))
+        r = requests.post(f"{url}/main/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 8,
+                                                               "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+    assert ensure_plans(ServeConfig.model_validate(args), 30.0) == "present"

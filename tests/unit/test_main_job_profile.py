@@ -1,0 +1,256 @@
+"""The main job's plan for this machine: the launcher profiles when the store has no plan for its hardware
+id, pair and temperature buckets (tiny models, a tiny time budget), skips when a plan is there or
+profiling is off, falls back to the built-in plan when profiling fails; the bounded trial honours its
+time budget (a fake clock); plans record the serving configuration they were measured with."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from deployments.config import ServeConfig
+from deployments.launch import SERVED_TEMPERATURES, ensure_plans, missing_temperatures, serving_hardware_id
+from deployments.service import PlanProvider
+from sequoia_ray import profiling
+from sequoia_ray.config import ProfileJobConfig
+from sequoia_ray.hardware import HardwareProfile, hardware_id
+from sequoia_ray.local import LocalPair
+from sequoia_ray.plan_store import PlanKey, PlanStore
+from sequoia_ray.profiling import (BudgetExhausted, Deadline, Serving, bounded_sizes, measure_within,
+                                   run_bounded, tokens_within)
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.builtin import builtin_plan
+from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree, Provenance
+
+TINY = {"model_name": "tiny", "draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "num_cpus": 1,
+        "threads": 1}
+
+
+class FakeClock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return LocalPair.load("tiny-target", "tiny-draft", dtype="float32", progress=False)
+
+
+def _cfg(tmp_path, **kw) -> ServeConfig:
+    return ServeConfig.model_validate({**TINY, "plan_store": str(tmp_path / "plans"), **kw})
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("profiling must not run here")
+
+
+# ---- provenance ------------------------------------------------------------------------------------
+def test_provenance_with_serving_config_round_trips():
+    prov = Provenance(draft="d", target="t", temperature=0.6, hardware="cpu-x-2c", dtype="bfloat16",
+                      draft_quantize="int8", device="cpu", threads=2, time_budget_s=120.0, prompts=3,
+                      tokens_measured=96)
+    planned = builtin_plan(0.6)
+    planned = PlannedTree(planned.plan, planned.acceptance, planned.budget, planned.max_depth,
+                          planned.expected_tokens, prov)
+    assert PlannedTree.loads(planned.dumps()).provenance == prov
+
+
+def test_plan_file_without_the_new_fields_still_loads():
+    obj = builtin_plan(0.0).to_dict()
+    obj["provenance"] = {"draft": "d", "target": "t", "temperature": 0.0, "hardware": None}  # a file of before
+    prov = PlannedTree.from_dict(obj).provenance
+    assert (prov.draft, prov.hardware, prov.dtype, prov.threads, prov.time_budget_s) == ("d", None, None, None, None)
+
+
+@pytest.mark.parametrize("key, value", [("threads", -1), ("threads", 1.5), ("prompts", True), ("dtype", 16),
+                                        ("time_budget_s", 0), ("time_budget_s", float("inf"))])
+def test_bad_serving_config_in_provenance_is_rejected(key, value):
+    obj = builtin_plan(0.0).to_dict()
+    obj["provenance"] = {key: value}
+    with pytest.raises(PlanFormatError, match=f"provenance.{key}"):
+        PlannedTree.from_dict(obj)
+
+
+def test_store_keeps_measured_provenance_and_stamps_the_key(tmp_path):
+    store = PlanStore(str(tmp_path))
+    base = builtin_plan(0.0)
+    planned = PlannedTree(base.plan, base.acceptance, base.budget, base.max_depth, base.expected_tokens,
+                          Provenance(hardware="wrong", dtype="bfloat16", threads=2, tokens_measured=10))
+    key = PlanKey("cpu-x-2c", "d", "t", 0.0)
+    store.publish_plan(planned, key)
+    prov = store.fetch_plan(key)[0].provenance
+    assert (prov.hardware, prov.draft, prov.dtype, prov.threads, prov.tokens_measured) == ("cpu-x-2c", "d",
+                                                                                          "bfloat16", 2, 10)
+
+
+# ---- the time budget ---------------------------------------------------------------------------------
+def test_tokens_within_counts_one_step_per_token_after_the_fixed_cost():
+    assert tokens_within(10.0, 0.5, 2.0) == 16
+    assert tokens_within(1.0, 0.5, 2.0) == 0
+
+
+def test_profiled_sizes_fit_their_share_of_the_budget():
+    probe = {1: 0.1, 8: 0.8}  # 0.1 s a token; each size costs 2 x (warm-up + 3 repeats) x its time
+    assert profiling.BOUNDED_REPEATS == 3
+    assert bounded_sizes(probe, 100.0) == (1, 2, 4, 8, 16, 32)  # 50.4 s
+    assert bounded_sizes(probe, 30.0) == (1, 2, 4, 8, 16)  # 24.8 s
+    assert bounded_sizes(probe, 6.0) == (1, 2, 4)  # 5.6 s
+    with pytest.raises(BudgetExhausted, match="raise the time budget"):
+        bounded_sizes(probe, 5.0)
+
+
+def test_profile_is_made_monotone():
+    noisy = replace(_profile(), t={1: 1.0, 2: 0.9, 4: 1.3, 8: 1.2}, c={1: 0.2, 2: 0.1})
+    fixed = profiling.monotone(noisy)
+    assert fixed.t == {1: 1.0, 2: 1.0, 4: 1.3, 8: 1.3} and fixed.c == {1: 0.2, 2: 0.2}
+
+
+def test_deadline_reads_the_injected_clock():
+    clock = FakeClock()
+    deadline = Deadline(60, clock)
+    clock.now += 45
+    assert (deadline.elapsed(), deadline.left()) == (45, 15)
+    with pytest.raises(ValueError, match="must be > 0"):
+        Deadline(0, clock)
+
+
+def _profile(step_s: float = 1.0) -> HardwareProfile:
+    return HardwareProfile(hardware_id="cpu-x-2c", t={1: 1.0, 8: 1.0, 16: 1.0, 32: 1.0},
+                           c={1: 0.0, 32: 0.0}, target_step_s=step_s, context=64, dtype="float32", versions={},
+                           timestamp="2026-01-01T00:00:00+00:00")
+
+
+class FakePair:
+    def decoder(self, plan, **kw):
+        raise AssertionError("the fake measure does not decode")
+
+
+def _measure_taking(clock: FakeClock, seconds_per_unit: float, asked: list):
+    """A fake ``measure`` that takes ``seconds_per_unit`` x (2 prefill units + one unit per token asked)."""
+    def fake(decoder_for, prompts, *, width, temperature, max_tokens, seed, progress):
+        asked.append(max_tokens)
+        clock.now += seconds_per_unit * (2 + max_tokens)
+        return AcceptanceVector.from_p([0.5] + [0.0] * (width - 1)), max_tokens  # worst case: a token a step
+    return fake
+
+
+@pytest.mark.parametrize("unit_s, until, expected_asks, pace", [
+    (1.0, 40.0, [16, 16], 1.0),  # as profiled: 2 + 16 s a prompt; the third finds 4 s left (< 2 + 8)
+    (3.0, 90.0, [16, 10], 3.0),  # 3x slower than profiled: 54 s, then (36 - 6) / 3 = 10 tokens
+    (0.25, 20.0, [16, 16, 16, 16], 0.25),  # 4x faster (a profile on a busy machine): measuring is not starved
+])
+def test_measuring_fits_its_time(monkeypatch, unit_s, until, expected_asks, pace):
+    """The profile says 1 s a step and 2 s of prefill; the fake takes ``unit_s`` per unit. Every prompt asks
+    for what fits the time left at the pace seen so far, so the clock never passes ``until``."""
+    clock, asked = FakeClock(), []
+    monkeypatch.setattr(profiling, "measure", _measure_taking(clock, unit_s, asked))
+    deadline = Deadline(100, clock)
+    cfg = ProfileJobConfig(storage="unused", measure_tokens=16, width=2)
+    acceptance, used, tokens, seen = measure_within(cfg, FakePair(), [[1] * 10] * 6, 0.0, deadline, until,
+                                                    _profile())
+    assert asked == expected_asks and (used, tokens) == (len(asked), sum(asked)) and deadline.elapsed() <= until
+    assert acceptance.rows[0][0] == pytest.approx(0.5) and seen == pytest.approx(pace)
+
+
+def test_no_time_to_measure_is_budget_exhausted(monkeypatch):
+    monkeypatch.setattr(profiling, "measure", _never)
+    cfg = ProfileJobConfig(storage="unused", width=2)
+    with pytest.raises(BudgetExhausted, match="raise the time budget"):
+        measure_within(cfg, FakePair(), [[1] * 10], 0.0, Deadline(100, FakeClock()), 5.0, _profile())
+
+
+def test_bounded_trial_out_of_time_publishes_nothing(tmp_path, pair, monkeypatch):
+    clock, real_profile = FakeClock(), profiling._bounded_profile
+
+    def slow_profile(*args, **kwargs):
+        prof = real_profile(*args, **kwargs)
+        clock.now += 60.0  # profiling t(n) and c took the whole budget
+        return prof
+
+    monkeypatch.setattr(profiling, "_bounded_profile", slow_profile)
+    cfg = ProfileJobConfig(storage=str(tmp_path), draft="tiny-draft", target="tiny-target", dtype="float32")
+    with pytest.raises(BudgetExhausted, match="measuring p at T=0.0"):
+        run_bounded(cfg, "cpu-x-1c", Serving(threads=1, time_budget_s=60), clock=clock, progress=False, pair=pair)
+    assert PlanStore(str(tmp_path)).list_plans() == []
+
+
+# ---- the launcher --------------------------------------------------------------------------------------
+def test_hardware_id_is_the_target_deployments(tmp_path):
+    cfg = _cfg(tmp_path, threads=2, num_cpus=1)
+    assert serving_hardware_id(cfg) == hardware_id(None, 1, 2)
+    assert serving_hardware_id(_cfg(tmp_path, threads=None, num_cpus=1)) == hardware_id(None, 1, 1)
+    assert serving_hardware_id(_cfg(tmp_path, hardware_id="pinned")) == "pinned"
+
+
+def test_missing_plans_are_profiled_published_and_then_served(tmp_path, pair, capsys):
+    cfg = _cfg(tmp_path)
+    hardware = serving_hardware_id(cfg)
+    assert missing_temperatures(cfg, hardware) == SERVED_TEMPERATURES
+
+    def run(job, hw, serving, *, clock):
+        assert (job.dtype, job.draft, job.target, hw, serving.threads) == ("float32", "tiny-draft", "tiny-target",
+                                                                           hardware, 1)
+        return run_bounded(job, hw, serving, clock=clock, progress=True, pair=pair)
+
+    assert ensure_plans(cfg, 60.0, run=run) == "profiled"
+    out = capsys.readouterr().out
+    assert "profiling [1/6] loading models" in out and "profiled in" in out  # plain lines: not a terminal
+    assert missing_temperatures(cfg, hardware) == ()
+    provider = PlanProvider(cfg, hardware)
+    for temperature in SERVED_TEMPERATURES:
+        active = provider.get(temperature)
+        prov = active.planned.provenance
+        assert active.source.startswith("store:")
+        assert (prov.hardware, prov.dtype, prov.threads, prov.device, prov.time_budget_s) == (
+            hardware, "float32", 1, "cpu", 60.0)
+        assert prov.prompts >= 1 and prov.tokens_measured >= profiling.MIN_TOKENS
+    assert ensure_plans(cfg, 60.0, run=_never) == "present"
+
+
+def test_a_failing_profile_serves_the_builtin_plan(tmp_path, capsys):
+    cfg = _cfg(tmp_path)
+
+    def oom(*args, **kwargs):
+        raise MemoryError("cannot allocate 3 GiB")
+
+    assert ensure_plans(cfg, 60.0, run=oom) == "builtin"
+    out = capsys.readouterr().out
+    assert "profiling failed, serving the built-in plan: MemoryError: cannot allocate 3 GiB" in out
+    assert PlanProvider(cfg, serving_hardware_id(cfg)).get(0.0).source == "builtin"
+
+
+@pytest.mark.parametrize("seconds, extra, address, why", [
+    (None, {}, None, "--no-profile"),
+    (60.0, {"plan_store": None}, None, "no plan store"),
+    (60.0, {"plan_store": "s3://bucket/plans"}, None, "remote"),
+    (60.0, {"draft": None}, None, "no draft"),
+    (60.0, {}, "ray://head:10001", "on the cluster"),
+    (60.0, {"tp_size": 2}, None, "tp_size 2"),
+])
+def test_profiling_is_skipped_when_it_cannot_or_must_not_run(tmp_path, capsys, seconds, extra, address, why):
+    cfg = ServeConfig.model_validate({**TINY, "plan_store": str(tmp_path / "plans"), **extra})
+    assert ensure_plans(cfg, seconds, address=address, run=_never) == "skipped"
+    assert why in capsys.readouterr().out
+
+
+def test_a_corrupt_stored_plan_counts_as_missing(tmp_path):
+    cfg = _cfg(tmp_path)
+    hardware = serving_hardware_id(cfg)
+    folder = tmp_path / "plans" / PlanKey(hardware, "tiny-draft", "tiny-target", 0.0).folder()
+    folder.mkdir(parents=True)
+    (folder / "20260101T000000000000Z-deadbeef.json").write_text(json.dumps({"schema_version": 1}))
+    assert 0.0 in missing_temperatures(cfg, hardware)
+
+
+def test_unvalidated_speedup_is_nan_when_no_time_is_left(pair):
+    best = profiling.Choice(1, 1, 1.0, 1.0, builtin_plan(0.0).plan)
+    speedup, per_step = profiling._validate_within(pair, best, [1, 2, 3], 0.0, 0.0, _profile(), 1.0, 48)
+    assert math.isnan(speedup) and math.isnan(per_step)
