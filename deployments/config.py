@@ -88,5 +88,12 @@ class ServeConfig(BaseModel):
                               threads=self.threads or max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
                               collective_timeout_s=self.collective_timeout_s)
 
+    def plan_hardware_id(self, threads: int, accelerator: str | None = None) -> str:
+        """The hardware id plans are published and looked up by: the override, else the configured
+        accelerator type or the name of the GPU the target runs on, else the CPU with the target's threads."""
+        from sequoia_ray.hardware import hardware_id
+
+        return self.hardware_id or hardware_id(self.accelerator_type or accelerator, self.tp_size, threads)
+
     def resources(self) -> ActorResources:
         return ActorResources(self.num_cpus, self.num_gpus, self.accelerator_type)

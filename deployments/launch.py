@@ -47,11 +47,13 @@ def app_args(config: Path, overrides: list[str]) -> dict:
 
 
 def serving_hardware_id(cfg: ServeConfig) -> str:
-    """The hardware id the app's ``TargetDeployment`` looks plans up by: the same function on the same
-    inputs (the target actor sets torch to ``actor_spec("target").threads`` and reports that)."""
-    from sequoia_ray.hardware import hardware_id
+    """The hardware id the app's ``TargetDeployment`` looks plans up by: the same method on the same inputs
+    (the target actor sets torch to ``actor_spec("target").threads`` and reports that, and the name of the
+    GPU it runs on — here the one this process would resolve ``device`` to)."""
+    from sequoia_ray.devices import resolve_device
+    from sequoia_ray.hardware import accelerator_name
 
-    return cfg.hardware_id or hardware_id(cfg.accelerator_type, cfg.tp_size, cfg.actor_spec("target").threads)
+    return cfg.plan_hardware_id(cfg.actor_spec("target").threads, accelerator_name(resolve_device(cfg.device)))
 
 
 def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None) -> str | None:

@@ -49,10 +49,8 @@ class TargetDeployment:
 
     def actors(self) -> dict:
         """The rank handles and what the ingress needs of the model (EOS ids, context, hardware id, device)."""
-        from sequoia_ray.hardware import hardware_id
 
-        accelerator = self.cfg.accelerator_type or self.group.meta["accelerator"]  # the GPU's name, if on one
-        hw = self.cfg.hardware_id or hardware_id(accelerator, self.cfg.tp_size, self.group.meta["threads"])
+        hw = self.cfg.plan_hardware_id(self.group.meta["threads"], self.group.meta["accelerator"])
         return {"ranks": self.group.ranks, "hardware_id": hw, **self.group.meta}
 
     def check_health(self) -> None:
