@@ -49,7 +49,6 @@ class TargetDeployment:
 
     def actors(self) -> dict:
         """The rank handles and what the ingress needs of the model (EOS ids, context, hardware id, device)."""
-
         hw = self.cfg.plan_hardware_id(self.group.meta["threads"], self.group.meta["accelerator"])
         return {"ranks": self.group.ranks, "hardware_id": hw, **self.group.meta}
 
