@@ -69,7 +69,6 @@ def serve_run(address: str, dashboard: str, config: Path):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        wait_until(lambda: not app_status(dashboard), 60, "the app shut down")  # the next test starts clean
 
 
 def app_status(dashboard: str) -> dict:
@@ -102,6 +101,19 @@ def models_up(url: str) -> bool:
         return False
 
 
+def test_unplaceable_config_fails_fast_naming_the_resource(tmp_path, two_cpu_cluster):
+    """Before, such an app stayed DEPLOYING for ever (replicas "waiting to be scheduled"); now the build
+    fails at once and Serve reports DEPLOY_FAILED with the reason."""
+    address, dashboard = two_cpu_cluster
+    config, _ = shipped_config(tmp_path, num_cpus=3, **TINY)
+    with serve_run(address, dashboard, config):
+        status = wait_until(lambda: (s := app_status(dashboard)).get("status") == "DEPLOY_FAILED" and s, 180,
+                            "DEPLOY_FAILED")
+    message = status.get("message", "")
+    assert "needs 3 CPU on one node" in message and "largest node has 2" in message, message
+    assert "lower num_cpus" in message, message
+
+
 @pytest.mark.slow
 def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
     """Exactly the shipped config (the real pair, bf16 target, int8 draft) on 2 CPUs; the resources alone
@@ -118,16 +130,3 @@ def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
         r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
-
-
-def test_unplaceable_config_fails_fast_naming_the_resource(tmp_path, two_cpu_cluster):
-    """Before, such an app stayed DEPLOYING for ever (replicas "waiting to be scheduled"); now the build
-    fails at once and Serve reports DEPLOY_FAILED with the reason."""
-    address, dashboard = two_cpu_cluster
-    config, _ = shipped_config(tmp_path, num_cpus=3, **TINY)
-    with serve_run(address, dashboard, config):
-        status = wait_until(lambda: (s := app_status(dashboard)).get("status") == "DEPLOY_FAILED" and s, 180,
-                            "DEPLOY_FAILED")
-    message = status.get("message", "")
-    assert "needs 3 CPU on one node" in message and "largest node has 2" in message, message
-    assert "lower num_cpus" in message, message
