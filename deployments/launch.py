@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from deployments.config import ServeConfig
-from sequoia_ray.arguments import Parser
+from sequoia_ray.arguments import Parser, nonneg_float
 from sequoia_ray.config import ProfileJobConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start local Ray)")
     p.add_argument("--demo", action="store_true", help="send a demo request and print answer and speedup")
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
-    p.add_argument("--profile-seconds", type=float, default=PROFILE_SECONDS,
+    p.add_argument("--profile-seconds", type=nonneg_float, default=PROFILE_SECONDS,
                    help="time budget for profiling this machine when the plan store has no plan for it")
     p.add_argument("--no-profile", action="store_true", help="never profile: serve stored or built-in plans")
     opts = p.parse_args(argv)
