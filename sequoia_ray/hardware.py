@@ -154,10 +154,9 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
     return {s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
 
 
-def _clock(device: torch.device | None) -> float:
+def _clock(device: torch.device) -> float:
     """``perf_counter`` after the queued work on ``device`` has finished."""
-    if device is not None:
-        synchronize(device)
+    synchronize(device)
     return time.perf_counter()
 
 
