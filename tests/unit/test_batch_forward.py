@@ -1,0 +1,83 @@
+"""Oracle for the batched forward: one forward over several sessions == each session's own forward, in both
+layouts, for ragged batches (different context lengths, trees, an empty cache, a prefill beside trees)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sequoia_ray.models.batch_forward import LAYOUTS, Segment, hidden_many
+from sequoia_ray.models.tree_lm import KVSession
+from sequoia_ray.tree.plan import chain, from_nested, k_ary
+from tests.tiny import VOCAB, tiny_model
+
+
+def _requests(seed: int):
+    """(cached prefix length, new segment kind, plan) per request: ragged on every axis."""
+    return [(7, "tree", from_nested([[[[]], []], [], [[], [[], []]]])),
+            (0, "prefill", None),  # a first call: nothing cached yet, 9 causal tokens
+            (12, "tree", k_ary(3, 1)),
+            (3, "tree", chain(4)),
+            (5, "prefill", None)]
+
+
+def _segment(session: KVSession, kind: str, plan, gen) -> Segment:
+    past = session.length
+    if kind == "prefill":
+        tokens = torch.randint(0, VOCAB, (9,), generator=gen)
+        return Segment(session, tokens, torch.arange(past, past + 9))
+    tokens = torch.randint(0, VOCAB, (plan.n,), generator=gen)
+    base = past - 1  # the tree hangs below the last cached token, which it sees through the cache
+    return Segment(session, tokens, base + 1 + torch.tensor(plan.depth), torch.from_numpy(plan.ancestor_mask()))
+
+
+def _sessions(model, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    built = []
+    for prefix, kind, plan in _requests(seed):
+        session = KVSession(model)
+        if prefix:
+            session.forward(torch.randint(0, VOCAB, (prefix,), generator=gen), torch.arange(prefix))
+        built.append((session, kind, plan))
+    return built, gen
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_batched_hidden_and_cache_equal_each_request_alone(layout, attn):
+    model = tiny_model("qwen2", attn=attn, seed=4)
+    alone, gen_a = _sessions(model, 11)
+    batched, gen_b = _sessions(model, 11)
+    expected = [s.hidden(seg.tokens, seg.positions, seg.allowed, seg.tree_start)
+                for s, seg in ((s, _segment(s, k, p, gen_a)) for s, k, p in alone)]
+    segments = [_segment(s, k, p, gen_b) for s, k, p in batched]
+    got = hidden_many(model, segments, layout)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+    for (a, _, _), (b, _, _) in zip(alone, batched):  # each request's cache holds exactly its own K/V
+        assert a.length == b.length
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(lb.keys, la.keys, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(lb.values, la.values, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_request_never_sees_another_requests_tokens(layout):
+    """Changing one request's context or tree leaves every other request's hidden states bit for bit."""
+    model = tiny_model("llama", seed=2)
+    built, gen = _sessions(model, 3)
+    segments = [_segment(s, k, p, gen) for s, k, p in built]
+    first = [h.clone() for h in hidden_many(model, segments, layout)]
+    built2, gen2 = _sessions(model, 3)
+    segments2 = [_segment(s, k, p, gen2) for s, k, p in built2]
+    segments2[2].tokens = (segments2[2].tokens + 1) % VOCAB  # another request's tree changes
+    second = hidden_many(model, segments2, layout)
+    for i in (0, 1, 3, 4):
+        torch.testing.assert_close(second[i], first[i], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(second[2], first[2])
+
+
+def test_unknown_layout_is_named():
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="layout 'paged' must be one of padded, flat"):
+        hidden_many(model, [], "paged")
