@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sequoia_ray.batching import NOT_YET
 from sequoia_ray.config import SamplingParams
+from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.request_state import RequestState, RequestTable
 from sequoia_ray.sampling import SparseDist, draw_without_replacement, target_probs, truncate
 from sequoia_ray.tree.plan import TreePlan
@@ -53,43 +55,132 @@ class _Request(RequestState):
     grown: bool = False  # a tree was grown since the last commit
 
 
+@dataclass
+class _Growth:
+    """One request's tree while the batch grows it, level by level."""
+
+    req: _Request
+    plan: TreePlan
+    tokens: torch.Tensor  # [n] int64 on the draft's device; tokens[0] is the root
+    mask: torch.Tensor  # [n, n] bool ancestor mask
+    depth: torch.Tensor  # [n] int64
+    dists: dict[int, SparseDist] = field(default_factory=dict)
+    forwarded: list[int] = field(default_factory=lambda: [0])  # tree nodes in the cache, in slot order
+    inner: list[int] = field(default_factory=lambda: [0])  # nodes whose logits we hold (children to draw)
+    prefill_only: bool = False  # this step forwards a chunk of the prompt only
+
+
 class DraftWorker(RequestTable):
-    """Holds a draft model and per-request draft state, keyed by request id."""
+    """Holds a draft model and per-request draft state, keyed by request id.
+
+    ``grow_batch`` grows several requests' trees together: one draft forward for every request's uncached
+    committed tokens, then one forward per tree level over every request's frontier (``models.batch_forward``).
+    Each request draws with its own generator in the order it would alone, so a seed gives the same tree at
+    batch 1 and in a batch. A request that fails gets its exception in its slot; the others go on."""
 
     state_type = _Request
 
-    def __init__(self, model, *, support: int = DEFAULT_SUPPORT) -> None:
+    def __init__(self, model, *, support: int = DEFAULT_SUPPORT, layout: str = "padded",
+                 prefill_chunk: int | None = None) -> None:
         super().__init__(model)
-        self.support = support
+        self.support, self.layout = support, layout
+        self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
         self.vocab = model.config.vocab_size
 
     def grow(self, request_id: str, plan: TreePlan) -> DraftTree:
         """Grow ``plan``'s tree on the draft's device; returns it as host tensors (what crosses processes)."""
+        while True:  # a long prompt takes one step per prefill chunk
+            (result,) = self.grow_batch([(request_id, plan)])
+            if isinstance(result, Exception):
+                raise result
+            if not isinstance(result, str):
+                return result
+
+    def tokens_of(self, method: str, request_id: str, args: tuple) -> int:
+        """Tokens the first forward of ``grow`` would take now for this call (the batcher's token budget)."""
+        req, plan = self.get(request_id), args[0]
+        pending = len(req.committed) - req.cached
+        return self.prefill_chunk if self._chunked(pending) else pending + plan.n
+
+    def _chunked(self, pending: int) -> bool:
+        return self.prefill_chunk is not None and pending > self.prefill_chunk
+
+    def grow_batch(self, calls: list[tuple[str, TreePlan]]) -> list[DraftTree | Exception | str]:
+        """Every call's tree (host tensors), the exception that ended it, or ``NOT_YET`` (a chunk of its prompt
+        was prefilled; call again)."""
+        results: list[DraftTree | Exception | str | None] = [None] * len(calls)
+        growing: dict[int, _Growth] = {}
+        segments: dict[int, Segment] = {}
+        for i, (request_id, plan) in enumerate(calls):
+            try:
+                growing[i], segments[i] = self._start_growth(request_id, plan)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                results[i] = exc
+        logits = self._forward(segments, last_only=True)  # [1, V] at each root
+        for i in [i for i, g in growing.items() if g.prefill_only]:
+            growing.pop(i).req.cached += segments[i].q
+            results[i] = NOT_YET
+        while growing:
+            segments = {}
+            for i, g in list(growing.items()):
+                try:
+                    segment = self._next_level(g, logits[i])
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = exc
+                    del growing[i]
+                    continue
+                if segment is None:
+                    results[i] = self._finish_growth(g)
+                    del growing[i]
+                else:
+                    segments[i] = segment
+            logits = self._forward(segments, last_only=False)
+        return results
+
+    def _start_growth(self, request_id: str, plan: TreePlan) -> tuple[_Growth, Segment]:
         req, device = self.get(request_id), self.device
         req.session.truncate(req.cached)
+        pending = req.committed[req.cached :]
+        if self._chunked(len(pending)):
+            chunk = torch.tensor(pending[: self.prefill_chunk], device=device)
+            segment = Segment(req.session, chunk, torch.arange(req.cached, req.cached + len(chunk), device=device))
+            return _Growth(req, plan, chunk, chunk, chunk, prefill_only=True), segment
         req.base = len(req.committed) - 1
-        pending = torch.tensor(req.committed[req.cached :], device=device)
-        hidden = req.session.hidden(pending, torch.arange(req.cached, req.base + 1, device=device))
-        logits = req.session.head(hidden[-1:])  # [1, V] at the root; the rest of the prefix needs no logits
+        segment = Segment(req.session, torch.tensor(pending, device=device),
+                          torch.arange(req.cached, req.base + 1, device=device))
         tokens = torch.zeros(plan.n, dtype=torch.long, device=device)
         tokens[0] = req.committed[-1]
-        dists: dict[int, SparseDist] = {}
         mask = torch.from_numpy(plan.ancestor_mask()).to(device)  # [n, n] bool
-        depth = torch.tensor(plan.depth, device=device)  # [n]
-        forwarded, inner = [0], [0]  # tree nodes in the cache (slot order); nodes whose logits we hold
-        while True:
-            self._draw_children(req, plan, inner, logits, tokens, dists)
-            # Only nodes with children are forwarded: a leaf's logits and K/V are never needed.
-            inner = [c for node in inner for c in plan.children[node] if plan.children[c]]
-            if not inner:
-                break
-            idx = torch.tensor(inner, device=device)
-            cols = torch.tensor(forwarded + inner, device=device)
-            logits = req.session.forward(tokens[idx], req.base + depth[idx], mask[idx][:, cols], req.base)
-            forwarded += inner
-        req.forwarded = {node: slot for slot, node in enumerate(forwarded)}
-        req.grown = True
-        return DraftTree(tokens, dists).to("cpu")
+        return _Growth(req, plan, tokens, mask, torch.tensor(plan.depth, device=device)), segment
+
+    def _forward(self, segments: dict[int, Segment], *, last_only: bool) -> dict[int, torch.Tensor]:
+        """One draft forward over ``segments``; their logits ([q, V], or [1, V] at the last token)."""
+        if not segments:
+            return {}
+        hidden = hidden_many(self.model, list(segments.values()), self.layout)
+        rows = [h[-1:] for h in hidden] if last_only else hidden
+        head = next(iter(segments.values())).session.head
+        logits = head(torch.cat(rows)).split([r.shape[0] for r in rows])  # one LM-head call for the batch
+        return dict(zip(segments, logits))
+
+    def _next_level(self, g: _Growth, logits: torch.Tensor) -> Segment | None:
+        """Draw the children of ``g.inner``; the segment forwarding the next inner level (None: the tree is done)."""
+        self._draw_children(g.req, g.plan, g.inner, logits, g.tokens, g.dists)
+        # Only nodes with children are forwarded: a leaf's logits and K/V are never needed.
+        g.inner = [c for node in g.inner for c in g.plan.children[node] if g.plan.children[c]]
+        if not g.inner:
+            return None
+        device = g.tokens.device
+        idx = torch.tensor(g.inner, device=device)
+        cols = torch.tensor(g.forwarded + g.inner, device=device)
+        g.forwarded += g.inner
+        return Segment(g.req.session, g.tokens[idx], g.req.base + g.depth[idx], g.mask[idx][:, cols], g.req.base)
+
+    @staticmethod
+    def _finish_growth(g: _Growth) -> DraftTree:
+        g.req.forwarded = {node: slot for slot, node in enumerate(g.forwarded)}
+        g.req.grown = True
+        return DraftTree(g.tokens, g.dists).to("cpu")
 
     def _draw_children(self, req: _Request, plan: TreePlan, nodes, logits, tokens, dists) -> None:
         for row, node in enumerate(nodes):

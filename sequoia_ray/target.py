@@ -1,9 +1,15 @@
-"""The target side: score a whole draft tree in one forward pass, verify it, compact the KV cache.
+"""The target side: score draft trees in one forward pass, verify them, compact the KV cache.
 
-Per request the target caches every committed token but the newest (the next tree's root). ``verify``
+Per request the target caches every committed token but the newest (the next tree's root). A verify
 forwards the uncached committed tokens (the first call: the prompt, i.e. prefill) and the tree in ONE pass,
 walks the tree with the request's own generator, keeps the accepted path's K/V and returns the verdict —
 only token ids cross back, never logits. A root-only plan is plain target decoding.
+
+Batching: ``verify_batch`` verifies several requests' trees in ONE forward (``models.batch_forward``): each
+request keeps its own context, positions, tree mask, generator, verdict and compaction, so a batched
+verdict is the verdict the request would get alone. A request that fails (unknown, a malformed tree, an
+error in its walk) gets its exception in its slot of the result and the others go on; a forward that
+fails as a whole is retried request by request, so one request cannot take the batch down.
 
 Devices: the tree arrives as host tensors (from an actor, or from an in-process draft) and its tokens are
 placed on the target model's device on arrival; the forward runs there. The walk runs on the host after ONE
@@ -12,40 +18,123 @@ transfer (``sequoia_ray.verify``), so the request's generator is a host generato
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
+from sequoia_ray.batching import NOT_YET
 from sequoia_ray.draft import DraftTree
-from sequoia_ray.request_state import RequestTable
+from sequoia_ray.models.batch_forward import Segment, hidden_many
+from sequoia_ray.request_state import RequestState, RequestTable
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict, verify_tree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prepared:
+    req: RequestState
+    plan: TreePlan
+    draft: DraftTree | None  # None: a prefill chunk only, the tree waits for the next step
+    segment: Segment
+    pending: int  # committed tokens forwarded before the tree (prefill rows: no logits)
+    base: int  # cache slot of the tree's root
 
 
 class TargetWorker(RequestTable):
     """Holds the target model and per-request target state, keyed by request id."""
+
+    def __init__(self, model, *, layout: str = "padded", prefill_chunk: int | None = None) -> None:
+        super().__init__(model)
+        self.layout = layout
+        self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
 
     @property
     def generator_device(self) -> torch.device:
         return torch.device("cpu")  # the verify walk runs on the host (see sequoia_ray.verify)
 
     def verify(self, request_id: str, plan: TreePlan, draft: DraftTree) -> Verdict:
+        while True:  # a long prompt takes one step per prefill chunk
+            (result,) = self.verify_batch([(request_id, plan, draft)])
+            if isinstance(result, Exception):
+                raise result
+            if result != NOT_YET:
+                return result
+
+    def tokens_of(self, method: str, request_id: str, args: tuple) -> int:
+        """Tokens ``verify`` would forward now for this call (the batcher's token budget)."""
+        req, plan = self.get(request_id), args[0]
+        pending = len(req.committed) - 1 - req.session.length
+        if self.prefill_chunk is not None and pending > self.prefill_chunk:
+            return self.prefill_chunk
+        return pending + plan.n
+
+    def verify_batch(self, calls: list[tuple[str, TreePlan, DraftTree]]) -> list[Verdict | Exception | str]:
+        """One forward for every call's tree; per call its verdict, the exception that ended it, or ``NOT_YET``
+        (a chunk of its prompt was prefilled; call again)."""
+        results: list[Verdict | Exception | None] = [None] * len(calls)
+        prepared: dict[int, _Prepared] = {}
+        for i, call in enumerate(calls):
+            try:
+                prepared[i] = self._prepare(*call)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                results[i] = exc
+        for i, outcome in self._verify_prepared(prepared).items():
+            results[i] = outcome
+        return results
+
+    def _verify_prepared(self, prepared: dict[int, _Prepared]) -> dict[int, Verdict | Exception]:
+        if not prepared:
+            return {}
+        try:
+            hidden = hidden_many(self.model, [p.segment for p in prepared.values()], self.layout)
+        except Exception:
+            if len(prepared) == 1:
+                raise
+            logger.exception("a batched verify of %d requests failed; retrying them one by one", len(prepared))
+            return {i: self._verify_prepared({i: p}).get(i) for i, p in prepared.items()}
+        trees = {i: h[p.pending :] for (i, p), h in zip(prepared.items(), hidden) if p.draft is not None}
+        out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
+        if trees:
+            # One LM-head call for every tree row of the batch: the head is memory-bound, so rows cost about
+            # what one row does, and a call per request would re-read the vocab x hidden weights each time.
+            rows = list(trees.values())
+            logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows))  # [sum n, V]
+            for (i, _), node_logits in zip(trees.items(), logits.split([r.shape[0] for r in rows])):
+                out[i] = self._walk(prepared[i], node_logits)
+        return out
+
+    def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree) -> _Prepared:
         req, device = self.get(request_id), self.device
-        assert int(draft.tokens[0]) == req.committed[-1], "the tree's root must be the last committed token"
-        assert draft.tokens.shape == (plan.n,), f"draft tree has {draft.tokens.shape[0]} tokens, plan {plan.n}"
+        if draft.tokens.shape != (plan.n,):
+            raise ValueError(f"draft tree has {draft.tokens.shape[0]} tokens, plan {plan.n}")
+        if int(draft.tokens[0]) != req.committed[-1]:
+            raise ValueError("the tree's root must be the last committed token")
         cached, base = req.session.length, len(req.committed) - 1
+        if self.prefill_chunk is not None and base - cached > self.prefill_chunk:
+            chunk = torch.tensor(req.committed[cached : cached + self.prefill_chunk], dtype=torch.long, device=device)
+            segment = Segment(req.session, chunk, torch.arange(cached, cached + len(chunk), device=device))
+            return _Prepared(req, plan, None, segment, len(chunk), base)
         pending = torch.tensor(req.committed[cached:base], dtype=torch.long, device=device)
         tokens = torch.cat([pending, draft.tokens.to(device)])  # the tree's tokens, placed on arrival
         depth = torch.tensor(plan.depth, dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(cached, base, device=device), base + depth])
         tree = torch.from_numpy(plan.ancestor_mask()).to(device)  # [n, n] bool
-        allowed = _prefill_then_tree(len(pending), tree)
-        hidden = req.session.hidden(tokens, positions, allowed)[len(pending) :]
-        # One LM-head call for the whole tree: on CPU the head is memory-bound, so n rows cost about what
-        # one row does, and rows one at a time would re-read the vocab x hidden weights each time.
-        logits = req.session.head(hidden)  # [n, V]; the prefill rows before the tree get no logits
-        verdict = verify_tree(plan, draft.to("cpu"), logits, req.params, req.generator)
+        segment = Segment(req.session, tokens, positions, _prefill_then_tree(len(pending), tree))
+        return _Prepared(req, plan, draft, segment, len(pending), base)
+
+    def _walk(self, p: _Prepared, logits: torch.Tensor) -> Verdict | Exception:  # logits: [n, V]
+        try:
+            verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+            p.req.session.truncate(p.base)  # drop the tree's K/V: the cache holds committed tokens only
+            return exc
+        device = self.device
         path = torch.tensor(verdict.path, dtype=torch.long, device=device)
-        req.session.keep(torch.cat([torch.arange(base, device=device), base + path]))
-        req.committed.extend(verdict.tokens)
+        p.req.session.keep(torch.cat([torch.arange(p.base, device=device), p.base + path]))
+        p.req.committed.extend(verdict.tokens)
         return verdict
 
 

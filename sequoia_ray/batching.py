@@ -1,0 +1,168 @@
+"""Continuous batching of a worker's calls: calls arrive from many threads (one per request), one thread
+runs them, and every ``grow`` / ``verify`` waiting when a forward ends joins the next forward.
+
+No request waits for another: a request's step is one call, a finished request simply stops calling, a new
+one joins at the next forward, and a client that stops reading its stream only stops sending its own
+calls. There is no wait window: a forward starts as soon as the previous one ends with whatever is queued
+(a window would only add latency here, where a forward costs far more than a call's arrival).
+
+Order: every other call (``start``, ``commit``, ``finish``) runs first, in arrival order, between two
+forwards; then one batch of the batched method, in arrival order, within ``max_batch_requests`` and
+``max_batch_tokens`` (a first call larger than the token budget still runs, alone). A call the worker
+answers with ``NOT_YET`` (a long prompt prefilled one chunk per step) goes back to the queue's front.
+Each call gets its own result or exception; a batch that fails as a whole fails each of its calls.
+
+All calls of a worker run on the batcher's one thread, so the worker itself needs no locks. The runner is
+given, not assumed: in-process it is the worker; on a tensor-parallel group it is rank 0 forwarding the
+whole batch to every rank as one call, so every rank runs the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+BATCHED = {"grow": "grow_batch", "verify": "verify_batch"}
+NOT_YET = "not-yet"  # a batched call that needs another step (a prefill chunk was forwarded)
+
+
+@dataclass
+class BatchLimits:
+    max_batch_requests: int = 16
+    max_batch_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_batch_requests < 1:
+            raise ValueError(f"max_batch_requests {self.max_batch_requests} must be >= 1 (1 = one request per forward)")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= 1")
+
+
+@dataclass
+class _Call:
+    method: str
+    request_id: str
+    args: tuple
+    future: Future = field(default_factory=Future)
+
+
+class Batcher:
+    """``call(method, request_id, *args)`` from any thread; returns what the worker returned, or raises."""
+
+    def __init__(self, run_batch: Callable[[str, list[tuple]], list], run_one: Callable[..., object],
+                 size: Callable[[str, str, tuple], int], limits: BatchLimits, *, name: str = "batcher") -> None:
+        self.run_batch, self.run_one, self.size, self.limits = run_batch, run_one, size, limits
+        self.queue: deque[_Call] = deque()
+        self.cond = threading.Condition()
+        self.batch_sizes: list[int] = []  # requests per forward, for stats and tests
+        self.closed = False
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def over(cls, worker, limits: BatchLimits, *, name: str = "batcher") -> Batcher:
+        """A batcher running an in-process worker's own methods."""
+        return cls(lambda method, calls: getattr(worker, BATCHED[method])(calls),
+                   lambda method, rid, *args: getattr(worker, method)(rid, *args),
+                   worker.tokens_of, limits, name=name)
+
+    def call(self, method: str, request_id: str, *args):
+        item = _Call(method, request_id, args)
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the batcher is closed")
+            self.queue.append(item)
+            self.cond.notify()
+        return item.future.result()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    self._fail_all(RuntimeError("the batcher is closed"))
+                    return
+                singles, batch = self._take()
+            for item in singles:
+                _settle(item, lambda i=item: self.run_one(i.method, i.request_id, *i.args))
+            if batch:
+                self._run(batch)
+
+    def _take(self) -> tuple[list[_Call], list[_Call]]:
+        """Every non-batched call, then the first batched method's calls within the limits."""
+        singles = [c for c in self.queue if c.method not in BATCHED]
+        batch, tokens, rest = [], 0, deque()
+        for c in self.queue:
+            if c.method not in BATCHED:
+                continue
+            if rest or not self._fits(c, batch, tokens):  # first come, first served: nobody jumps the queue
+                rest.append(c)
+                continue
+            batch.append(c)
+            tokens += self._size(c)
+        self.queue = rest
+        return singles, batch
+
+    def _fits(self, c: _Call, batch: list[_Call], tokens: int) -> bool:
+        if not batch:
+            return True  # a first call larger than the token budget still runs, alone
+        return (c.method == batch[0].method and len(batch) < self.limits.max_batch_requests
+                and tokens + self._size(c) <= self.limits.max_batch_tokens)
+
+    def _size(self, c: _Call) -> int:
+        try:
+            return self.size(c.method, c.request_id, c.args)
+        except Exception:  # noqa: BLE001 - an unknown request costs nothing; its call fails in the batch
+            return 1
+
+    def _run(self, batch: list[_Call]) -> None:
+        try:
+            results = self.run_batch(batch[0].method, [(c.request_id, *c.args) for c in batch])
+        except BaseException as exc:  # noqa: BLE001 - the whole forward failed: each of its calls fails
+            for c in batch:
+                c.future.set_exception(exc)
+            return
+        self.batch_sizes.append(len(batch))
+        again = []
+        for c, result in zip(batch, results):
+            if isinstance(result, str) and result == NOT_YET:
+                again.append(c)
+            elif isinstance(result, BaseException):
+                c.future.set_exception(result)
+            else:
+                c.future.set_result(result)
+        if again:
+            with self.cond:
+                self.queue.extendleft(reversed(again))
+
+    def _fail_all(self, exc: Exception) -> None:
+        while self.queue:
+            self.queue.popleft().future.set_exception(exc)
+
+
+def _settle(item: _Call, run: Callable[[], object]) -> None:
+    try:
+        item.future.set_result(run())
+    except BaseException as exc:  # noqa: BLE001 - the caller's thread re-raises it
+        item.future.set_exception(exc)
+
+
+class BatchedWorker:
+    """The engine's Draft / Target protocol over a ``Batcher``: each method is one queued call."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self.batcher = batcher
+
+    def __getattr__(self, method: str):
+        if method.startswith("_") or method not in ("start", "grow", "verify", "commit", "finish"):
+            raise AttributeError(method)
+        return lambda request_id, *args: self.batcher.call(method, request_id, *args)

@@ -1,0 +1,271 @@
+"""The batched path: continuous batching of the draft's and the target's calls, exact against each request
+alone (greedy = the target alone; a sampled seed gives the same tokens at batch 1 and in a batch), a failing
+request dropped from its batch without touching the others, long prompts prefilled in chunks."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from sequoia_ray.batching import NOT_YET, BatchedWorker, Batcher, BatchLimits
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.engine import SpeculativeDecoder
+from sequoia_ray.models.batch_forward import LAYOUTS
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.plan import chain, from_nested, k_ary
+from tests.tiny import noisy_copy, sharpen, tiny_model
+
+PLAN = from_nested([[[[]], []], [[]], []])  # 7 nodes, 4 levels, ragged
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
+    return target, noisy_copy(target, scale=0.03, seed=1)
+
+
+def _prompts(k: int) -> list[list[int]]:
+    return [[(r * 13 + i * 7) % 97 for i in range(2 + 3 * r)] for r in range(k)]  # lengths 2, 5, 8, ...
+
+
+def _alone(target, draft, plan, prompt, params):
+    spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft) if draft else None, plan)
+    return spec.generate(prompt, params).token_ids
+
+
+class _Pair:
+    """Target and draft workers behind batchers, as the actors run them."""
+
+    def __init__(self, target, draft, limits=BatchLimits(), layout="padded", prefill_chunk=None):
+        self.target_worker = TargetWorker(target, layout=layout, prefill_chunk=prefill_chunk)
+        self.draft_worker = DraftWorker(draft, layout=layout, prefill_chunk=prefill_chunk)
+        self.target_batcher = Batcher.over(self.target_worker, limits, name="target")
+        self.draft_batcher = Batcher.over(self.draft_worker, limits, name="draft")
+
+    def decoder(self, plan):
+        return SpeculativeDecoder(BatchedWorker(self.target_batcher), BatchedWorker(self.draft_batcher), plan)
+
+    def run(self, plan, jobs):
+        """``jobs`` = [(prompt, params)], all at once from one thread each; their token ids."""
+        start = threading.Barrier(len(jobs))
+
+        def one(job):
+            start.wait()
+            return self.decoder(plan).generate(*job).token_ids
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(one, jobs))
+
+    def close(self):
+        self.target_batcher.close()
+        self.draft_batcher.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_in_a_batch_of_8_is_the_target_alone(models, layout):
+    target, draft = models
+    pair = _Pair(target, draft, layout=layout)
+    prompts = _prompts(8)
+    params = [SamplingParams(max_tokens=12 + 3 * r, seed=r) for r in range(8)]  # ragged lengths: some finish first
+    try:
+        got = pair.run(PLAN, list(zip(prompts, params)))
+    finally:
+        pair.close()
+    for prompt, p, ids in zip(prompts, params, got):
+        assert ids == _alone(target, None, chain(0), prompt, p)
+    assert max(pair.target_batcher.batch_sizes) > 1 and max(pair.draft_batcher.batch_sizes) > 1, "never batched"
+
+
+def test_a_sampled_seed_gives_the_same_tokens_at_batch_1_and_in_a_batch_of_8(models):
+    target, draft = models
+    prompts = _prompts(8)
+    params = [SamplingParams(max_tokens=16, temperature=t, top_p=tp, seed=100 + r)
+              for r, (t, tp) in enumerate([(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.5, 0.8)] * 2)]
+    pair = _Pair(target, draft)
+    try:
+        got = pair.run(k_ary(3, 2), list(zip(prompts, params)))
+    finally:
+        pair.close()
+    for prompt, p, ids in zip(prompts, params, got):
+        assert ids == _alone(target, draft, k_ary(3, 2), prompt, p)
+    assert max(pair.target_batcher.batch_sizes) > 1
+
+
+def test_one_request_per_forward_when_max_batch_requests_is_1(models):
+    target, draft = models
+    pair = _Pair(target, draft, BatchLimits(max_batch_requests=1))
+    try:
+        pair.run(PLAN, [(p, SamplingParams(max_tokens=6)) for p in _prompts(4)])
+    finally:
+        pair.close()
+    assert set(pair.target_batcher.batch_sizes) == {1} and set(pair.draft_batcher.batch_sizes) == {1}
+
+
+def _started(target, draft, n, params=SamplingParams(max_tokens=50)):
+    tw, dw = TargetWorker(target), DraftWorker(draft)
+    for r, prompt in enumerate(_prompts(n)):
+        tw.start(str(r), prompt, params, seed=r)
+        dw.start(str(r), prompt, params, seed=r)
+    return tw, dw
+
+
+def test_a_failing_request_is_dropped_from_its_batch_and_the_others_go_on(models, monkeypatch):
+    target, draft = models
+    tw, dw = _started(target, draft, 5)
+    ref_t, ref_d = _started(target, draft, 5)
+    trees = dw.grow_batch([(str(r), PLAN) for r in range(5)])
+    bad_tree = trees[2]
+    calls = [("0", PLAN, trees[0]), ("gone", PLAN, trees[1]),  # state missing
+             ("1", PLAN, trees[1]), ("2", k_ary(2, 1), bad_tree),  # a tree that does not fit its plan
+             ("3", PLAN, trees[3]), ("4", PLAN, trees[4])]
+    import sequoia_ray.target as target_module
+
+    real = target_module.verify_tree
+    walks = iter(range(100))
+
+    def walk_fails_once(plan, tree, logits, params, gen):  # the 3rd walk (request "3") raises
+        if next(walks) == 2:
+            raise RuntimeError("a walk failed")
+        return real(plan, tree, logits, params, gen)
+
+    monkeypatch.setattr(target_module, "verify_tree", walk_fails_once)
+    out = tw.verify_batch(calls)
+    monkeypatch.setattr(target_module, "verify_tree", real)
+    assert "not active" in str(out[1]) and "draft tree has" in str(out[3]) and "a walk failed" in str(out[4])
+    for slot, r in ((0, 0), (2, 1), (5, 4)):  # the others: the verdict each gets alone
+        ref_tree = ref_d.grow(str(r), PLAN)
+        assert out[slot] == ref_t.verify(str(r), PLAN, ref_tree)
+    assert tw.requests["3"].session.length == len(tw.requests["3"].committed) - 1  # no tree K/V left behind
+    # the failed request can go on: a fresh tree (regrown, nothing committed) gets its reference's verdict
+    assert tw.verify("3", PLAN, dw.grow("3", PLAN)) == ref_t.verify("3", PLAN, ref_d.grow("3", PLAN))
+
+
+def test_a_forward_that_fails_as_a_whole_is_retried_request_by_request(models, monkeypatch):
+    target, draft = models
+    tw, dw = _started(target, draft, 3)
+    ref_t, ref_d = _started(target, draft, 3)
+    trees = dw.grow_batch([(str(r), PLAN) for r in range(3)])
+    import sequoia_ray.target as target_module
+
+    real = target_module.hidden_many
+    monkeypatch.setattr(target_module, "hidden_many",
+                        lambda m, segs, layout: real(m, segs, layout) if len(segs) == 1 else 1 / 0)
+    out = tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)])
+    assert out == [ref_t.verify(str(r), PLAN, ref_d.grow(str(r), PLAN)) for r in range(3)]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_a_long_prompt_prefilled_in_chunks_gives_the_same_tokens(models, chunk):
+    target, draft = models
+    prompt = _prompts(4)[3]  # 11 tokens
+    for params in (SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=1.0, seed=3)):
+        spec = SpeculativeDecoder(TargetWorker(target, prefill_chunk=chunk), DraftWorker(draft, prefill_chunk=chunk),
+                                  PLAN)
+        assert spec.generate(prompt, params).token_ids == _alone(target, draft, PLAN, prompt, params)
+
+
+def test_a_chunked_prefill_takes_one_chunk_per_step_beside_the_others(models):
+    target, draft = models
+    tw = TargetWorker(target, prefill_chunk=4)
+    params = SamplingParams(max_tokens=5)
+    tw.start("long", list(range(1, 12)), params, seed=0)  # 10 tokens to prefill before the root
+    tw.start("short", [5, 6], params, seed=1)
+    root_only = torch.tensor([11])
+    from sequoia_ray.draft import DraftTree
+
+    assert tw.tokens_of("verify", "long", (chain(0),)) == 4
+    out = tw.verify_batch([("long", chain(0), DraftTree(root_only, {})), ("short", chain(0), DraftTree(torch.tensor([6]), {}))])
+    assert out[0] == NOT_YET and out[1].tokens and tw.requests["long"].session.length == 4
+
+
+def _recording_batcher(limits, sizes=None):
+    seen = []
+
+    def run_batch(method, calls):
+        seen.append((method, [c[0] for c in calls]))
+        return [f"{method}:{c[0]}" for c in calls]
+
+    return Batcher(run_batch, lambda m, rid, *a: seen.append((m, [rid])) or m,
+                   lambda m, rid, a: (sizes or {}).get(rid, 1), limits), seen
+
+
+def _concurrently(batcher, calls):
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda c: batcher.call(*c), calls))
+
+
+def _wait_until(condition, timeout=5.0):
+    deadline = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        deadline.wait(0.01)
+    raise AssertionError("timed out")
+
+
+def test_batcher_limits_order_and_results():
+    gate = threading.Event()
+    batcher, seen = _recording_batcher(BatchLimits(max_batch_requests=3, max_batch_tokens=10),
+                                       sizes={"big": 9, "a": 2, "b": 2})
+    record = batcher.run_one
+    batcher.run_one = lambda m, rid, *a: (gate.wait(5), record(m, rid, *a))[1]  # "start" holds the loop
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(batcher.call, "start", "s0")
+        _wait_until(lambda: not batcher.queue)  # the loop has taken "start" and waits on the gate
+        futures = []
+        for method, rid in [("verify", "big"), ("verify", "a"), ("commit", "c"), ("verify", "b"), ("verify", "d")]:
+            futures.append(pool.submit(batcher.call, method, rid))
+            _wait_until(lambda n=len(futures): len(batcher.queue) == n)  # queued in this order
+        gate.set()
+        results = [f.result(5) for f in futures]
+    assert first.result() == "start"
+    assert results == ["verify:big", "verify:a", "commit", "verify:b", "verify:d"]
+    # the commit ran before the next forward; "big" (9 of 10 tokens) left no room for "a" (2), and "d" (1)
+    # does not jump the queue past "a"; then at most 3 requests
+    assert seen == [("start", ["s0"]), ("commit", ["c"]), ("verify", ["big"]), ("verify", ["a", "b", "d"])]
+    batcher.close()
+
+
+def test_batcher_requeues_not_yet_and_fails_each_call_of_a_failed_batch():
+    rounds = []
+
+    def run_batch(method, calls):
+        rounds.append([c[0] for c in calls])
+        if any(c[0] == "boom" for c in calls):
+            raise RuntimeError("the forward failed")
+        return [NOT_YET if c[0] == "long" and len(rounds) < 3 else c[0] for c in calls]
+
+    batcher = Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits())
+    assert _concurrently(batcher, [("verify", "long"), ("verify", "x")])[0] == "long"
+    assert sum("long" in r for r in rounds) == 3  # two chunks, then its verdict
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        batcher.call("verify", "boom")
+    assert batcher.call("verify", "after") == "after"  # the batcher lives on
+    batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.call("verify", "late")
+
+
+def test_a_request_that_stops_calling_never_stalls_the_others(models):
+    """A client that stops reading stops its own steps only: nobody waits for its next call."""
+    target, draft = models
+    pair = _Pair(target, draft)
+    try:
+        idle = pair.decoder(PLAN).stream([1, 2, 3], SamplingParams(max_tokens=40))
+        next(idle)  # one chunk read, then the client goes quiet with its request open
+        got = pair.run(PLAN, [(p, SamplingParams(max_tokens=10)) for p in _prompts(3)])
+        assert [len(ids) for ids in got] == [10, 10, 10]
+        idle.close()
+    finally:
+        pair.close()
+
+
+def test_bad_limits_are_named():
+    with pytest.raises(ValueError, match="max_batch_requests 0 must be >= 1"):
+        BatchLimits(max_batch_requests=0)
+    with pytest.raises(ValueError, match="max_batch_tokens -1"):
+        BatchLimits(max_batch_tokens=-1)
