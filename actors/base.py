@@ -12,6 +12,7 @@ import torch
 from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
+from sequoia_ray.batching import BATCHED, Batcher
 from sequoia_ray.devices import resolve_device
 from sequoia_ray.hardware import accelerator_name
 
@@ -52,12 +53,30 @@ class ModelActor:
         self.reaper = Reaper(spec.idle_timeout_s)
         self.tracker = CallTracker(fatal_errors=fatal_errors)  # fatal: a failed collective breaks a TP group
         self.worker = None
+        self.batcher: Batcher | None = None
         self.meta: dict = {}
 
     def _run(self, method: str, request_id: str, *args):
         """``worker.<method>(request_id, *args)``, tracked for health and reaping idle requests first."""
         with self.tracker.running(method):
-            return self.reaper.call(self.worker, method, request_id, *args)
+            return self._unsafe_run(method, request_id, *args)
+
+    def _run_batch(self, method: str, calls: list[tuple]) -> list:
+        """One batched ``grow`` / ``verify`` (``calls`` = [(request_id, *args)]): per call a result or exception."""
+        with self.tracker.running(method):
+            return self._unsafe_run_batch(method, calls)
+
+    def _unsafe_run(self, method: str, request_id: str, *args):  # untracked: the caller tracks
+        return self.reaper.call(self.worker, method, request_id, *args)
+
+    def _unsafe_run_batch(self, method: str, calls: list[tuple]) -> list:  # untracked: the caller tracks
+        return self.reaper.call_batch(self.worker, BATCHED[method], calls)
+
+    def _start_batcher(self, run_batch, run_one) -> None:
+        """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call
+        waits in its own Ray thread while one batcher thread runs the forwards."""
+        self.batcher = Batcher(run_batch, run_one, self.worker.tokens_of, self.spec.limits(),
+                               name=f"{type(self).__name__}-batcher")
 
     def info(self) -> dict:
         """What the deployment needs to know of the loaded model (EOS ids, context, vocab, threads, device)."""
@@ -66,6 +85,11 @@ class ModelActor:
     @ray.method(concurrency_group="health")
     def active(self) -> int:
         return len(self.worker.requests)
+
+    @ray.method(concurrency_group="health")
+    def batch_sizes(self) -> dict[int, int]:
+        """Requests per forward -> forwards run, since the actor started (rank 0 and the draft batch)."""
+        return dict(self.batcher.batch_sizes) if self.batcher else {}
 
     @ray.method(concurrency_group="health")
     def health(self) -> dict:

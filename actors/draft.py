@@ -16,8 +16,10 @@ class DraftActor(ModelActor):
         device = assigned_device(spec.device)
         super().__init__(spec, device, fatal_errors=False)
         loaded = load_model(spec.source, dtype=spec.dtype, quantize=spec.quantize, progress=False, device=device)
-        self.worker = DraftWorker(loaded.model)
+        self.worker = DraftWorker(loaded.model, layout=spec.batch_layout, prefill_chunk=spec.prefill_chunk)
         self.meta = model_meta(loaded, device)
+        self._start_batcher(self._run_batch, self._run)
 
     def call(self, method: str, request_id: str, *args):
-        return self._run(method, request_id, *args)
+        """One request's call; a ``grow`` joins the next draft forward with every other waiting ``grow``."""
+        return self.batcher.call(method, request_id, *args)

@@ -27,6 +27,14 @@ class Reaper:
             self.touch(request_id)
         return getattr(worker, method)(request_id, *args)
 
+    def call_batch(self, worker, method: str, calls: list[tuple]):
+        """``worker.<method>(calls)`` (a batched method) after freeing every request idle for too long."""
+        for stale in self.stale():
+            worker.finish(stale)
+        for call in calls:
+            self.touch(call[0])
+        return getattr(worker, method)(calls)
+
     def stale(self) -> list[str]:
         now = self.clock()
         out = [rid for rid, t in self.last.items() if now - t > self.timeout_s]

@@ -24,14 +24,35 @@ class ModelActorSpec:
     threads: int = 1  # torch intra-op threads
     idle_timeout_s: float = IDLE_TIMEOUT_S
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    max_batch_requests: int = 16  # requests per forward (1: one request per forward)
+    max_batch_tokens: int = 2048  # tokens per forward (a larger first call still runs, alone)
+    batch_layout: str = "padded"  # padded | flat (sequoia_ray.models.batch_forward)
+    prefill_chunk: int | None = None  # longest prefill forwarded in one step (None: a whole prompt at once)
 
     def __post_init__(self) -> None:
+        from sequoia_ray.models.batch_forward import check_layout
+
         check_device(self.device)
+        self.limits()  # checks the batch limits
+        check_layout(self.batch_layout)
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk {self.prefill_chunk} must be >= 1 (or None: no chunking)")
         if self.threads < 1:
             raise ValueError(f"threads {self.threads} must be >= 1")
         if self.quantize is not None and self.device == "cuda":
             raise ValueError(f"quantize {self.quantize!r} (dynamic int8) runs on the CPU only; use device cpu, "
                              "or no quantisation and dtype bfloat16/float16 for a GPU model")
+
+
+    def limits(self):
+        from sequoia_ray.batching import BatchLimits
+
+        return BatchLimits(self.max_batch_requests, self.max_batch_tokens)
+
+    @property
+    def callers(self) -> int:
+        """The actor's max_concurrency: enough waiting calls to fill a batch twice over (beyond it Ray queues)."""
+        return max(64, 2 * self.max_batch_requests + 8)
 
 
 def check_backend(backend: str, device_type: str, world: int) -> None:

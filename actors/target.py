@@ -55,7 +55,7 @@ class TargetRank(ModelActor):
                                 timeout=timedelta(seconds=self.spec.collective_timeout_s))
         self.loaded = self._load()
         check_sharded(self.loaded.model, self.world)
-        return TargetWorker(self.loaded.model)
+        return TargetWorker(self.loaded.model, layout=self.spec.batch_layout, prefill_chunk=self.spec.prefill_chunk)
 
     def _load(self):
         from sequoia_ray.models.loading import load_model
@@ -66,22 +66,48 @@ class TargetRank(ModelActor):
     def lead(self, followers: list) -> None:
         """Make this rank (0) the group's entry point for ``followers`` (ranks 1..tp-1)."""
         self.followers = followers
+        self._start_batcher(self._lead_batch, self._lead_one)
 
     def call(self, method: str, request_id: str, *args):
-        """The group's entry point (rank 0): forward the call to every other rank, run it here, check they
-        agree. One sender per group keeps every rank's sequence of collectives in one order — callers in
-        several threads or replicas sending to each rank themselves would interleave differently on each
-        rank and pair up different requests' all-reduces. (Ray runs one caller's calls to an actor in order.)"""
+        """The group's entry point (rank 0): one request's call. A ``verify`` joins the next forward with every
+        other waiting ``verify`` (continuous batching); the batcher's one thread then forwards the whole batch
+        to every other rank as ONE call and runs it here. One sender per group keeps every rank's sequence
+        of collectives in one order — callers in several threads or replicas sending to each rank
+        themselves would interleave differently on each rank and pair up different requests' all-reduces."""
+        return self.batcher.call(method, request_id, *args)
+
+    def _lead_one(self, method: str, request_id: str, *args):
         with self.tracker.running(method):
             refs = [f.step.remote(method, request_id, *args) for f in self.followers]
-            mine = self.reaper.call(self.worker, method, request_id, *args)
-            if any(theirs != mine for theirs in ray.get(refs, timeout=self.spec.collective_timeout_s)):
-                raise RuntimeError(f"tensor-parallel ranks disagree on {method} for request {request_id}")
+            mine = self._unsafe_run(method, request_id, *args)
+            self._check_agree(method, [mine], [[r] for r in self._gather(refs)])
             return mine
+
+    def _lead_batch(self, method: str, calls: list[tuple]) -> list:
+        with self.tracker.running(method):
+            refs = [f.step_batch.remote(method, calls) for f in self.followers]
+            mine = self._unsafe_run_batch(method, calls)
+            self._check_agree(method, mine, self._gather(refs))
+            return mine
+
+    def _gather(self, refs) -> list:
+        return ray.get(refs, timeout=self.spec.collective_timeout_s)
+
+    @staticmethod
+    def _check_agree(method: str, mine: list, theirs: list[list]) -> None:
+        def key(result):  # exceptions compare by kind and message
+            return (type(result).__name__, str(result)) if isinstance(result, BaseException) else result
+
+        if any([key(r) for r in other] != [key(r) for r in mine] for other in theirs):
+            raise RuntimeError(f"tensor-parallel ranks disagree on a batched {method} of {len(mine)} requests")
 
     def step(self, method: str, request_id: str, *args):
         """A follower's share of a call forwarded by rank 0."""
         return self._run(method, request_id, *args)
+
+    def step_batch(self, method: str, calls: list[tuple]) -> list:
+        """A follower's share of a batch forwarded by rank 0."""
+        return self._run_batch(method, calls)
 
     def time_forward(self, sizes, context: int, repeats: int) -> dict[int, float]:
         """Target timings; every rank must run this at once (the forward is collective)."""
@@ -111,7 +137,8 @@ class TargetGroup:
                  first_bundle: int = 0) -> None:
         master, port = ray.util.get_node_ip_address(), free_port()
         actor = ray.remote(concurrency_groups={"health": 1})(TargetRank)
-        self.ranks = [actor.options(**in_bundle(resources, first_bundle + rank), max_concurrency=1)
+        self.ranks = [actor.options(**in_bundle(resources, first_bundle + rank),
+                                     max_concurrency=spec.callers)
                       .remote(rank, tp_size, master, port, backend, spec) for rank in range(tp_size)]
         self.meta = ray.get([r.info.remote() for r in self.ranks])[0]
         ray.get(self.ranks[0].lead.remote(self.ranks[1:]))

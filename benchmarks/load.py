@@ -151,22 +151,23 @@ def _failed(index: int, start: float, error: str) -> Result:
 
 # ---- clients ----------------------------------------------------------------------------------------
 def client(url: str, prompts: list[Prompt], first: int, deadline: float, max_tokens: int,
-           timeout: float) -> list[Result]:
+           timeout: float, **extra) -> list[Result]:
     """Requests back to back, the prompts in turn from ``first``, until ``deadline`` (at least one)."""
     results: list[Result] = []
     with requests.Session() as session:
         while not results or time.perf_counter() < deadline:
             index = (first + len(results)) % len(prompts)
-            results.append(stream_request(session, url, prompts, index, max_tokens, timeout))
+            results.append(stream_request(session, url, prompts, index, max_tokens, timeout, **extra))
     return results
 
 
 def run_clients(url: str, prompts: list[Prompt], clients: int, duration: float, max_tokens: int,
-                timeout: float) -> tuple[list[Result], float]:
+                timeout: float, **extra) -> tuple[list[Result], float]:
     """All clients at once for ``duration`` seconds (requests in flight then still finish); (results, wall s)."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=clients) as pool:
-        futures = [pool.submit(client, url, prompts, i, start + duration, max_tokens, timeout) for i in range(clients)]
+        futures = [pool.submit(client, url, prompts, i, start + duration, max_tokens, timeout, **extra)
+                   for i in range(clients)]
         results = [r for f in futures for r in f.result()]
     return results, time.perf_counter() - start
 
@@ -308,7 +309,11 @@ def main() -> int:
     pair = ap.add_mutually_exclusive_group()
     pair.add_argument("--tiny", action="store_true", help="tiny random models, float32 (the default)")
     pair.add_argument("--real", action="store_true", help="the default pair default-draft -> default-target")
-    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--clients", default="16", help="concurrent clients; with --modes a list: 1,2,4,8")
+    ap.add_argument("--modes", help="compare batching modes side by side (benchmarks/load_sweep.py): any of a,b,c")
+    ap.add_argument("--plan-store", help="plan store URI the service reads its (per-batch-size) plans from")
+    ap.add_argument("--batch-layout", choices=["padded", "flat"], help="how a batch shares a forward")
+    ap.add_argument("--prefill-chunk", type=int, help="prefill long prompts this many tokens per step")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (requests in flight finish)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -320,8 +325,16 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between the drain and the last RSS")
     ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/load-<tiny|real>.json)")
     args = ap.parse_args()
-    cfg = service_config(args.real, args.clients, args.tp_size, args.dtype, args.draft_quantize, args.num_cpus)
+    counts = [int(c) for c in args.clients.split(",")]
+    cfg = service_config(args.real, max(counts), args.tp_size, args.dtype, args.draft_quantize, args.num_cpus)
+    cfg.update({k: v for k, v in (("plan_store", args.plan_store), ("batch_layout", args.batch_layout),
+                                  ("prefill_chunk", args.prefill_chunk)) if v is not None})
     prompts = load_prompts(HERE / "prompts.jsonl")
+    if args.modes:
+        return run_sweep(args, cfg, prompts, counts)
+    if len(counts) > 1:
+        raise SystemExit("several client counts need --modes (a sweep); give one count for a load test")
+    args.clients = counts[0]
     log(f"starting Ray Serve: {cfg['draft']} -> {cfg['target']} ({cfg['dtype']}, tp_size {cfg['tp_size']})")
     with serving(cfg) as url:
         report = load_test(url, prompts, args.clients, args.duration, args.max_tokens, args.timeout, args.settle)
@@ -340,6 +353,26 @@ def main() -> int:
     write_json(f"load-{'real' if args.real else 'tiny'}",
                {"config": cfg, **report, "prompts": len(prompts)}, args.out)
     return 1 if missed else 0
+
+
+def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
+    from load_sweep import ratios, sweep
+
+    modes = [m.strip() for m in args.modes.split(",")]
+    if bad := [m for m in modes if m not in ("a", "b", "c")]:
+        raise SystemExit(f"--modes {args.modes!r}: {bad[0]!r} is not one of a, b, c")
+    log(f"sweep {','.join(modes)} at {counts} clients: {cfg['draft']} -> {cfg['target']} ({cfg['dtype']})")
+    rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout)
+    columns = ["mode", "clients", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
+               "requests/forward", "completed", "errors", "mismatches", "held after"]
+    print_table(rows, columns)
+    print()
+    print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)"])
+    write_json(f"load-sweep-{'real' if args.real else 'tiny'}",
+               {"config": cfg, "rows": rows, "ratios": ratios(rows), "prompts": len(prompts),
+                "duration s": args.duration, "max tokens": args.max_tokens}, args.out)
+    failed = any(r["errors"] or r["held after"] or (cfg["dtype"] == "float32" and r["mismatches"]) for r in rows)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

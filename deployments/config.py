@@ -37,6 +37,14 @@ class ServeConfig(BaseModel):
     hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
     plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
     max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
+    max_batch_requests: int = Field(16, ge=1, description="Requests whose trees one forward verifies (and one draft "
+                                    "forward grows): continuous batching. 1 = one request per forward.")
+    max_batch_tokens: int = Field(2048, ge=1, description="Tokens one forward may take (trees + prefill); a larger "
+                                  "first request still runs, alone.")
+    batch_layout: str = Field("padded", description="How a batch's ragged requests share a forward: padded "
+                              "(batch dimension, padded to the longest) | flat (one sequence, block mask).")
+    prefill_chunk: int | None = Field(None, ge=1, description="Prefill a long prompt this many tokens per step beside "
+                                      "the others' decoding (None: the whole prompt in one step).")
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
     request_idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0, description="Free a request's KV state after this idle time.")
@@ -59,6 +67,13 @@ class ServeConfig(BaseModel):
         if v not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {v!r} must be float32, bfloat16 or float16")
         return v
+
+    @field_validator("batch_layout")
+    @classmethod
+    def _layout(cls, v):
+        from sequoia_ray.models.batch_forward import check_layout
+
+        return check_layout(v)
 
     @field_validator("device")
     @classmethod
@@ -86,7 +101,9 @@ class ServeConfig(BaseModel):
         return ModelActorSpec(self.draft if draft else self.target, dtype=self.dtype,
                               quantize=self.draft_quantize if draft else None, device=self.device,
                               threads=self.threads or max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
-                              collective_timeout_s=self.collective_timeout_s)
+                              collective_timeout_s=self.collective_timeout_s,
+                              max_batch_requests=self.max_batch_requests, max_batch_tokens=self.max_batch_tokens,
+                              batch_layout=self.batch_layout, prefill_chunk=self.prefill_chunk)
 
     def plan_hardware_id(self, threads: int, accelerator: str | None = None) -> str:
         """The hardware id plans are published and looked up by: the override, else the configured

@@ -24,8 +24,9 @@ from deployments.config import ServeConfig
 class DraftDeployment:
     def __init__(self, config: dict) -> None:
         self.cfg = ServeConfig.model_validate(config)
+        spec = self.cfg.actor_spec("draft")
         self.actor = ray.remote(concurrency_groups={"health": 1})(DraftActor).options(
-            **in_bundle(self.cfg.resources(), 0)).remote(self.cfg.actor_spec("draft"))
+            **in_bundle(self.cfg.resources(), 0), max_concurrency=spec.callers).remote(spec)
         ray.get(self.actor.info.remote())  # returns once the model has loaded
 
     def actors(self):

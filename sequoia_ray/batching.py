@@ -20,7 +20,7 @@ whole batch to every rank as one call, so every rank runs the same collectives i
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -57,7 +57,7 @@ class Batcher:
         self.run_batch, self.run_one, self.size, self.limits = run_batch, run_one, size, limits
         self.queue: deque[_Call] = deque()
         self.cond = threading.Condition()
-        self.batch_sizes: list[int] = []  # requests per forward, for stats and tests
+        self.batch_sizes: Counter[int] = Counter()  # requests per forward -> forwards (stats, tests)
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -131,7 +131,7 @@ class Batcher:
             for c in batch:
                 c.future.set_exception(exc)
             return
-        self.batch_sizes.append(len(batch))
+        self.batch_sizes[len(batch)] += 1
         again = []
         for c, result in zip(batch, results):
             if isinstance(result, str) and result == NOT_YET:

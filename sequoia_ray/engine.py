@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -131,10 +131,19 @@ class ContextLengthError(PromptError):
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: Target, draft: Draft | None, plan: TreePlan, *, tokenizer=None,
-                 eos_ids: tuple[int, ...] = (), max_context: int | None = None) -> None:
-        self.target, self.draft, self.plan = target, draft, plan
+    """``plan``: the tree every step grows, or a function giving each step's tree (a server picks the plan of
+    the current batch size at every step; trees are regrown every step, so they may change size)."""
+
+    def __init__(self, target: Target, draft: Draft | None, plan: TreePlan | Callable[[], TreePlan], *,
+                 tokenizer=None, eos_ids: tuple[int, ...] = (), max_context: int | None = None) -> None:
+        self.target, self.draft = target, draft
+        self.plan_for_step = plan if callable(plan) else (lambda: plan)
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
+
+    @property
+    def plan(self) -> TreePlan:
+        """The tree the next step would grow."""
+        return self.plan_for_step()
 
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Generation:
         params = with_seed(params)
@@ -161,11 +170,13 @@ class SpeculativeDecoder:
                 draft.call("finish")  # even when the target has failed
 
     def _loop(self, rid: str, params: SamplingParams, last_token: int, draft: _DraftLink) -> Iterator[Chunk]:
-        stats = Stats(plan_nodes=self.plan.n, plan_levels=self.plan.num_levels)
+        stats = Stats()
         stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
         start = time.perf_counter()
         while True:
-            plan = first_levels(self.plan, params.max_tokens - stats.tokens) if draft.alive else ROOT_ONLY
+            planned = self.plan_for_step()
+            stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
+            plan = first_levels(planned, params.max_tokens - stats.tokens) if draft.alive else ROOT_ONLY
             verdict, plan = self._step(rid, plan, stats, last_token, draft)
             stats.draft_failures = draft.failures
             last_token = verdict.tokens[-1]

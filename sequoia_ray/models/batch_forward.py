@@ -59,10 +59,15 @@ class Segment:
         return seen
 
 
-def hidden_many(model, segments: list[Segment], layout: str = "padded") -> list[torch.Tensor]:
-    """``[q_b, H]`` final hidden states per segment, from one forward; appends each segment's K/V to its session."""
+def check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} must be one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+def hidden_many(model, segments: list[Segment], layout: str = "padded") -> list[torch.Tensor]:
+    """``[q_b, H]`` final hidden states per segment, from one forward; appends each segment's K/V to its session."""
+    check_layout(layout)
     if len(segments) == 1:
         s = segments[0]
         return [s.session.hidden(s.tokens, s.positions, s.allowed, s.tree_start)]

@@ -1,0 +1,83 @@
+"""The batching comparison of ``benchmarks/load.py --modes a,b,c --clients 1,2,4,8``, side by side in one run:
+
+- (a) the target alone with continuous batching: requests with ``"speculative": false`` (root-only trees,
+  every waiting request's token in one target forward);
+- (b) trees, one request per forward, as before batching: the same service with ``max_batch_requests: 1``;
+- (c) batched trees with the plan of the current batch size (``plan_store`` given: the store's per-bucket
+  plans; else the built-in plan at every batch size).
+
+(a) and (c) share one deployment, (b) has its own. For each client count and mode: total tokens/s, p50/p99
+latency, p50 TTFT, tokens per step, requests per target forward (from rank 0's batcher), errors, and greedy
+texts that differ from the target alone (one request at a time, same dtype). Then the ratios (c)/(b) and
+(c)/(a) per client count.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from load import log, model_actors, references, run_clients, serving, summarize, wait_idle
+
+MODES = {"a": "target alone, batched", "b": "trees, 1 request/forward", "c": "batched trees, per-batch plans"}
+
+
+def forwards(actor) -> dict[int, int]:
+    return {int(k): v for k, v in ray.get(actor.batch_sizes.remote()).items()}
+
+
+def mean_batch(before: dict[int, int], after: dict[int, int]) -> float | None:
+    runs = {b: after.get(b, 0) - before.get(b, 0) for b in after}
+    count = sum(runs.values())
+    return sum(b * n for b, n in runs.items()) / count if count else None
+
+
+def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration: float, max_tokens: int,
+          timeout: float) -> dict:
+    """One (mode, clients) measurement: ``duration`` seconds of back-to-back streaming requests."""
+    rank0 = model_actors()["TargetRank 0"]
+    before = forwards(rank0)
+    log(f"({mode}) {MODES[mode]}: {clients} clients for {duration:g} s")
+    results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, speculative=mode != "a")
+    held = wait_idle(url, 30.0)
+    mismatched = sum(r.ok and r.text != refs[r.prompt] for r in results)
+    s = summarize(results, [], mismatched, seconds, clients, duration, max_tokens)
+    return {"mode": mode, "clients": clients, "tokens/s": s["tokens/s"], "p50 latency s": s["p50 latency s"],
+            "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"], "tokens/step": s["tokens/step (mean)"],
+            "requests/forward": mean_batch(before, forwards(rank0)), "completed": s["completed"],
+            "errors": s["errors"], "mismatches": mismatched, "held after": sum(v for v in held.values() if v != "dead")}
+
+
+def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: float, max_tokens: int,
+          timeout: float) -> tuple[list[dict], list[str]]:
+    """Every mode at every client count; the references come from the first deployment."""
+    rows, refs = [], None
+    deployments = [({**cfg, "max_concurrent": max(counts)}, [m for m in modes if m in "ac"]),
+                   ({**cfg, "max_concurrent": max(counts), "max_batch_requests": 1}, [m for m in modes if m == "b"])]
+    for deployment, its_modes in deployments:
+        if not its_modes:
+            continue
+        with serving(deployment) as url:
+            if refs is None:
+                log(f"references: {len(prompts)} prompts, target alone, one at a time")
+                refs = [r.text for r in references(url, prompts, max_tokens, timeout)]
+            run_clients(url, prompts, max(counts), 0.0, max_tokens, timeout)  # warm-up
+            for clients in counts:
+                for mode in its_modes:
+                    rows.append(point(url, prompts, refs, mode, clients, duration, max_tokens, timeout))
+        time.sleep(2.0)
+    rows.sort(key=lambda r: (r["clients"], r["mode"]))
+    return rows, refs
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """(c)/(b) and (c)/(a) in total tokens/s per client count (None where a mode was not run)."""
+    by = {(r["mode"], r["clients"]): r["tokens/s"] for r in rows}
+    out = []
+    for clients in sorted({r["clients"] for r in rows}):
+        c = by.get(("c", clients))
+        out.append({"clients": clients,
+                    "(c)/(b)": c / by[("b", clients)] if c and by.get(("b", clients)) else None,
+                    "(c)/(a)": c / by[("a", clients)] if c and by.get(("a", clients)) else None})
+    return out
