@@ -1,6 +1,8 @@
 """The core's Draft / Target protocols over actor handles: a ``SpeculativeDecoder`` built on these drives
 a ``DraftActor`` and a ``TargetGroup``'s ranks exactly as it drives in-process workers. What crosses is
-host tensors (the draft actor returns them; the target places them on its device on arrival)."""
+host tensors (the draft actor returns them; the target places them on its device on arrival). A step is
+two calls: ``grow`` (with the previous verdicts folded in) and ``verify``; the tree goes from the draft
+actor to rank 0 by object reference, never through the caller."""
 
 from __future__ import annotations
 
@@ -37,11 +39,18 @@ class ActorDraft:
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
         self._call("start", request_id, prompt, params, seed)
 
-    def grow(self, request_id: str, plan: TreePlan) -> DraftTree:
-        return self._call("grow", request_id, plan)
+    def grow(self, request_id: str, plan: TreePlan, commits=()) -> ray.ObjectRef:
+        """The tree as a reference: the target's rank 0 fetches it from the draft actor directly."""
+        done, tree = self.actor.grow.remote(request_id, plan, commits)
+        try:
+            ray.get(done, timeout=self.timeout_s)  # raises the draft's failure; the tree itself stays remote
+        except GetTimeoutError:
+            self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
+            raise
+        return tree
 
-    def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None:
-        self._call("commit", request_id, path, new_tokens)
+    def commit(self, request_id: str, path: list[int], new_tokens: list[int], at: int | None = None) -> None:
+        self._call("commit", request_id, path, new_tokens, at)
 
     def finish(self, request_id: str) -> None:
         self._call("finish", request_id)
@@ -69,8 +78,8 @@ class RanksTarget:
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
         self._call("start", request_id, prompt, params, seed)
 
-    def verify(self, request_id: str, plan: TreePlan, draft: DraftTree) -> Verdict:
-        return self._call("verify", request_id, plan, draft)
+    def verify(self, request_id: str, plan: TreePlan, draft: DraftTree | ray.ObjectRef) -> Verdict:
+        return self._call("verify", request_id, plan, draft)  # Ray resolves a reference at rank 0
 
     def finish(self, request_id: str) -> None:
         if self.failed:  # do not wait on a failed group: tell it without awaiting the answer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ray
+
 from actors.base import ModelActor, assigned_device, model_meta
 from actors.spec import ModelActorSpec
 
@@ -23,3 +25,9 @@ class DraftActor(ModelActor):
     def call(self, method: str, request_id: str, *args):
         """One request's call; a ``grow`` joins the next draft forward with every other waiting ``grow``."""
         return self.batcher.call(method, request_id, *args)
+
+    @ray.method(num_returns=2)
+    def grow(self, request_id: str, plan, commits=()):
+        """``(True, tree)`` as two objects: the caller waits on the small first one and hands the second, by
+        reference, to the target, so the tree goes from this actor to the target without a stop at the caller."""
+        return True, self.batcher.call("grow", request_id, plan, commits)

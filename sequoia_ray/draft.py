@@ -87,10 +87,11 @@ class DraftWorker(RequestTable):
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
         self.vocab = model.config.vocab_size
 
-    def grow(self, request_id: str, plan: TreePlan) -> DraftTree:
-        """Grow ``plan``'s tree on the draft's device; returns it as host tensors (what crosses processes)."""
+    def grow(self, request_id: str, plan: TreePlan, commits=()) -> DraftTree:
+        """Apply ``commits`` (see ``commit``), then grow ``plan``'s tree on the draft's device; returns it as
+        host tensors (what crosses processes)."""
         while True:  # a long prompt takes one step per prefill chunk
-            (result,) = self.grow_batch([(request_id, plan)])
+            (result,) = self.grow_batch([(request_id, plan, commits)])
             if isinstance(result, Exception):
                 raise result
             if not isinstance(result, str):
@@ -99,7 +100,8 @@ class DraftWorker(RequestTable):
     def tokens_of(self, method: str, request_id: str, args: tuple) -> int:
         """Tokens the first forward of ``grow`` would take now for this call (the batcher's token budget)."""
         req, plan = self.get(request_id), args[0]
-        pending = len(req.committed) - req.cached
+        unsent = sum(len(tokens) for _, tokens, at in (args[1] if len(args) > 1 else ()) if at >= len(req.committed))
+        pending = len(req.committed) + unsent - req.cached
         return self.prefill_chunk if self._chunked(pending) else pending + plan.n
 
     def _chunked(self, pending: int) -> bool:
@@ -111,8 +113,10 @@ class DraftWorker(RequestTable):
         results: list[DraftTree | Exception | str | None] = [None] * len(calls)
         growing: dict[int, _Growth] = {}
         segments: dict[int, Segment] = {}
-        for i, (request_id, plan) in enumerate(calls):
+        for i, (request_id, plan, *commits) in enumerate(calls):
             try:
+                for path, tokens, at in commits[0] if commits else ():
+                    self.commit(request_id, path, tokens, at)
                 growing[i], segments[i] = self._start_growth(request_id, plan)
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                 results[i] = exc
@@ -195,9 +199,15 @@ class DraftWorker(RequestTable):
                 drawn = draw_without_replacement(dists[node], len(kids), self.vocab, req.generator)
             tokens[torch.tensor(kids, device=tokens.device)] = drawn
 
-    def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None:
-        """The verifier kept ``path`` (node ids from the root) and appended ``new_tokens``."""
+    def commit(self, request_id: str, path: list[int], new_tokens: list[int], at: int | None = None) -> None:
+        """The verifier kept ``path`` (node ids from the root) and appended ``new_tokens`` to the request's
+        ``at`` tokens. With ``at`` the call is idempotent: a commit already applied (a grow sent again after a
+        prefill chunk) is skipped, and one that does not follow the request's tokens is an error."""
         req = self.get(request_id)
+        if at is not None and at != len(req.committed):
+            if at + len(new_tokens) <= len(req.committed):
+                return
+            raise ValueError(f"commit at token {at} but request {request_id!r} has {len(req.committed)} tokens")
         if req.grown:
             self._keep_path(req, path)
         req.committed.extend(new_tokens)

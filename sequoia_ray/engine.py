@@ -1,10 +1,10 @@
-"""``SpeculativeDecoder``: the loop grow -> verify -> commit, with exact stop conditions and statistics.
+"""``SpeculativeDecoder``: the loop grow -> verify, with exact stop conditions and statistics.
 
 The decoder talks to its draft and target through two small protocols, so in-process workers and Ray
 actor handles are interchangeable. Each step: the draft grows the plan's tree, the target verifies it in
 one forward pass and returns the kept path and tokens (accepted + one residual/bonus), the draft keeps the
-same path. Tokens are then emitted one by one so EOS, stop strings and ``max_tokens`` end generation
-exactly, even inside an accepted path. Without a draft every step is a root-only tree (target alone).
+same path (told with its next grow: one draft call per step). Tokens are then emitted one by one so EOS,
+stop strings and ``max_tokens`` end generation exactly, even inside an accepted path. Without a draft every step is a root-only tree (target alone).
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ logger = logging.getLogger(__name__)
 
 
 class Draft(Protocol):
+    """``grow`` first applies ``commits`` — the verdicts since the last grow, as ``(path, tokens, at)`` with ``at``
+    the request's token count before them — so a step costs one draft call, not two. Its tree is opaque to
+    the engine: whatever ``Target.verify`` accepts (a ``DraftTree``, or a reference to one in an object store)."""
+
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None: ...
-    def grow(self, request_id: str, plan: TreePlan) -> DraftTree: ...
-    def commit(self, request_id: str, path: list[int], new_tokens: list[int]) -> None: ...
+    def grow(self, request_id: str, plan: TreePlan, commits: list[tuple[list[int], list[int], int]] = ()) -> DraftTree: ...
     def finish(self, request_id: str) -> None: ...
 
 
@@ -162,14 +165,16 @@ class SpeculativeDecoder:
         draft = _DraftLink(self.draft, rid)
         draft.call("start", prompt, params, _salt(seed, "draft"))
         try:
-            yield from self._loop(rid, params, prompt[-1], draft)
+            yield from self._loop(rid, params, prompt, draft)
         finally:
             try:
                 self.target.finish(rid)
             finally:
                 draft.call("finish")  # even when the target has failed
 
-    def _loop(self, rid: str, params: SamplingParams, last_token: int, draft: _DraftLink) -> Iterator[Chunk]:
+    def _loop(self, rid: str, params: SamplingParams, prompt: list[int], draft: _DraftLink) -> Iterator[Chunk]:
+        last_token, length = prompt[-1], len(prompt)
+        commits: list[tuple[list[int], list[int], int]] = []  # verdicts the draft has not been sent yet
         stats = Stats()
         stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
         start = time.perf_counter()
@@ -177,7 +182,9 @@ class SpeculativeDecoder:
             planned = self.plan_for_step()
             stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
             plan = first_levels(planned, params.max_tokens - stats.tokens) if draft.alive else ROOT_ONLY
-            verdict, plan = self._step(rid, plan, stats, last_token, draft)
+            verdict, plan = self._step(rid, plan, stats, last_token, draft, commits)
+            commits.append((verdict.path, verdict.tokens, length))
+            length += len(verdict.tokens)
             stats.draft_failures = draft.failures
             last_token = verdict.tokens[-1]
             stats.steps += 1
@@ -193,17 +200,18 @@ class SpeculativeDecoder:
             if ids or text:
                 yield Chunk(ids, text)
 
-    def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int,
-              draft: _DraftLink) -> tuple[Verdict, TreePlan]:
+    def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int, draft: _DraftLink,
+              commits: list) -> tuple[Verdict, TreePlan]:
         t0 = time.perf_counter()
-        tree = draft.call("grow", plan) if plan.n > 1 else None
+        tree = draft.call("grow", plan, list(commits)) if plan.n > 1 else None
+        if tree is not None:
+            commits.clear()  # the draft has applied them
         if tree is None:  # no draft, a root-only plan, or the draft just failed: the target alone
             # A host tensor, like every tree that crosses to the target: the target places it on arrival.
             plan, tree = ROOT_ONLY, DraftTree(torch.tensor([last_token], device="cpu"), {})
         t1 = time.perf_counter()
         verdict = self.target.verify(rid, plan, tree)
         t2 = time.perf_counter()
-        draft.call("commit", verdict.path, verdict.tokens)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         return verdict, plan

@@ -269,3 +269,31 @@ def test_bad_limits_are_named():
         BatchLimits(max_batch_requests=0)
     with pytest.raises(ValueError, match="max_batch_tokens -1"):
         BatchLimits(max_batch_tokens=-1)
+
+
+def test_commits_folded_into_grow_apply_once_even_when_a_prefill_chunk_sends_the_grow_again(models):
+    """The engine sends a step's verdict with the next grow; a grow answered NOT_YET (a prefill chunk) comes
+    back with the same commits, which must not be applied twice. 6 root-only steps pile up 6 commits, more
+    than the 4-token chunk, so the regrow really is chunked."""
+    target, draft = models
+    prompt = [3, 1, 4, 1, 5]
+    chunked = DraftWorker(draft, prefill_chunk=4)
+    plain = DraftWorker(draft)
+    params = SamplingParams(max_tokens=20)
+    for w in (chunked, plain):
+        w.start("r", prompt, params, seed=0)
+    tree = chunked.grow("r", PLAN)
+    assert plain.grow("r", PLAN).tokens.tolist() == tree.tokens.tolist()
+    commits, at = [([0, 1], [int(tree.tokens[1]), 7], len(prompt))], len(prompt) + 2
+    for token in range(8, 14):  # target-alone steps: one token each, no tree in between
+        commits.append(([0], [token], at))
+        at += 1
+    calls = [("r", PLAN, list(commits))]
+    rounds = 0
+    while (out := chunked.grow_batch(calls)[0]) == NOT_YET:
+        rounds += 1
+    assert rounds >= 1, "the regrow was not chunked"
+    assert out.tokens.tolist() == plain.grow("r", PLAN, list(commits)).tokens.tolist()
+    assert chunked.requests["r"].committed == plain.requests["r"].committed == prompt + [int(tree.tokens[1]), 7, *range(8, 14)]
+    with pytest.raises(ValueError, match="commit at token 99 but request 'r' has 13 tokens"):
+        chunked.commit("r", [0], [1], 99)

@@ -1,0 +1,106 @@
+"""A long prompt arrives while others decode: how long are they stalled? Whole, apart, or in chunks.
+
+    .venv/bin/python benchmarks/prefill.py [--tiny] [--decoders 3] [--prompt-tokens 1024] [--chunks 64,256]
+
+In-process, continuous batching (``sequoia_ray.batching``) over the default pair (bf16 target, int8 draft,
+greedy, the built-in plan) or the tiny pair. ``--decoders`` requests decode back to back; once they are
+running, one request with a ``--prompt-tokens`` prompt joins. Settings, side by side in one run:
+
+- ``whole/padded``, ``whole/flat``: its whole prompt in the next forward, beside the others' trees (padded:
+  every tree row is padded up to the prompt's length; flat: no padding, one sequence);
+- ``chunk N`` (padded layout): N prompt tokens per step, beside the others' trees.
+
+("Apart", a forward of its own before the batch, stalls the others exactly as long as ``whole/flat``'s
+prefill rows do: the prompt's forward runs between two of their steps either way.)
+
+Per setting: the decoders' longest gap between two tokens while the long request prefills (the stall),
+their median gap, the long request's time to first token, and total tokens/s. Table + JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_json  # noqa: E402
+
+from sequoia_ray.batching import BatchedWorker, Batcher, BatchLimits  # noqa: E402
+from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.draft import DraftWorker  # noqa: E402
+from sequoia_ray.engine import SpeculativeDecoder  # noqa: E402
+from sequoia_ray.local import LocalPair  # noqa: E402
+from sequoia_ray.target import TargetWorker  # noqa: E402
+from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
+
+
+def run(pair: LocalPair, layout: str, chunk: int | None, decoders: int, prompt_tokens: int, max_tokens: int) -> dict:
+    tw = TargetWorker(pair.target.model, layout=layout, prefill_chunk=chunk)
+    dw = DraftWorker(pair.draft.model, layout=layout, prefill_chunk=chunk)
+    batchers = [Batcher.over(w, BatchLimits(max_batch_tokens=1 << 20)) for w in (tw, dw)]
+    plan = builtin_plan(0.0).plan
+    vocab = min(pair.target.model.config.vocab_size, 5000)
+    times: list[list[float]] = [[] for _ in range(decoders)]
+    long_window: list[float] = []
+
+    def decode(i: int) -> None:
+        spec = SpeculativeDecoder(BatchedWorker(batchers[0]), BatchedWorker(batchers[1]), plan)
+        for chunk_ in spec.stream([10 + i, 20 + i, 30 + i], SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+            times[i] += [time.perf_counter()] * max(1, len(chunk_.token_ids))
+
+    def long_request() -> None:
+        spec = SpeculativeDecoder(BatchedWorker(batchers[0]), BatchedWorker(batchers[1]), plan)
+        prompt = [(7 * k) % (vocab - 10) + 5 for k in range(prompt_tokens)]
+        long_window.append(time.perf_counter())
+        next(iter(spec.stream(prompt, SamplingParams(max_tokens=2, ignore_eos=True))))
+        long_window.append(time.perf_counter())
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(decoders)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    while min(len(t) for t in times) < 4:  # everyone is decoding
+        time.sleep(0.01)
+    late = threading.Thread(target=long_request)
+    late.start()
+    late.join()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    for b in batchers:
+        b.close()
+    lo, hi = long_window
+    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > a]
+    stall = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > a and b > lo and a < hi]
+    return {"setting": f"chunk {chunk}" if chunk else f"whole/{layout}", "stall max s": max(stall, default=0.0),
+            "median gap s": statistics.median(gaps), "long TTFT s": hi - lo,
+            "tokens/s": sum(len(t) for t in times) / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="the tiny random pair (a smoke run)")
+    ap.add_argument("--decoders", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--chunks", default="64,256", help="prefill chunk sizes to compare")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.tiny:
+        pair = LocalPair.tiny()
+        args.prompt_tokens = min(args.prompt_tokens, 400)
+    else:
+        pair = LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
+    settings = [("padded", None), ("flat", None)] + [("padded", int(c)) for c in args.chunks.split(",")]
+    rows = [run(pair, layout, chunk, args.decoders, args.prompt_tokens, args.max_tokens) for layout, chunk in settings]
+    print_table(rows, ["setting", "stall max s", "median gap s", "long TTFT s", "tokens/s"])
+    write_json("prefill-tiny" if args.tiny else "prefill", {"decoders": args.decoders, "prompt tokens": args.prompt_tokens,
+                                                            "max tokens": args.max_tokens, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
