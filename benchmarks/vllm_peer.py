@@ -52,6 +52,7 @@ TARGET = HF / "Qwen2.5-Coder-1.5B-Instruct"
 DRAFT = HF / "Qwen2.5-Coder-0.5B-Instruct"
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
+GENERIC = "Engine core initialization failed"
 COLUMNS = ["setting", "batch", "requests", "tokens", "wall s", "tokens/s", "p50 latency s", "p99 latency s",
            "p50 TTFT s", "p99 TTFT s", "tokens/step", "acceptance", "same text as plain"]
 
@@ -227,11 +228,21 @@ def log_tail(log: Path, n: int = 30) -> list[str]:
     return log.read_text(errors="replace").splitlines()[-n:]
 
 
-def error_line(log: Path) -> str:
-    """The last exception line of a child's log (``SomeError: ...``), else its last line."""
+def error_line(log: Path, follow: int = 2) -> str:
+    """The last exception line of a child's log (``SomeError: ...``) and up to ``follow`` lines of detail
+    after it (pydantic puts the reason there), else the log's last line. vLLM's generic "Engine core
+    initialization failed" is passed over for the engine process's own exception, the root cause."""
     lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    errors = [x for x in lines if x.split(":", 1)[0].rsplit(".", 1)[-1].endswith(("Error", "Exception"))]
-    return (errors or lines or ["(empty log)"])[-1]
+    errors = [i for i, x in enumerate(lines) if x.split(":", 1)[0].rsplit(".", 1)[-1].endswith(("Error", "Exception"))]
+    errors = [i for i in errors if GENERIC not in lines[i]] or errors
+    if not errors:
+        return lines[-1] if lines else "(empty log)"
+    detail = []
+    for x in lines[errors[-1] + 1:errors[-1] + 1 + follow]:
+        if x.startswith(("(", "Traceback", "File ", "[")):
+            break
+        detail.append(x)
+    return " ".join([lines[errors[-1]], *detail])
 
 
 def same_as_plain(records: list[dict]) -> None:
