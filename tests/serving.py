@@ -86,19 +86,23 @@ def wait_for_speculation(url: str, timeout_s: float = 120.0) -> dict:
 
 def stall(actor, method: str) -> None:
     """Make the model actor's next ``method`` call (on its worker) block for a minute before it runs, as a
-    stuck kernel or a lost peer would."""
+    stuck kernel or a lost peer would; also its batched form (``grow_batch``, ``verify_batch``), which is what
+    the actors' batchers call."""
     import ray
 
     def patch(instance):
         import time as t
 
-        real = getattr(instance.worker, method)
+        for name in (method, f"{method}_batch"):
+            real = getattr(instance.worker, name, None)
+            if real is None:
+                continue
 
-        def stuck(*args, **kwargs):
-            t.sleep(60)
-            return real(*args, **kwargs)
+            def stuck(*args, _real=real, **kwargs):
+                t.sleep(60)
+                return _real(*args, **kwargs)
 
-        setattr(instance.worker, method, stuck)
+            setattr(instance.worker, name, stuck)
 
     ray.get(actor.__ray_call__.remote(patch))
 

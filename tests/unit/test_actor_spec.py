@@ -17,6 +17,9 @@ def test_serve_config_builds_the_actor_specs():
     assert draft == ModelActorSpec("d", dtype="float32", quantize="int8", device="auto", threads=3,
                                    idle_timeout_s=7.0, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     assert target.source == "t" and target.quantize is None  # only the draft is quantised
+    batched = ServeConfig(max_batch_requests=1, max_batch_tokens=64, batch_layout="flat", prefill_chunk=32)
+    spec = batched.actor_spec("target")
+    assert (spec.max_batch_requests, spec.max_batch_tokens, spec.batch_layout, spec.prefill_chunk) == (1, 64, "flat", 32)
     assert cfg.collective_timeout_s == ModelActorSpec("x").collective_timeout_s == COLLECTIVE_TIMEOUT_S
 
 
@@ -28,6 +31,9 @@ def test_serve_config_builds_the_actor_specs():
     ({"device": "tpu"}, "is not one of auto, cpu, cuda"),
     ({"device": "cuda"}, "set num_gpus: 1"),
     ({"num_gpus": 1, "draft_quantize": "int8"}, "runs on the CPU only"),
+    ({"batch_layout": "paged"}, "layout 'paged' must be one of padded, flat"),
+    ({"max_batch_requests": 0}, "greater than or equal to 1"),
+    ({"prefill_chunk": 0}, "greater than or equal to 1"),
 ])
 def test_bad_placement_is_a_config_error_naming_the_fix(args, needle):
     with pytest.raises(ValidationError) as err:
@@ -52,6 +58,12 @@ def test_actor_spec_validates_itself():
         ModelActorSpec("m", quantize="int8", device="cuda")
     with pytest.raises(ValueError, match="threads 0"):
         ModelActorSpec("m", threads=0)
+    with pytest.raises(ValueError, match="max_batch_requests 0 must be >= 1"):
+        ModelActorSpec("m", max_batch_requests=0)
+    with pytest.raises(ValueError, match="prefill_chunk 0 must be >= 1"):
+        ModelActorSpec("m", prefill_chunk=0)
+    with pytest.raises(ValueError, match="layout 'x'"):
+        ModelActorSpec("m", batch_layout="x")
     with pytest.raises(ValueError, match="set tp_backend: nccl"):
         check_backend("gloo", "cuda", world=2)
     check_backend("gloo", "cuda", world=1)
