@@ -56,21 +56,31 @@ class ModelActor:
         self.batcher: Batcher | None = None
         self.meta: dict = {}
 
-    def _run(self, method: str, request_id: str, *args):
-        """``worker.<method>(request_id, *args)``, tracked for health and reaping idle requests first."""
+    def _run(self, method: str, request_id: str, *args, stale=None):
+        """``worker.<method>(request_id, *args)``, tracked for health, after freeing idle requests."""
         with self.tracker.running(method):
-            return self._unsafe_run(method, request_id, *args)
+            return self._unsafe_run(method, request_id, *args, stale=stale)
 
-    def _run_batch(self, method: str, calls: list[tuple]) -> list:
+    def _run_batch(self, method: str, calls: list[tuple], stale=None) -> list:
         """One batched ``grow`` / ``verify`` (``calls`` = [(request_id, *args)]): per call a result or exception."""
         with self.tracker.running(method):
-            return self._unsafe_run_batch(method, calls)
+            return self._unsafe_run_batch(method, calls, stale=stale)
 
-    def _unsafe_run(self, method: str, request_id: str, *args):  # untracked: the caller tracks
-        return self.reaper.call(self.worker, method, request_id, *args)
+    def _unsafe_run(self, method: str, request_id: str, *args, stale=None):  # untracked: the caller tracks
+        self._reap(method, [request_id], stale)
+        return getattr(self.worker, method)(request_id, *args)
 
-    def _unsafe_run_batch(self, method: str, calls: list[tuple]) -> list:  # untracked: the caller tracks
-        return self.reaper.call_batch(self.worker, BATCHED[method], calls)
+    def _unsafe_run_batch(self, method: str, calls: list[tuple], stale=None) -> list:  # untracked
+        self._reap(method, [call[0] for call in calls], stale)
+        return getattr(self.worker, BATCHED[method])(calls)
+
+    def _reap(self, method: str, request_ids: list[str], stale: list[str] | None) -> list[str]:
+        """Free the requests idle for too long (after marking these calls' requests alive); ``stale`` given:
+        free exactly those (a TP follower frees what rank 0 decided, so every rank holds the same requests)."""
+        stale = self.reaper.due(method, request_ids) if stale is None else stale
+        for rid in stale:
+            self.worker.finish(rid)
+        return stale
 
     def _start_batcher(self, run_batch, run_one) -> None:
         """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call
@@ -89,7 +99,7 @@ class ModelActor:
     @ray.method(concurrency_group="health")
     def batch_sizes(self) -> dict[int, int]:
         """Requests per forward -> forwards run, since the actor started (rank 0 and the draft batch)."""
-        return dict(self.batcher.batch_sizes) if self.batcher else {}
+        return self.batcher.stats() if self.batcher else {}
 
     @ray.method(concurrency_group="health")
     def health(self) -> dict:

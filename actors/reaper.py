@@ -17,23 +17,15 @@ class Reaper:
     def done(self, request_id: str) -> None:
         self.last.pop(request_id, None)
 
-    def call(self, worker, method: str, request_id: str, *args):
-        """``worker.<method>(request_id, *args)`` after freeing every request idle for too long."""
-        for stale in self.stale():
-            worker.finish(stale)
-        if method == "finish":
-            self.done(request_id)
-        else:
-            self.touch(request_id)
-        return getattr(worker, method)(request_id, *args)
-
-    def call_batch(self, worker, method: str, calls: list[tuple]):
-        """``worker.<method>(calls)`` (a batched method) after freeing every request idle for too long."""
-        for stale in self.stale():
-            worker.finish(stale)
-        for call in calls:
-            self.touch(call[0])
-        return getattr(worker, method)(calls)
+    def due(self, method: str, request_ids: list[str]) -> list[str]:
+        """Mark ``request_ids`` alive (or gone, for ``finish``) FIRST — a call that waited in a queue is not
+        idle — then the requests idle for longer than ``timeout_s``, forgotten here; the caller frees them."""
+        for rid in request_ids:
+            if method == "finish":
+                self.done(rid)
+            else:
+                self.touch(rid)
+        return self.stale()
 
     def stale(self) -> list[str]:
         now = self.clock()

@@ -55,7 +55,8 @@ class TargetRank(ModelActor):
                                 timeout=timedelta(seconds=self.spec.collective_timeout_s))
         self.loaded = self._load()
         check_sharded(self.loaded.model, self.world)
-        return TargetWorker(self.loaded.model, layout=self.spec.batch_layout, prefill_chunk=self.spec.prefill_chunk)
+        return TargetWorker(self.loaded.model, layout=self.spec.batch_layout, prefill_chunk=self.spec.prefill_chunk,
+                            retry_alone=self.world == 1)
 
     def _load(self):
         from sequoia_ray.models.loading import load_model
@@ -78,15 +79,17 @@ class TargetRank(ModelActor):
 
     def _lead_one(self, method: str, request_id: str, *args):
         with self.tracker.running(method):
-            refs = [f.step.remote(method, request_id, *args) for f in self.followers]
-            mine = self._unsafe_run(method, request_id, *args)
+            stale = self.reaper.due(method, [request_id])  # rank 0 decides; every rank frees the same
+            refs = [f.step.remote(method, request_id, *args, stale=stale) for f in self.followers]
+            mine = self._unsafe_run(method, request_id, *args, stale=stale)
             self._check_agree(method, [mine], [[r] for r in self._gather(refs)])
             return mine
 
     def _lead_batch(self, method: str, calls: list[tuple]) -> list:
         with self.tracker.running(method):
-            refs = [f.step_batch.remote(method, calls) for f in self.followers]
-            mine = self._unsafe_run_batch(method, calls)
+            stale = self.reaper.due(method, [call[0] for call in calls])
+            refs = [f.step_batch.remote(method, calls, stale) for f in self.followers]
+            mine = self._unsafe_run_batch(method, calls, stale=stale)
             self._check_agree(method, mine, self._gather(refs))
             return mine
 
@@ -95,19 +98,19 @@ class TargetRank(ModelActor):
 
     @staticmethod
     def _check_agree(method: str, mine: list, theirs: list[list]) -> None:
-        def key(result):  # exceptions compare by kind and message
+        def key(result):  # exceptions compare by kind and message (the workers' messages name no rank state)
             return (type(result).__name__, str(result)) if isinstance(result, BaseException) else result
 
         if any([key(r) for r in other] != [key(r) for r in mine] for other in theirs):
             raise RuntimeError(f"tensor-parallel ranks disagree on a batched {method} of {len(mine)} requests")
 
-    def step(self, method: str, request_id: str, *args):
-        """A follower's share of a call forwarded by rank 0."""
-        return self._run(method, request_id, *args)
+    def step(self, method: str, request_id: str, *args, stale: list[str] = ()):
+        """A follower's share of a call forwarded by rank 0 (``stale``: the idle requests rank 0 freed)."""
+        return self._run(method, request_id, *args, stale=list(stale))
 
-    def step_batch(self, method: str, calls: list[tuple]) -> list:
+    def step_batch(self, method: str, calls: list[tuple], stale: list[str] = ()) -> list:
         """A follower's share of a batch forwarded by rank 0."""
-        return self._run_batch(method, calls)
+        return self._run_batch(method, calls, stale=list(stale))
 
     def time_forward(self, sizes, context: int, repeats: int) -> dict[int, float]:
         """Target timings; every rank must run this at once (the forward is collective)."""

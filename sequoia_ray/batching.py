@@ -23,6 +23,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 BATCHED = {"grow": "grow_batch", "verify": "verify_batch"}
@@ -76,7 +77,17 @@ class Batcher:
                 raise RuntimeError("the batcher is closed")
             self.queue.append(item)
             self.cond.notify()
-        return item.future.result()
+        while True:
+            try:
+                return item.future.result(timeout=1.0)
+            except FutureTimeout:
+                if not self.thread.is_alive():  # never wait for ever on a thread that is gone
+                    raise RuntimeError("the batcher's thread has died; this actor must be replaced") from None
+
+    def stats(self) -> dict[int, int]:
+        """Requests per forward -> forwards run so far."""
+        with self.cond:
+            return dict(self.batch_sizes)
 
     def close(self) -> None:
         with self.cond:
@@ -95,7 +106,12 @@ class Batcher:
             for item in singles:
                 _settle(item, lambda i=item: self.run_one(i.method, i.request_id, *i.args))
             if batch:
-                self._run(batch)
+                try:
+                    self._run(batch)
+                except BaseException as exc:  # noqa: BLE001 - the loop must outlive any batch
+                    for c in batch:
+                        if not c.future.done():
+                            c.future.set_exception(exc)
 
     def _take(self) -> tuple[list[_Call], list[_Call]]:
         """Every non-batched call, then the first batched method's calls within the limits."""
@@ -116,6 +132,7 @@ class Batcher:
         if not batch:
             return True  # a first call larger than the token budget still runs, alone
         return (c.method == batch[0].method and len(batch) < self.limits.max_batch_requests
+                and all(b.request_id != c.request_id for b in batch)  # a request's two calls: two forwards
                 and tokens + self._size(c) <= self.limits.max_batch_tokens)
 
     def _size(self, c: _Call) -> int:
@@ -126,12 +143,15 @@ class Batcher:
 
     def _run(self, batch: list[_Call]) -> None:
         try:
-            results = self.run_batch(batch[0].method, [(c.request_id, *c.args) for c in batch])
+            results = list(self.run_batch(batch[0].method, [(c.request_id, *c.args) for c in batch]))
         except BaseException as exc:  # noqa: BLE001 - the whole forward failed: each of its calls fails
             for c in batch:
                 c.future.set_exception(exc)
             return
-        self.batch_sizes[len(batch)] += 1
+        if len(results) != len(batch):
+            raise RuntimeError(f"a batch of {len(batch)} calls returned {len(results)} results")
+        with self.cond:
+            self.batch_sizes[len(batch)] += 1
         again = []
         for c, result in zip(batch, results):
             if isinstance(result, str) and result == NOT_YET:

@@ -13,6 +13,7 @@ host tensors), and the target places it on its own device on arrival.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from sequoia_ray.sampling import SparseDist, draw_without_replacement, target_pr
 from sequoia_ray.tree.plan import TreePlan
 
 DEFAULT_SUPPORT = 64
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class _Growth:
     req: _Request
     plan: TreePlan
     tokens: torch.Tensor  # [n] int64 on the draft's device; tokens[0] is the root
-    mask: torch.Tensor  # [n, n] bool ancestor mask
-    depth: torch.Tensor  # [n] int64
+    mask: torch.Tensor | None  # [n, n] bool ancestor mask (None: a prefill chunk)
+    depth: torch.Tensor | None  # [n] int64
     dists: dict[int, SparseDist] = field(default_factory=dict)
     forwarded: list[int] = field(default_factory=lambda: [0])  # tree nodes in the cache, in slot order
     inner: list[int] = field(default_factory=lambda: [0])  # nodes whose logits we hold (children to draw)
@@ -76,7 +78,10 @@ class DraftWorker(RequestTable):
     ``grow_batch`` grows several requests' trees together: one draft forward for every request's uncached
     committed tokens, then one forward per tree level over every request's frontier (``models.batch_forward``).
     Each request draws with its own generator in the order it would alone, so a seed gives the same tree at
-    batch 1 and in a batch. A request that fails gets its exception in its slot; the others go on."""
+    batch 1 and in a batch — given batch-invariant logits: true of float weights (to rounding), not of a
+    dynamically int8-quantised draft, whose activation scale is per tensor, i.e. per batch (its trees still
+    have the right law, the verifier is exact either way). A request that fails gets its exception in its
+    slot; the others go on."""
 
     state_type = _Request
 
@@ -86,6 +91,7 @@ class DraftWorker(RequestTable):
         self.support, self.layout = support, layout
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
         self.vocab = model.config.vocab_size
+        self.embedded = model.get_input_embeddings().num_embeddings  # token ids it can read
 
     def grow(self, request_id: str, plan: TreePlan, commits=()) -> DraftTree:
         """Apply ``commits`` (see ``commit``), then grow ``plan``'s tree on the draft's device; returns it as
@@ -107,9 +113,19 @@ class DraftWorker(RequestTable):
     def _chunked(self, pending: int) -> bool:
         return self.prefill_chunk is not None and pending > self.prefill_chunk
 
-    def grow_batch(self, calls: list[tuple[str, TreePlan]]) -> list[DraftTree | Exception | str]:
-        """Every call's tree (host tensors), the exception that ended it, or ``NOT_YET`` (a chunk of its prompt
-        was prefilled; call again)."""
+    def grow_batch(self, calls: list[tuple]) -> list[DraftTree | Exception | str]:
+        """``calls``: ``(request_id, plan[, commits])``. Every call's tree (host tensors), the exception that ended
+        it, or ``NOT_YET`` (a chunk of its prompt was prefilled; call again). A forward that fails as a whole is
+        retried request by request (each regrows from its committed tokens; commits apply once)."""
+        try:
+            return self._grow_batch(calls)
+        except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
+            if len(calls) == 1:
+                return [exc]
+            logger.exception("a batched grow of %d requests failed; retrying them one by one", len(calls))
+            return [self.grow_batch([call])[0] for call in calls]
+
+    def _grow_batch(self, calls: list[tuple]) -> list[DraftTree | Exception | str]:
         results: list[DraftTree | Exception | str | None] = [None] * len(calls)
         growing: dict[int, _Growth] = {}
         segments: dict[int, Segment] = {}
@@ -145,10 +161,12 @@ class DraftWorker(RequestTable):
         req, device = self.get(request_id), self.device
         req.session.truncate(req.cached)
         pending = req.committed[req.cached :]
+        if not all(0 <= t < self.embedded for t in pending):
+            raise ValueError(f"request {request_id!r} has token ids outside the draft's vocabulary [0, {self.embedded})")
         if self._chunked(len(pending)):
             chunk = torch.tensor(pending[: self.prefill_chunk], device=device)
             segment = Segment(req.session, chunk, torch.arange(req.cached, req.cached + len(chunk), device=device))
-            return _Growth(req, plan, chunk, chunk, chunk, prefill_only=True), segment
+            return _Growth(req, plan, tokens=chunk, mask=None, depth=None, prefill_only=True), segment
         req.base = len(req.committed) - 1
         segment = Segment(req.session, torch.tensor(pending, device=device),
                           torch.arange(req.cached, req.base + 1, device=device))

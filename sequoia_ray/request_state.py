@@ -33,6 +33,7 @@ class RequestTable:
     state_type: type[RequestState] = RequestState
 
     def __init__(self, model) -> None:
+        check_full_attention(model)
         self.model = model
         self.requests: dict[str, RequestState] = {}
 
@@ -59,3 +60,14 @@ class RequestTable:
         except KeyError:
             raise UnknownRequest(f"request {request_id!r} is not active here (finished, reaped after idling, "
                                  "or never started)") from None
+
+
+def check_full_attention(model) -> None:
+    """Tree forwards, batching and KV compaction move cache slots around: a sliding-window layer's cache drops
+    old slots by itself, so its slots would silently mean other tokens. Such a model is refused up front."""
+    from transformers import DynamicCache
+
+    sliding = [i for i, layer in enumerate(DynamicCache(config=model.config).layers) if getattr(layer, "is_sliding", False)]
+    if sliding:
+        raise ValueError(f"{type(model).__name__} has sliding-window attention in layers {sliding}; tree decoding "
+                         "here supports full-attention layers only (for Qwen2, set use_sliding_window false)")

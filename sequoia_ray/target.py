@@ -9,7 +9,9 @@ Batching: ``verify_batch`` verifies several requests' trees in ONE forward (``mo
 request keeps its own context, positions, tree mask, generator, verdict and compaction, so a batched
 verdict is the verdict the request would get alone. A request that fails (unknown, a malformed tree, an
 error in its walk) gets its exception in its slot of the result and the others go on; a forward that
-fails as a whole is retried request by request, so one request cannot take the batch down.
+fails as a whole is retried request by request, so one request cannot take the batch down (on a
+tensor-parallel rank it fails the batch instead: the peers' collectives would not match a retry). A failed
+request's cache is rolled back to its committed tokens.
 
 Devices: the tree arrives as host tensors (from an actor, or from an in-process draft) and its tokens are
 placed on the target model's device on arrival; the forward runs there. The walk runs on the host after ONE
@@ -41,15 +43,21 @@ class _Prepared:
     segment: Segment
     pending: int  # committed tokens forwarded before the tree (prefill rows: no logits)
     base: int  # cache slot of the tree's root
+    cached: int  # the session's length before this step (where a failed step rolls it back to)
 
 
 class TargetWorker(RequestTable):
     """Holds the target model and per-request target state, keyed by request id."""
 
-    def __init__(self, model, *, layout: str = "padded", prefill_chunk: int | None = None) -> None:
+    def __init__(self, model, *, layout: str = "padded", prefill_chunk: int | None = None,
+                 retry_alone: bool = True) -> None:
         super().__init__(model)
         self.layout = layout
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
+        # A failed batched forward is retried request by request, unless this is one rank of a tensor-parallel
+        # group: its peers are still inside the batched forward's collectives, so it must fail the batch.
+        self.retry_alone = retry_alone
+        self.vocab = model.get_input_embeddings().num_embeddings
 
     @property
     def generator_device(self) -> torch.device:
@@ -85,16 +93,20 @@ class TargetWorker(RequestTable):
             results[i] = outcome
         return results
 
-    def _verify_prepared(self, prepared: dict[int, _Prepared]) -> dict[int, Verdict | Exception]:
+    def _verify_prepared(self, prepared: dict[int, _Prepared]) -> dict[int, Verdict | Exception | str]:
         if not prepared:
             return {}
         try:
             hidden = hidden_many(self.model, [p.segment for p in prepared.values()], self.layout)
-        except Exception:
-            if len(prepared) == 1:
+        except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
+            for p in prepared.values():
+                p.req.session.truncate(p.cached)  # a solo forward may have written some layers' K/V
+            if not self.retry_alone:
                 raise
+            if len(prepared) == 1:
+                return {i: exc for i in prepared}
             logger.exception("a batched verify of %d requests failed; retrying them one by one", len(prepared))
-            return {i: self._verify_prepared({i: p}).get(i) for i, p in prepared.items()}
+            return {i: out for i, p in prepared.items() for out in self._verify_prepared({i: p}).values()}
         trees = {i: h[p.pending :] for (i, p), h in zip(prepared.items(), hidden) if p.draft is not None}
         out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
         if trees:
@@ -112,28 +124,30 @@ class TargetWorker(RequestTable):
             raise ValueError(f"draft tree has {draft.tokens.shape[0]} tokens, plan {plan.n}")
         if int(draft.tokens[0]) != req.committed[-1]:
             raise ValueError("the tree's root must be the last committed token")
+        if not 0 <= int(draft.tokens.min()) <= int(draft.tokens.max()) < self.vocab:  # host tensor: no sync
+            raise ValueError(f"draft tree has token ids outside the target's vocabulary [0, {self.vocab})")
         cached, base = req.session.length, len(req.committed) - 1
         if self.prefill_chunk is not None and base - cached > self.prefill_chunk:
             chunk = torch.tensor(req.committed[cached : cached + self.prefill_chunk], dtype=torch.long, device=device)
             segment = Segment(req.session, chunk, torch.arange(cached, cached + len(chunk), device=device))
-            return _Prepared(req, plan, None, segment, len(chunk), base)
+            return _Prepared(req, plan, None, segment, len(chunk), base, cached)
         pending = torch.tensor(req.committed[cached:base], dtype=torch.long, device=device)
         tokens = torch.cat([pending, draft.tokens.to(device)])  # the tree's tokens, placed on arrival
         depth = torch.tensor(plan.depth, dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(cached, base, device=device), base + depth])
         tree = torch.from_numpy(plan.ancestor_mask()).to(device)  # [n, n] bool
         segment = Segment(req.session, tokens, positions, _prefill_then_tree(len(pending), tree))
-        return _Prepared(req, plan, draft, segment, len(pending), base)
+        return _Prepared(req, plan, draft, segment, len(pending), base, cached)
 
     def _walk(self, p: _Prepared, logits: torch.Tensor) -> Verdict | Exception:  # logits: [n, V]
+        device = self.device
         try:
             verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
+            path = torch.tensor(verdict.path, dtype=torch.long, device=device)
+            p.req.session.keep(torch.cat([torch.arange(p.base, device=device), p.base + path]))
         except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
             p.req.session.truncate(p.base)  # drop the tree's K/V: the cache holds committed tokens only
             return exc
-        device = self.device
-        path = torch.tensor(verdict.path, dtype=torch.long, device=device)
-        p.req.session.keep(torch.cat([torch.arange(p.base, device=device), p.base + path]))
         p.req.committed.extend(verdict.tokens)
         return verdict
 

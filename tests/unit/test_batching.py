@@ -40,6 +40,8 @@ def _alone(target, draft, plan, prompt, params):
 class _Pair:
     """Target and draft workers behind batchers, as the actors run them."""
 
+    with_steps = False
+
     def __init__(self, target, draft, limits=BatchLimits(), layout="padded", prefill_chunk=None):
         self.target_worker = TargetWorker(target, layout=layout, prefill_chunk=prefill_chunk)
         self.draft_worker = DraftWorker(draft, layout=layout, prefill_chunk=prefill_chunk)
@@ -55,7 +57,8 @@ class _Pair:
 
         def one(job):
             start.wait()
-            return self.decoder(plan).generate(*job).token_ids
+            out = self.decoder(plan).generate(*job)
+            return (out.token_ids, out.stats.steps) if self.with_steps else out.token_ids
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             return list(pool.map(one, jobs))
@@ -69,23 +72,28 @@ class _Pair:
 def test_greedy_in_a_batch_of_8_is_the_target_alone(models, layout):
     target, draft = models
     pair = _Pair(target, draft, layout=layout)
+    pair.with_steps = True
     prompts = _prompts(8)
     params = [SamplingParams(max_tokens=12 + 3 * r, seed=r) for r in range(8)]  # ragged lengths: some finish first
     try:
         got = pair.run(PLAN, list(zip(prompts, params)))
     finally:
         pair.close()
-    for prompt, p, ids in zip(prompts, params, got):
+    for prompt, p, (ids, steps) in zip(prompts, params, got):
         assert ids == _alone(target, None, chain(0), prompt, p)
+        # the draft's batched trees are its trees alone: the same number of steps as speculating alone
+        spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), PLAN)
+        assert steps == spec.generate(prompt, p).stats.steps
     assert max(pair.target_batcher.batch_sizes) > 1 and max(pair.draft_batcher.batch_sizes) > 1, "never batched"
 
 
-def test_a_sampled_seed_gives_the_same_tokens_at_batch_1_and_in_a_batch_of_8(models):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_sampled_seed_gives_the_same_tokens_at_batch_1_and_in_a_batch_of_8(models, layout):
     target, draft = models
     prompts = _prompts(8)
     params = [SamplingParams(max_tokens=16, temperature=t, top_p=tp, seed=100 + r)
               for r, (t, tp) in enumerate([(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.5, 0.8)] * 2)]
-    pair = _Pair(target, draft)
+    pair = _Pair(target, draft, layout=layout)
     try:
         got = pair.run(k_ary(3, 2), list(zip(prompts, params)))
     finally:
@@ -297,3 +305,113 @@ def test_commits_folded_into_grow_apply_once_even_when_a_prefill_chunk_sends_the
     assert chunked.requests["r"].committed == plain.requests["r"].committed == prompt + [int(tree.tokens[1]), 7, *range(8, 14)]
     with pytest.raises(ValueError, match="commit at token 99 but request 'r' has 13 tokens"):
         chunked.commit("r", [0], [1], 99)
+
+
+def test_a_sliding_window_model_is_refused_up_front():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    for worker in (TargetWorker, DraftWorker):
+        with pytest.raises(ValueError, match="sliding-window attention in layers"):
+            worker(model)
+
+
+def test_a_request_whose_solo_retry_fails_too_fails_alone(models, monkeypatch):
+    """The batched forward fails; the retry one by one fails again for request "1" only: it gets the error
+    and its cache is back at its committed tokens, the others get their verdicts alone."""
+    target, draft = models
+    tw, dw = _started(target, draft, 3)
+    ref_t, ref_d = _started(target, draft, 3)
+    trees = dw.grow_batch([(str(r), PLAN) for r in range(3)])
+    import sequoia_ray.target as target_module
+
+    real, poisoned = target_module.hidden_many, tw.requests["1"].session
+
+    def flaky(model, segments, layout):
+        if len(segments) > 1 or segments[0].session is poisoned:
+            raise RuntimeError("out of memory")
+        return real(model, segments, layout)
+
+    monkeypatch.setattr(target_module, "hidden_many", flaky)
+    out = tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)])
+    assert isinstance(out[1], RuntimeError)
+    assert [out[0], out[2]] == [ref_t.verify(r, PLAN, ref_d.grow(r, PLAN)) for r in ("0", "2")]
+    assert poisoned.length == 0 and tw.requests["1"].committed == _prompts(3)[1]  # nothing of the step kept
+
+
+def test_a_tp_rank_never_retries_alone(models, monkeypatch):
+    target, draft = models
+    tw = TargetWorker(target, retry_alone=False)
+    dw = DraftWorker(draft)
+    for r in ("0", "1"):
+        tw.start(r, [1, 2, 3], SamplingParams(max_tokens=5), seed=0)
+        dw.start(r, [1, 2, 3], SamplingParams(max_tokens=5), seed=0)
+    trees = dw.grow_batch([("0", PLAN), ("1", PLAN)])
+    import sequoia_ray.target as target_module
+
+    monkeypatch.setattr(target_module, "hidden_many", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # the peers are inside the batched collectives: fail the batch
+        tw.verify_batch([("0", PLAN, trees[0]), ("1", PLAN, trees[1])])
+
+
+def test_a_request_twice_in_the_queue_goes_into_two_forwards():
+    gate = threading.Event()
+    batcher, seen = _recording_batcher(BatchLimits())
+    record = batcher.run_one
+    batcher.run_one = lambda m, rid, *a: (gate.wait(5), record(m, rid, *a))[1]
+    with ThreadPoolExecutor(4) as pool:
+        pool.submit(batcher.call, "start", "s")
+        _wait_until(lambda: not batcher.queue)
+        futures = []
+        for rid in ("a", "a", "b"):
+            futures.append(pool.submit(batcher.call, "verify", rid))
+            _wait_until(lambda n=len(futures): len(batcher.queue) == n)
+        gate.set()
+        [f.result(5) for f in futures]
+    assert seen[1:] == [("verify", ["a"]), ("verify", ["a", "b"])]
+    batcher.close()
+
+
+def test_a_malformed_batch_result_fails_its_calls_and_the_batcher_lives_on():
+    answers = iter([[], ["ok"]])  # first batch: no result for its one call
+    batcher = Batcher(lambda m, calls: next(answers), lambda *a: None, lambda m, rid, a: 1, BatchLimits())
+    with pytest.raises(RuntimeError, match="a batch of 1 calls returned 0 results"):
+        batcher.call("verify", "x")
+    assert batcher.call("verify", "y") == "ok" and batcher.thread.is_alive()
+    batcher.close()
+
+
+def test_a_call_on_a_dead_batcher_thread_fails_instead_of_waiting_for_ever():
+    batcher = Batcher(lambda m, calls: [], lambda *a: None, lambda m, rid, a: 1, BatchLimits())
+    batcher.close()
+    batcher.thread.join(5)
+    batcher.closed = False  # as if the thread had died on its own
+    with pytest.raises(RuntimeError, match="thread has died"):
+        batcher.call("verify", "x")
+
+
+def test_the_reaper_never_frees_a_request_whose_call_waited_in_the_queue():
+    from actors.reaper import Reaper
+    from tests.serving import Clock
+
+    clock = Clock()
+    reaper = Reaper(5.0, clock)
+    reaper.touch("waited")
+    reaper.touch("gone")
+    clock.now = 9  # both idle 9 s > 5 s; "waited" has a call in this batch
+    assert reaper.due("verify", ["waited"]) == ["gone"]
+    assert "waited" in reaper.last
+
+
+def test_tp_ranks_agree_on_equal_results_and_exceptions_and_disagree_otherwise():
+    from actors.target import TargetRank
+    from sequoia_ray.verify import Verdict
+
+    mine = [Verdict([0, 1], [5, 6]), ValueError("bad tree"), NOT_YET]
+    TargetRank._check_agree("verify", mine, [[Verdict([0, 1], [5, 6]), ValueError("bad tree"), NOT_YET]])
+    for other in ([Verdict([0], [5]), ValueError("bad tree"), NOT_YET],
+                  [Verdict([0, 1], [5, 6]), KeyError("bad tree"), NOT_YET]):
+        with pytest.raises(RuntimeError, match="ranks disagree on a batched verify of 3 requests"):
+            TargetRank._check_agree("verify", mine, [other])
