@@ -50,7 +50,8 @@ def through_serve(args, prompts) -> list[dict]:
     from deployments.launch import start
 
     cfg = {"model_name": "bench", "draft": args.draft, "target": args.target, "dtype": args.dtype,
-           "draft_quantize": args.draft_quantize, "tp_size": args.tp_size, "num_cpus": args.num_cpus}
+           "draft_quantize": args.draft_quantize, "tp_size": args.tp_size, "num_cpus": args.num_cpus,
+           "threads": args.threads}
     url = start(cfg, args.port, None)
     post = lambda body: requests.post(f"{url}/v1/{'chat/' if 'messages' in body else ''}completions",  # noqa: E731
                                       json={"model": "bench", "temperature": 0, **body}, timeout=900).json()
@@ -82,7 +83,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--num-cpus", type=float, default=2)
+    ap.add_argument("--num-cpus", type=float, default=1, help="logical CPUs each model actor reserves")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per model actor (in-process: 2 too)")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
