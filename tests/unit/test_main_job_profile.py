@@ -98,13 +98,18 @@ def test_tokens_within_counts_one_step_per_token_after_the_fixed_cost():
 
 
 def test_profiled_sizes_fit_their_share_of_the_budget():
-    probe = {1: 0.1, 8: 0.8}  # 0.1 s a token; each size costs 2 x (warm-up + 3 repeats) x its time
-    assert profiling.BOUNDED_REPEATS == 3
-    assert bounded_sizes(probe, 100.0) == (1, 2, 4, 8, 16, 32)  # 50.4 s
-    assert bounded_sizes(probe, 30.0) == (1, 2, 4, 8, 16)  # 24.8 s
-    assert bounded_sizes(probe, 6.0) == (1, 2, 4)  # 5.6 s
+    """0.1 s a token; each forward costs 2 x (warm-up + 3 repeats) x its time = 0.8 s a token. A forward per
+    size alone, then per batch bucket B one per size s with B·s within the largest size (s = 1 always)."""
+    probe = {1: 0.1, 8: 0.8}
+    assert profiling.BOUNDED_REPEATS == 3 and profiling.BATCH_BUCKETS == (1, 2, 4, 8, 16)
+    assert profiling.batch_tokens((1, 2, 4)) == [1, 2, 4, 2, 4, 4, 8, 16]  # B=2: s 1, 2; B=4, 8, 16: s 1
+    # all sizes: 63 tokens alone + 62 (B=2) + 60 (B=4) + 56 (B=8) + 48 (B=16) = 289 tokens = 231.2 s
+    assert bounded_sizes(probe, 232.0) == (1, 2, 4, 8, 16, 32)
+    assert bounded_sizes(probe, 231.0) == (1, 2, 4, 8, 16)  # 31 + 30 + 28 + 24 + 16 = 129 tokens = 103.2 s
+    assert bounded_sizes(probe, 60.0) == (1, 2, 4, 8)  # 15 + 14 + 12 + 8 + 16 = 65 tokens = 52 s
+    assert bounded_sizes(probe, 33.0) == (1, 2, 4)  # 7 + 6 + 4 + 8 + 16 = 41 tokens = 32.8 s
     with pytest.raises(BudgetExhausted, match="raise the time budget"):
-        bounded_sizes(probe, 5.0)
+        bounded_sizes(probe, 32.0)
 
 
 def test_profile_is_made_monotone():
