@@ -281,6 +281,39 @@ def time_batched(model, batch: int, sizes, *, context: int, repeats: int = 3, wa
     return {batch * s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
 
 
+def time_step(target, draft, plan: TreePlan, batch: int, *, context: int, repeats: int = 3, warmup: int = 1,
+              seed: int = 0, layout: str = BATCH_LAYOUT) -> float:
+    """Median seconds of the forwards of one batched step on ``plan``, timed for real: per level with inner
+    nodes one draft ``hidden_many`` over the ``batch`` requests' inner nodes (+ head), then one target
+    ``hidden_many`` over their ``plan.n`` tree tokens each (+ one head call). What ``step_cost`` predicts;
+    sampling and the verify walk are not in it. The root-only tree makes no draft call (``draft`` may be None)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    targets = _same_context(target, batch, context, gen)
+    drafts = _same_context(draft, batch, context, gen) if plan.n > 1 else []
+    inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
+
+    def forward(sessions: list[KVSession], width: int) -> None:
+        model, device = sessions[0].model, sessions[0].device
+        start = sessions[0].length
+        tokens = torch.randint(0, model.config.vocab_size, (width,), generator=gen, device="cpu").to(device)
+        positions = start + torch.arange(width, device=device)
+        sessions[0].head(torch.cat(hidden_many(model, [Segment(s, tokens, positions) for s in sessions], layout)))
+
+    def step() -> float:
+        start = _clock(target.device)
+        for width in (i for i in inner if i):
+            forward(drafts, width)
+        forward(targets, plan.n)
+        elapsed = _clock(target.device) - start
+        for session in targets + drafts:
+            session.truncate(context)
+        return elapsed
+
+    for _ in range(warmup):
+        step()
+    return statistics.median(step() for _ in range(repeats))
+
+
 def _same_context(model, batch: int, context: int, gen: torch.Generator) -> list[KVSession]:
     """``batch`` sessions holding the K/V of one random ``context``-token prefix (prefilled once, copied)."""
     device = model.device

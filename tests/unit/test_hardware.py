@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sequoia_ray.hardware import (HardwareProfile, ProfileError, batch_bucket, choose, hardware_id, per_request_sizes,
-                                  profile, time_batched, time_forward)
+                                  profile, time_batched, time_forward, time_step)
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
 from tests.tiny import tiny_model
@@ -193,3 +193,11 @@ def test_profile_times_every_bucket_on_tiny_models():
     assert set(prof.batch_t) == set(prof.batch_c) == {2, 4, 8} and prof.buckets() == (1, 2, 4, 8)
     assert set(prof.batch_t[2]) == {2, 4} and set(prof.batch_t[8]) == {8}  # B·s <= 4 for s = 1, 2; s = 1 always
     assert prof.max_tokens(8) == 8
+
+
+def test_time_step_runs_the_batched_forwards_of_a_step():
+    from sequoia_ray.tree.plan import chain, k_ary
+
+    target, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    assert time_step(target, draft, k_ary(2, 2), 4, context=8, repeats=1) > 0
+    assert time_step(target, None, chain(0), 4, context=8, repeats=1) > 0  # root-only: no draft call at all

@@ -217,6 +217,13 @@ def test_missing_plans_are_profiled_published_and_then_served(tmp_path, pair, ca
         assert (prov.hardware, prov.dtype, prov.threads, prov.device, prov.time_budget_s) == (
             hardware, "float32", 1, "cpu", 60.0)
         assert prov.prompts >= 1 and prov.tokens_measured >= profiling.MIN_TOKENS
+        for batch in profiling.BATCH_BUCKETS:  # a plan per batch bucket, each its own
+            active = provider.get(temperature, batch)
+            assert active.bucket == batch and active.planned.provenance.batch == (None if batch == 1 else batch)
+            assert active.planned.provenance.time_budget_s == 60.0
+    rows = [line.split() for line in out.splitlines() if line.startswith(hardware)]
+    assert sorted((float(r[1]), int(r[2])) for r in rows) == sorted(
+        (t, b) for t in SERVED_TEMPERATURES for b in profiling.BATCH_BUCKETS)  # the table: a row per bucket
     assert ensure_plans(cfg, 60.0, run=_never) == "present"
 
 
