@@ -19,10 +19,12 @@ with T_B(N) the target's forward of N tree tokens in total from B requests (each
 the B requests, both ÷ the one-token target step. The batch's throughput is B·G(n, d) / step(B, n, d) and the
 target alone batched is the root-only tree (n = 1, no draft call): B / T_B(B). ``choose(..., batch=B)``
 maximises the ratio of the two over every (n, d), the root-only tree included, so speculation that does not
-pay at some batch size is dropped by the planner itself. At B = 1 it is exactly the formula above. A profile
-without batch tables (written before batches were profiled) extrapolates a batch as one request of B·n tokens
-(T_B(N) = t(N), C_B(W) = c(W)): right when reading the weights dominates a step, optimistic when reading the
-B contexts' K/V does (long contexts).
+pay at some batch size is dropped by the planner itself. At B = 1 it is exactly the formula above. Beyond the
+largest total a batch was timed at (a bounded profile times big batches at few sizes), T_B(N) = t(N) plus the
+batch's excess over t measured at that largest total (the B contexts' K/V and the per-request work do not
+grow with the tree), likewise C_B. A profile without batch tables (written before batches were profiled)
+extrapolates a batch as one request of B·n tokens (T_B(N) = t(N), C_B(W) = c(W)): right when reading the
+weights dominates a step, optimistic when reading the B contexts' K/V does (long contexts).
 
 Timings run on the model's device and synchronise it before every clock read (an accelerator runs kernels
 asynchronously; without the sync a timer measures only the launches).
@@ -90,13 +92,13 @@ class HardwareProfile:
         """T_B: one target forward over ``tokens`` tree tokens in total from ``batch`` requests, in target steps."""
         if batch == 1 or not self.batch_t:
             return self.t_of(tokens)
-        return _interpolate(self._bucket(self.batch_t, batch, "batch_t"), tokens, f"T_{batch}(tokens)")
+        return _batched(self._bucket(self.batch_t, batch, "batch_t"), self.t, tokens, f"T_{batch}(tokens)")
 
     def level_cost(self, batch: int, width: int) -> float:
         """C_B: one draft forward over a level ``width`` nodes wide across ``batch`` requests, in target steps."""
         if batch == 1 or not self.batch_c:
             return self.c_of(width)
-        return _interpolate(self._bucket(self.batch_c, batch, "batch_c"), width, f"C_{batch}(width)")
+        return _batched(self._bucket(self.batch_c, batch, "batch_c"), self.c, width, f"C_{batch}(width)")
 
     def draft_cost(self, plan: TreePlan, batch: int = 1) -> float:
         """Draft forwards for ``plan`` (in each of ``batch`` requests) in target steps: one per level, over
@@ -109,12 +111,12 @@ class HardwareProfile:
         return self.target_cost(batch, batch * plan.n) + self.draft_cost(plan, batch)
 
     def max_tokens(self, batch: int) -> int:
-        """The most tree tokens in total that a batch of ``batch`` requests has been profiled at."""
+        """The most tree tokens in total a batch of ``batch`` requests can be costed at (its draft levels,
+        narrower than its trees, within the draft's reach too)."""
         if batch == 1:
             return max(self.t)
-        if not self.batch_t:  # extrapolated: the draft's widths too are one request's
-            return min(max(self.t), max(self.c))
-        return max(self._bucket(self.batch_t, batch, "batch_t"))
+        rows = [(self.t, self.batch_t.get(batch, {})), (self.c, self.batch_c.get(batch, {}))]
+        return min(max(max(one), max(row, default=0)) for one, row in rows)
 
     def buckets(self) -> tuple[int, ...]:
         """The batch buckets this profile can plan for (all of them, extrapolated, without batch tables)."""
@@ -167,6 +169,16 @@ class HardwareProfile:
             return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _batched(row: dict[int, float], one: dict[int, float], x: int, name: str) -> float:
+    """A batch's time at ``x`` total tokens: interpolated in its own ``row``; beyond the row's largest total,
+    the one-request curve ``one`` plus the batch's excess over it measured there (carried forward, never
+    less than the row's largest time)."""
+    top = max(row)
+    if x <= top:
+        return _interpolate(row, x, name)
+    return max(row[top], _interpolate(one, x, name) + row[top] - _interpolate(one, top, name))
 
 
 def _batch_tables(obj: dict) -> dict[int, dict[int, float]]:
@@ -329,9 +341,11 @@ def _same_context(model, batch: int, context: int, gen: torch.Generator) -> list
     return sessions
 
 
-def per_request_sizes(batch: int, sizes, max_total: int) -> tuple[int, ...]:
+def per_request_sizes(batch: int, sizes, max_total: int | None = None) -> tuple[int, ...]:
     """The per-request sizes s of ``sizes`` a batch of ``batch`` is timed at: batch·s <= ``max_total``, and 1
-    always (the target alone batched, the root-only tree, is a candidate at every batch size)."""
+    always (the target alone batched, the root-only tree, is a candidate at every batch size); ``max_total``
+    defaults to the largest size."""
+    max_total = max(sizes) if max_total is None else max_total
     return tuple(s for s in sorted(set(sizes) | {1}) if s == 1 or batch * s <= max_total)
 
 
@@ -342,10 +356,11 @@ def _clock(device: torch.device) -> float:
 
 
 def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRAFT_WIDTHS, context: int = 256,
-            repeats: int = 5, dtype: str = "float32", time_target=None, batches=()) -> HardwareProfile:
+            repeats: int = 5, dtype: str = "float32", time_target=None, batches=(),
+            batch_total: int | None = None) -> HardwareProfile:
     """t(n) and c(w) for a target and a draft model, and for each batch B >= 2 of ``batches`` the batched
-    T_B and C_B at B·s total tokens for the sizes s of ``budgets`` with B·s within the largest (``1`` always;
-    the batch timing needs the target in process: ``target`` not None). ``time_target(sizes, context,
+    T_B and C_B at B·s total tokens for the sizes s of ``budgets`` with B·s <= ``batch_total`` (default: the
+    largest size; s = 1 always; the batch timing needs the target in process: ``target`` not None). ``time_target(sizes, context,
     repeats)`` replaces the in-process target timing, e.g. to time a whole tensor-parallel group (every rank
     in lockstep)."""
     sizes = sorted(set(budgets) | {1})
@@ -357,9 +372,9 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
     one = target_s[1]
     batch_t, batch_c = {}, {}
     for b in (b for b in batches if b > 1 and target is not None):
-        timed = time_batched(target, b, per_request_sizes(b, sizes, max(sizes)), context=context, repeats=repeats)
+        timed = time_batched(target, b, per_request_sizes(b, sizes, batch_total), context=context, repeats=repeats)
         batch_t[b] = {k: s / one for k, s in timed.items()}
-        timed = time_batched(draft, b, per_request_sizes(b, sizes, max(sizes)), context=context, repeats=repeats)
+        timed = time_batched(draft, b, per_request_sizes(b, sizes, batch_total), context=context, repeats=repeats)
         batch_c[b] = {k: s / one for k, s in timed.items()}
     return HardwareProfile(
         hardware_id=hardware, t={n: s / one for n, s in target_s.items()}, c={w: s / one for w, s in draft_s.items()},

@@ -274,11 +274,11 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
 
 
 def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadline) -> HardwareProfile:
-    sizes = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
+    sizes, batch_total = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
     widths = tuple(w for w in DRAFT_WIDTHS if w <= max(sizes))
     return monotone(profile(target_model(pair), pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
                             context=BOUNDED_CONTEXT, repeats=BOUNDED_REPEATS, dtype=cfg.dtype,
-                            time_target=pair.time_target, batches=BATCH_BUCKETS))
+                            time_target=pair.time_target, batches=BATCH_BUCKETS, batch_total=batch_total))
 
 
 def monotone(prof: HardwareProfile) -> HardwareProfile:
@@ -296,24 +296,26 @@ def monotone(prof: HardwareProfile) -> HardwareProfile:
                    batch_c={b: running_max(row) for b, row in prof.batch_c.items()})
 
 
-def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[int, ...]:
-    """The longest prefix of BOUNDED_BUDGETS whose profiling fits ``seconds``, from a probe's target
-    seconds at 1 and 8 tokens (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats).
-    Every size s is timed alone (t, c) and in each batch bucket B with B·s within the largest size, B·1 at
-    least (T_B, C_B): ``batch_tokens``."""
-    def cost(sizes) -> float:
-        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in batch_tokens(sizes))
+def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[tuple[int, ...], int]:
+    """(sizes, batch_total) whose profiling fits ``seconds``, from a probe's target seconds at 1 and 8 tokens
+    (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats): the longest prefix of
+    BOUNDED_BUDGETS timed alone (t, c) with every batch bucket B timed at B·1 tokens at least, then the
+    largest of those sizes as the batch grid's bound (T_B, C_B at B·s <= batch_total): the batch-1 plan
+    gets the sizes first, batches are extrapolated beyond their grid (``sequoia_ray.hardware``)."""
+    def cost(sizes, total: int) -> float:
+        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in batch_tokens(sizes, total))
 
-    fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1) if cost(BOUNDED_BUDGETS[:k]) <= seconds]
+    fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1) if cost(BOUNDED_BUDGETS[:k], 1) <= seconds]
     if not fits:
-        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3]):.0f}s "
+        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3], 1):.0f}s "
                               f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
-    return fits[0]
+    return fits[0], max(s for s in fits[0] if cost(fits[0], s) <= seconds)
 
 
-def batch_tokens(sizes) -> list[int]:
-    """The forwards a profile of ``sizes`` times, by total tokens: each size alone, then the batches."""
-    return list(sizes) + [b * s for b in BATCH_BUCKETS[1:] for s in per_request_sizes(b, sizes, max(sizes))]
+def batch_tokens(sizes, total: int | None = None) -> list[int]:
+    """The forwards a profile of ``sizes`` times, by total tokens: each size alone, then each batch bucket's
+    grid up to ``total`` (default: the largest size)."""
+    return list(sizes) + [b * s for b in BATCH_BUCKETS[1:] for s in per_request_sizes(b, sizes, total)]
 
 
 def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: Deadline, stages: Stages,

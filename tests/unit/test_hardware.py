@@ -201,3 +201,18 @@ def test_time_step_runs_the_batched_forwards_of_a_step():
     target, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
     assert time_step(target, draft, k_ary(2, 2), 4, context=8, repeats=1) > 0
     assert time_step(target, None, chain(0), 4, context=8, repeats=1) > 0  # root-only: no draft call at all
+
+
+def test_a_batch_beyond_its_timed_grid_carries_its_excess_over_one_request():
+    """Batch 4 timed at 4 and 8 tokens only (a bounded profile): beyond 8, t(N) + (T_4(8) - t(8))."""
+    t = {1: 1.0, 4: 1.1, 8: 1.3, 16: 2.0, 32: 3.5}
+    c = {w: 0.1 * v for w, v in t.items()}
+    prof = HardwareProfile("test-hw", t, c, 0.1, 64, "float32", batch_t={4: {4: 1.4, 8: 1.7}},
+                           batch_c={4: {4: 0.2, 8: 0.25}})
+    assert prof.target_cost(4, 6) == pytest.approx(1.55)  # inside the grid: interpolated
+    assert prof.target_cost(4, 16) == pytest.approx(2.0 + 0.4) and prof.target_cost(4, 32) == pytest.approx(3.9)
+    assert prof.level_cost(4, 16) == pytest.approx(0.2 + 0.12)
+    assert prof.max_tokens(4) == 32 and prof.buckets() == (1, 4)
+    low = HardwareProfile("test-hw", t, c, 0.1, 64, "float32", batch_t={4: {4: 1.0, 8: 1.2}}, batch_c={4: {4: 0.1}})
+    assert low.target_cost(4, 16) == pytest.approx(2.0 - 0.1)  # a batch cheaper than one long request stays so
+    assert low.target_cost(4, 12) >= low.target_cost(4, 8)  # ... but more tokens never cost less

@@ -99,17 +99,20 @@ def test_tokens_within_counts_one_step_per_token_after_the_fixed_cost():
 
 def test_profiled_sizes_fit_their_share_of_the_budget():
     """0.1 s a token; each forward costs 2 x (warm-up + 3 repeats) x its time = 0.8 s a token. A forward per
-    size alone, then per batch bucket B one per size s with B·s within the largest size (s = 1 always)."""
+    size alone and per batch bucket B at B·1 token decide the sizes; the batch grid (B·s <= batch_total)
+    then grows into what is left."""
     probe = {1: 0.1, 8: 0.8}
     assert profiling.BOUNDED_REPEATS == 3 and profiling.BATCH_BUCKETS == (1, 2, 4, 8, 16)
     assert profiling.batch_tokens((1, 2, 4)) == [1, 2, 4, 2, 4, 4, 8, 16]  # B=2: s 1, 2; B=4, 8, 16: s 1
+    assert profiling.batch_tokens((1, 2, 4), 1) == [1, 2, 4, 2, 4, 8, 16]  # one token per request
     # all sizes: 63 tokens alone + 62 (B=2) + 60 (B=4) + 56 (B=8) + 48 (B=16) = 289 tokens = 231.2 s
-    assert bounded_sizes(probe, 232.0) == (1, 2, 4, 8, 16, 32)
-    assert bounded_sizes(probe, 231.0) == (1, 2, 4, 8, 16)  # 31 + 30 + 28 + 24 + 16 = 129 tokens = 103.2 s
-    assert bounded_sizes(probe, 60.0) == (1, 2, 4, 8)  # 15 + 14 + 12 + 8 + 16 = 65 tokens = 52 s
-    assert bounded_sizes(probe, 33.0) == (1, 2, 4)  # 7 + 6 + 4 + 8 + 16 = 41 tokens = 32.8 s
+    assert bounded_sizes(probe, 232.0) == ((1, 2, 4, 8, 16, 32), 32)
+    # 63 + 30 (B·1) = 93 tokens = 74.4 s; the grid to 8: 63 + 14 + 12 + 8 + 16 = 113 = 90.4 s (to 16: 128.8 s)
+    assert bounded_sizes(probe, 100.0) == ((1, 2, 4, 8, 16, 32), 8)
+    assert bounded_sizes(probe, 60.0) == ((1, 2, 4, 8, 16), 4)  # 31 + 30 = 48.8 s; to 4: 31 + 34 = 52 s
+    assert bounded_sizes(probe, 33.0) == ((1, 2, 4), 4)  # 7 + 30 = 29.6 s; to 4: 7 + 34 = 32.8 s
     with pytest.raises(BudgetExhausted, match="raise the time budget"):
-        bounded_sizes(probe, 32.0)
+        bounded_sizes(probe, 29.0)
 
 
 def test_profile_is_made_monotone():
