@@ -293,25 +293,25 @@ def time_batched(model, batch: int, sizes, *, context: int, repeats: int = 3, wa
     return {batch * s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
 
 
-def time_step(target, draft, plan: TreePlan, batch: int, *, context: int, repeats: int = 3, warmup: int = 1,
-              seed: int = 0, layout: str = BATCH_LAYOUT) -> float:
-    """Median seconds of the forwards of one batched step on ``plan``, timed for real: per level with inner
-    nodes one draft ``hidden_many`` over the ``batch`` requests' inner nodes (+ head), then one target
-    ``hidden_many`` over their ``plan.n`` tree tokens each (+ one head call). What ``step_cost`` predicts;
-    sampling and the verify walk are not in it. The root-only tree makes no draft call (``draft`` may be None)."""
+def time_steps(target, draft, plans: list[TreePlan], batch: int, *, context: int, repeats: int = 3,
+               warmup: int = 1, seed: int = 0, layout: str = BATCH_LAYOUT) -> list[float]:
+    """Median seconds of the forwards of one batched step on each of ``plans``, timed for real and round-robin
+    (drift hits every plan alike): per level with inner nodes one draft ``hidden_many`` over the ``batch``
+    requests' inner nodes (+ head), then one target ``hidden_many`` over their ``plan.n`` tree tokens each
+    (+ one head call). What ``step_cost`` predicts; sampling and the verify walk are not in it. A root-only
+    tree makes no draft call (``draft`` may be None when every plan is root-only)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     targets = _same_context(target, batch, context, gen)
-    drafts = _same_context(draft, batch, context, gen) if plan.n > 1 else []
-    inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
+    drafts = _same_context(draft, batch, context, gen) if any(plan.n > 1 for plan in plans) else []
 
     def forward(sessions: list[KVSession], width: int) -> None:
         model, device = sessions[0].model, sessions[0].device
-        start = sessions[0].length
         tokens = torch.randint(0, model.config.vocab_size, (width,), generator=gen, device="cpu").to(device)
-        positions = start + torch.arange(width, device=device)
+        positions = sessions[0].length + torch.arange(width, device=device)
         sessions[0].head(torch.cat(hidden_many(model, [Segment(s, tokens, positions) for s in sessions], layout)))
 
-    def step() -> float:
+    def step(plan: TreePlan) -> float:
+        inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
         start = _clock(target.device)
         for width in (i for i in inner if i):
             forward(drafts, width)
@@ -322,8 +322,10 @@ def time_step(target, draft, plan: TreePlan, batch: int, *, context: int, repeat
         return elapsed
 
     for _ in range(warmup):
-        step()
-    return statistics.median(step() for _ in range(repeats))
+        for plan in plans:
+            step(plan)
+    rounds = [[step(plan) for plan in plans] for _ in range(repeats)]
+    return [statistics.median(r[i] for r in rounds) for i in range(len(plans))]
 
 
 def _same_context(model, batch: int, context: int, gen: torch.Generator) -> list[KVSession]:

@@ -5,9 +5,9 @@
 
 Profiles t(n), c(w) and the batched T_B, C_B (``sequoia_ray.hardware.profile``), takes the acceptance vector
 (measured on a few prompts, or ``builtin`` = the default pair's measured vector), chooses the tree per batch
-bucket, then times for real (``time_step``: the step's draft and target forwards over B requests with
-``hidden_many``) the chosen tree, the batch-1 tree and the root-only tree (the target alone batched) at every
-bucket. Measured throughput = B·G / measured step time, G the DP's expected tokens per step (the acceptance
+bucket, then times for real (``time_steps``: the step's draft and target forwards over B requests with
+``hidden_many``, round-robin) the chosen tree, the batch-1 tree and the root-only tree (the target alone
+batched) at every bucket. Measured throughput = B·G / measured step time, G the DP's expected tokens per step (the acceptance
 of a request does not depend on the batch); a row's measured speedup is over the measured root-only step.
 Sampling, the verify walk and KV compaction are not in the measured step (per request, not per token).
 """
@@ -25,7 +25,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # see 
 sys.path.insert(0, str(_HERE.parent))
 
 from sequoia_ray.hardware import (BATCH_BUCKETS, Choice, HardwareProfile, ProfileError, choose, profile,  # noqa: E402
-                                  time_step)
+                                  time_steps)
 from sequoia_ray.tree.plan import chain  # noqa: E402
 
 
@@ -74,9 +74,7 @@ def measured_row(pair, prof: HardwareProfile, best: Choice, one: Choice, args) -
     """The chosen tree, the batch-1 tree and the root-only tree at ``best.batch``, timed for real."""
     b, kw = best.batch, {"context": args.context, "repeats": args.repeats}
     target, draft = pair.target.model, pair.draft.model
-    alone_s = time_step(target, None, chain(0), b, **kw)
-    chosen_s = time_step(target, draft, best.plan, b, **kw) if best.plan.n > 1 else alone_s
-    one_s = time_step(target, draft, one.plan, b, **kw) if one.plan.n > 1 else alone_s
+    alone_s, chosen_s, one_s = time_steps(target, draft, [chain(0), best.plan, one.plan], b, **kw)
     return {"batch": b, "n": best.n, "d": best.d, "nodes": best.plan.n, "G": best.expected_tokens,
             "pred_step_ms": 1e3 * best.step_cost * prof.target_step_s, "meas_step_ms": 1e3 * chosen_s,
             "pred_tok_s": best.throughput / prof.target_step_s, "meas_tok_s": b * best.expected_tokens / chosen_s,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sequoia_ray.hardware import (HardwareProfile, ProfileError, batch_bucket, choose, hardware_id, per_request_sizes,
-                                  profile, time_batched, time_forward, time_step)
+                                  profile, time_batched, time_forward, time_steps)
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
 from tests.tiny import tiny_model
@@ -195,12 +195,13 @@ def test_profile_times_every_bucket_on_tiny_models():
     assert prof.max_tokens(8) == 8
 
 
-def test_time_step_runs_the_batched_forwards_of_a_step():
+def test_time_steps_runs_the_batched_forwards_of_a_step():
     from sequoia_ray.tree.plan import chain, k_ary
 
     target, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
-    assert time_step(target, draft, k_ary(2, 2), 4, context=8, repeats=1) > 0
-    assert time_step(target, None, chain(0), 4, context=8, repeats=1) > 0  # root-only: no draft call at all
+    times = time_steps(target, draft, [k_ary(2, 2), chain(0)], 4, context=8, repeats=1)
+    assert len(times) == 2 and all(v > 0 for v in times)
+    assert time_steps(target, None, [chain(0)], 4, context=8, repeats=1)[0] > 0  # root-only: no draft call
 
 
 def test_a_batch_beyond_its_timed_grid_carries_its_excess_over_one_request():
