@@ -33,11 +33,13 @@ asynchronously; without the sync a timer measures only the launches).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -269,15 +271,21 @@ def time_batched(model, batch: int, sizes, *, context: int, repeats: int = 3, wa
     """Median seconds of one batched forward: ``batch`` requests, each with ``context`` cached tokens and s new
     ones, in one ``hidden_many`` call plus one LM head call over all batch·s rows (as a batched worker runs
     it), for each s in ``sizes``; keyed by the batch's total tokens batch·s."""
-    device = model.device
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    vocab = model.config.vocab_size
-    sessions = _same_context(model, batch, context, gen)
-    inputs = {s: torch.randint(0, vocab, (batch, s), generator=gen, device="cpu").to(device) for s in sizes}
+    steps = batch_steps(model, batch, sizes, context=context, gen=gen, layout=layout)
+    return round_robin(steps, repeats=repeats, warmup=warmup)
 
-    def step(s: int) -> float:
+
+def batch_steps(model, batch: int, sizes, *, context: int, gen: torch.Generator, layout: str = BATCH_LAYOUT
+                ) -> dict[int, Callable[[], float]]:
+    """Per total tokens batch·s, a function timing one forward of ``batch`` requests with s new tokens each
+    (see ``time_batched``); the sessions are built once, each call leaves them as it found them."""
+    device = model.device
+    sessions = _same_context(model, batch, context, gen)
+
+    def step(s: int, tokens: torch.Tensor) -> float:  # tokens: [batch, s]
         positions = context + torch.arange(s, device=device)
-        segments = [Segment(session, inputs[s][i], positions) for i, session in enumerate(sessions)]
+        segments = [Segment(session, tokens[i], positions) for i, session in enumerate(sessions)]
         start = _clock(device)
         hidden = hidden_many(model, segments, layout)  # batch x [s, H]
         sessions[0].head(torch.cat(hidden))
@@ -286,11 +294,18 @@ def time_batched(model, batch: int, sizes, *, context: int, repeats: int = 3, wa
             session.truncate(context)
         return elapsed
 
+    vocab = model.config.vocab_size
+    return {batch * s: functools.partial(step, s, torch.randint(0, vocab, (batch, s), generator=gen).to(device))
+            for s in sizes}
+
+
+def round_robin(steps: dict, *, repeats: int, warmup: int = 1) -> dict:
+    """The median of ``repeats`` calls of each timing function, called in turn (drift hits every one alike)."""
     for _ in range(warmup):
-        for s in sizes:
-            step(s)
-    rounds = [[step(s) for s in sizes] for _ in range(repeats)]
-    return {batch * s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
+        for f in steps.values():
+            f()
+    rounds = [{k: f() for k, f in steps.items()} for _ in range(repeats)]
+    return {k: statistics.median(r[k] for r in rounds) for k in steps}
 
 
 def time_steps(target, draft, plans: list[TreePlan], batch: int, *, context: int, repeats: int = 3,
@@ -362,26 +377,38 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
             batch_total: int | None = None) -> HardwareProfile:
     """t(n) and c(w) for a target and a draft model, and for each batch B >= 2 of ``batches`` the batched
     T_B and C_B at B·s total tokens for the sizes s of ``budgets`` with B·s <= ``batch_total`` (default: the
-    largest size; s = 1 always; the batch timing needs the target in process: ``target`` not None). ``time_target(sizes, context,
-    repeats)`` replaces the in-process target timing, e.g. to time a whole tensor-parallel group (every rank
-    in lockstep)."""
+    largest size; s = 1 always). With the target in process (``target`` not None) every forward is timed in
+    one round-robin loop, so a burst of load on a shared machine hits all sizes and batches alike instead of
+    one table; else ``time_target(sizes, context, repeats)`` times the target (e.g. a whole tensor-parallel
+    group, every rank in lockstep) and the profile has no batch tables."""
     sizes = sorted(set(budgets) | {1})
-    if time_target is None:
-        target_s = time_forward(target, sizes, context=context, repeats=repeats)
-    else:
+    if target is None:
         target_s = time_target(sizes, context, repeats)
-    draft_s = time_forward(draft, widths, context=context, repeats=repeats)
+        draft_s = time_forward(draft, widths, context=context, repeats=repeats)
+        timed = {}
+    else:
+        timed = _time_all(target, draft, sizes, widths, context=context, repeats=repeats,
+                          grid={b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1})
+        target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
     one = target_s[1]
-    batch_t, batch_c = {}, {}
-    for b in (b for b in batches if b > 1 and target is not None):
-        timed = time_batched(target, b, per_request_sizes(b, sizes, batch_total), context=context, repeats=repeats)
-        batch_t[b] = {k: s / one for k, s in timed.items()}
-        timed = time_batched(draft, b, per_request_sizes(b, sizes, batch_total), context=context, repeats=repeats)
-        batch_c[b] = {k: s / one for k, s in timed.items()}
+    batch_t, batch_c = ({b: {k: v / one for (m, bb, k), v in timed.items() if (m, bb) == (name, b)}
+                         for b in {b for (m, b, _) in timed if b > 1}} for name in "tc")
     return HardwareProfile(
         hardware_id=hardware, t={n: s / one for n, s in target_s.items()}, c={w: s / one for w, s in draft_s.items()},
         target_step_s=one, context=context, dtype=dtype, versions=library_versions(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), batch_t=batch_t, batch_c=batch_c)
+
+
+def _time_all(target, draft, sizes, widths, *, context: int, repeats: int, grid: dict[int, tuple[int, ...]]
+              ) -> dict[tuple[str, int, int], float]:
+    """Seconds per ("t" | "c", batch, total tokens): the target at ``sizes`` and the draft at ``widths`` alone
+    (batch 1), both at every batch of ``grid`` (its per-request sizes), in one round-robin loop."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    plan = [("t", target, 1, sizes), ("c", draft, 1, widths)]
+    plan += [(name, model, b, per) for b, per in grid.items() for name, model in (("t", target), ("c", draft))]
+    steps = {(name, b, k): f for name, model, b, per in plan
+             for k, f in batch_steps(model, b, per, context=context, gen=gen).items()}
+    return round_robin(steps, repeats=repeats)
 
 
 def library_versions() -> dict[str, str]:
