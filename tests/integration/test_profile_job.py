@@ -125,4 +125,4 @@ def test_tensor_parallel_trial_times_the_whole_group(tmp_path):
     assert [r.batch for r in results] == list(BATCH_BUCKETS)
     store.fetch_plan(PlanKey("cpu-test-tp2", "tiny-draft", "tiny-target", 0.0, 16))
     planned, _ = store.fetch_plan(PlanKey("cpu-test-tp2", "tiny-draft", "tiny-target", 0.0))
-    assert results[0].measured_tokens_per_step >= 1.0 and planned.plan.n == results[0].n
+    assert results[0].measured_tokens_per_step >= 1.0 and planned.budget == results[0].n >= planned.plan.n
