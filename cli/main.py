@@ -27,6 +27,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="write the plan file (JSON with schema_version) here")
     p.add_argument("--plot", help="draw G(n) per depth, baselines and the tree into this PNG")
+    p.add_argument("--profile", help="a hardware profile (JSON, from `sequoia-ray profile`'s store): also print "
+                                     "the best tree per batch bucket within --budget and --max-depth")
     p.set_defaults(run=_run_plan)
 
 
@@ -42,11 +44,35 @@ def _run_plan(args: argparse.Namespace) -> int:
         from sequoia_ray.tree.plot import plot_plan
 
         plot_plan(table, planned.plan, args.plot)
+    buckets = _plan_buckets(table, args.profile, args.budget) if args.profile else None
     if args.json:
-        print(json.dumps(planned.to_dict()))
+        print(json.dumps({**planned.to_dict(), **({"batch_buckets": buckets[0]} if buckets else {})}))
     else:
-        print(_plan_summary(planned))
+        print(_plan_summary(planned) + (f"\n\nper batch bucket ({args.profile}):\n{buckets[1]}" if buckets else ""))
     return 0
+
+
+def _plan_buckets(table, profile_path: str, budget: int) -> tuple[list[dict], str]:
+    """The best tree per batch bucket under a profile: (JSON rows, the table as text)."""
+    from sequoia_ray.hardware import DEFAULT_BUDGETS, HardwareProfile, choose_buckets
+
+    prof = HardwareProfile.load(profile_path)
+    chosen = {b: best for b, (best, _) in choose_buckets(table, prof, sorted(set(DEFAULT_BUDGETS) | {budget})).items()}
+    rows = [{"batch": b, "n": c.n, "d": c.d, "nodes": c.plan.n, "expected_tokens": c.expected_tokens,
+             "step_s": c.step_cost * prof.target_step_s, "tokens_per_s": c.throughput / prof.target_step_s,
+             "speedup": c.predicted_speedup} for b, c in chosen.items()]
+    return rows, bucket_table(rows)
+
+
+def bucket_table(rows: list[dict]) -> str:
+    """Per batch bucket B: the tree (n, d), G, the predicted step time, the batch's tokens per second and the
+    speedup over the target alone at that batch size (1.00 = the root-only tree: no speculation)."""
+    head = f"{'B':>3s} {'n':>4s} {'d':>3s} {'G':>6s} {'step ms':>8s} {'tok/s':>8s} {'speedup':>7s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['batch']:3d} {r['n']:4d} {r['d']:3d} {r['expected_tokens']:6.2f} {1e3 * r['step_s']:8.1f} "
+                     f"{r['tokens_per_s']:8.1f} {r['speedup']:7.2f}")
+    return "\n".join(lines)
 
 
 def _plan_summary(planned) -> str:

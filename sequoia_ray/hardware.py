@@ -9,6 +9,23 @@ nodes at level l
 
 which is the paper's G / (t(n) + d·c) with c measured per level width instead of assumed constant.
 
+Batches. With continuous batching one target forward verifies the trees of B requests and one draft forward
+per level grows all of them, so a step of B requests on the same tree costs
+
+    step(B, n, d) = T_B(B·n) + sum_{l : i_l > 0} C_B(B·i_l)
+
+with T_B(N) the target's forward of N tree tokens in total from B requests (each at the profiled context,
+``hidden_many`` + one LM head call over all rows) and C_B(W) the draft's forward of a level W nodes wide across
+the B requests, both ÷ the one-token target step. The batch's throughput is B·G(n, d) / step(B, n, d) and the
+target alone batched is the root-only tree (n = 1, no draft call): B / T_B(B). ``choose(..., batch=B)``
+maximises the ratio of the two over every (n, d), the root-only tree included, so speculation that does not
+pay at some batch size is dropped by the planner itself. At B = 1 it is exactly the formula above. Beyond the
+largest total a batch was timed at (a bounded profile times big batches at few sizes), T_B(N) = t(N) plus the
+batch's excess over t measured at that largest total (the B contexts' K/V and the per-request work do not
+grow with the tree), likewise C_B. A profile without batch tables (written before batches were profiled)
+extrapolates a batch as one request of B·n tokens (T_B(N) = t(N), C_B(W) = c(W)): right when reading the
+weights dominates a step, optimistic when reading the B contexts' K/V does (long contexts).
+
 Timings run on the model's device and synchronise it before every clock read (an accelerator runs kernels
 asynchronously; without the sync a timer measures only the launches).
 """
@@ -16,11 +33,13 @@ asynchronously; without the sync a timer measures only the launches).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,17 +47,28 @@ import numpy as np
 import torch
 
 from sequoia_ray.devices import synchronize
+from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.models.tree_lm import KVSession
 from sequoia_ray.tree.dp import DPTable
-from sequoia_ray.tree.plan import TreePlan
+from sequoia_ray.tree.plan import TreePlan, chain
 
 SCHEMA_VERSION = 1
 DEFAULT_BUDGETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes with a plan of their own; a batch uses its bucket's
+BATCH_LAYOUT = "padded"  # hidden_many's layout when timing batches (equal trees: no padding)
 
 
 class ProfileError(ValueError):
     """A profile that cannot be used; names the field and the fix."""
+
+
+def batch_bucket(batch_size: int, buckets=BATCH_BUCKETS) -> int:
+    """The bucket whose plan a batch of ``batch_size`` requests uses: the largest bucket <= batch_size
+    (3 -> 2, 40 -> 16)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size {batch_size} must be >= 1")
+    return max(b for b in buckets if b <= batch_size)
 
 
 @dataclass(frozen=True)
@@ -51,6 +81,8 @@ class HardwareProfile:
     dtype: str
     versions: dict[str, str] = field(default_factory=dict)
     timestamp: str = ""
+    batch_t: dict[int, dict[int, float]] = field(default_factory=dict)  # B >= 2 -> total tokens B·n -> T_B
+    batch_c: dict[int, dict[int, float]] = field(default_factory=dict)  # B >= 2 -> total level width -> C_B
 
     def t_of(self, n: int) -> float:
         return _interpolate(self.t, n, "t(n)")
@@ -58,15 +90,54 @@ class HardwareProfile:
     def c_of(self, width: int) -> float:
         return _interpolate(self.c, width, "c(w)")
 
-    def draft_cost(self, plan: TreePlan) -> float:
-        """Draft forwards for ``plan`` in target steps: one per level, over that level's inner nodes."""
+    def target_cost(self, batch: int, tokens: int) -> float:
+        """T_B: one target forward over ``tokens`` tree tokens in total from ``batch`` requests, in target steps."""
+        if batch == 1 or not self.batch_t:
+            return self.t_of(tokens)
+        return _batched(self._bucket(self.batch_t, batch, "batch_t"), self.t, tokens, f"T_{batch}(tokens)")
+
+    def level_cost(self, batch: int, width: int) -> float:
+        """C_B: one draft forward over a level ``width`` nodes wide across ``batch`` requests, in target steps."""
+        if batch == 1 or not self.batch_c:
+            return self.c_of(width)
+        return _batched(self._bucket(self.batch_c, batch, "batch_c"), self.c, width, f"C_{batch}(width)")
+
+    def draft_cost(self, plan: TreePlan, batch: int = 1) -> float:
+        """Draft forwards for ``plan`` (in each of ``batch`` requests) in target steps: one per level, over
+        that level's inner nodes."""
         inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
-        return sum(self.c_of(i) for i in inner if i)
+        return sum(self.level_cost(batch, batch * i) for i in inner if i)
+
+    def step_cost(self, plan: TreePlan, batch: int = 1) -> float:
+        """step(B, n, d): verify ``batch`` trees of ``plan`` in one target forward, grow them level by level."""
+        return self.target_cost(batch, batch * plan.n) + self.draft_cost(plan, batch)
+
+    def max_tokens(self, batch: int) -> int:
+        """The most tree tokens in total a batch of ``batch`` requests can be costed at (its draft levels,
+        narrower than its trees, within the draft's reach too)."""
+        if batch == 1:
+            return max(self.t)
+        rows = [(self.t, self.batch_t.get(batch, {})), (self.c, self.batch_c.get(batch, {}))]
+        return min(max(max(one), max(row, default=0)) for one, row in rows)
+
+    def buckets(self) -> tuple[int, ...]:
+        """The batch buckets this profile can plan for (all of them, extrapolated, without batch tables)."""
+        if not self.batch_t:
+            return tuple(b for b in BATCH_BUCKETS if b <= max(self.t) and b <= max(self.c))
+        return tuple(sorted({1} | (set(self.batch_t) & set(self.batch_c))))
+
+    def _bucket(self, tables: dict[int, dict[int, float]], batch: int, name: str) -> dict[int, float]:
+        if batch not in tables:
+            raise ProfileError(f"{name}: batch {batch} not profiled (have {sorted(tables)}); use a profiled "
+                               f"bucket or re-profile with it")
+        return tables[batch]
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["t"] = {str(k): v for k, v in self.t.items()}
-        out["c"] = {str(k): v for k, v in self.c.items()}
+        for name in ("t", "c"):
+            out[name] = {str(k): v for k, v in getattr(self, name).items()}
+        for name in ("batch_t", "batch_c"):
+            out[name] = {str(b): {str(k): v for k, v in row.items()} for b, row in getattr(self, name).items()}
         return {"schema_version": SCHEMA_VERSION, **out}
 
     @classmethod
@@ -76,13 +147,19 @@ class HardwareProfile:
         try:
             t = {int(k): float(v) for k, v in obj["t"].items()}
             c = {int(k): float(v) for k, v in obj["c"].items()}
+            batch_t, batch_c = (_batch_tables(obj.get(name, {})) for name in ("batch_t", "batch_c"))
             prof = cls(str(obj["hardware_id"]), t, c, float(obj["target_step_s"]), int(obj["context"]),
-                       str(obj["dtype"]), dict(obj.get("versions", {})), str(obj.get("timestamp", "")))
+                       str(obj["dtype"]), dict(obj.get("versions", {})), str(obj.get("timestamp", "")),
+                       batch_t, batch_c)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
-        for name, table in (("t", t), ("c", c)):
+        tables = [("t", t), ("c", c)] + [(f"{name}[{b}]", row) for name, batches in (("batch_t", batch_t),
+                  ("batch_c", batch_c)) for b, row in batches.items()]
+        for name, table in tables:
             if not table or any(k < 1 or not math.isfinite(v) or v <= 0 for k, v in table.items()):
                 raise ProfileError(f"{source}: field '{name}' must map positive sizes to finite positive times")
+        if any(b < 2 for b in (*batch_t, *batch_c)):
+            raise ProfileError(f"{source}: fields 'batch_t'/'batch_c' hold batches >= 2 (batch 1 is 't'/'c')")
         return prof
 
     def save(self, path: Path) -> None:
@@ -94,6 +171,20 @@ class HardwareProfile:
             return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _batched(row: dict[int, float], one: dict[int, float], x: int, name: str) -> float:
+    """A batch's time at ``x`` total tokens: interpolated in its own ``row``; beyond the row's largest total,
+    the one-request curve ``one`` plus the batch's excess over it measured there (carried forward, never
+    less than the row's largest time)."""
+    top = max(row)
+    if x <= top:
+        return _interpolate(row, x, name)
+    return max(row[top], _interpolate(one, x, name) + row[top] - _interpolate(one, top, name))
+
+
+def _batch_tables(obj: dict) -> dict[int, dict[int, float]]:
+    return {int(b): {int(k): float(v) for k, v in row.items()} for b, row in obj.items()}
 
 
 def _interpolate(table: dict[int, float], x: int, name: str) -> float:
@@ -108,21 +199,42 @@ class Choice:
     n: int
     d: int
     expected_tokens: float
-    predicted_speedup: float
+    predicted_speedup: float  # over the target alone at the same batch size
     plan: TreePlan
+    batch: int = 1  # the batch bucket B it was chosen for
+    step_cost: float = math.nan  # step(B, n, d) in target steps (one target token's time)
+
+    @property
+    def throughput(self) -> float:
+        """B·G(n, d) / step(B, n, d): the batch's tokens per target step."""
+        return self.batch * self.expected_tokens / self.step_cost
 
 
-def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS) -> tuple[Choice, list[Choice]]:
-    """The (n, d) maximising G(n, d) / (t(n) + draft cost), and every candidate evaluated."""
+def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS, batch: int = 1
+           ) -> tuple[Choice, list[Choice]]:
+    """The (n, d) maximising the batch's throughput B·G(n, d) / step(B, n, d) for ``batch`` requests per step,
+    the root-only tree (the target alone) included, and every candidate evaluated. The predicted speedup is
+    over that root-only tree at the same batch size; at batch 1 it is G(n, d) / (t(n) + draft cost)."""
     candidates = []
-    max_n = min(table.max_nodes, max(profile.t))
+    max_n = min(table.max_nodes, profile.max_tokens(batch) // batch)
+    if max_n < 1:
+        raise ProfileError(f"batch {batch} needs >= {batch} tokens profiled, the profile has "
+                           f"{profile.max_tokens(batch)}; re-profile with larger sizes")
+    alone = profile.step_cost(chain(0), batch)  # T_B(B); t(1) = 1 at batch 1
     for n in sorted({b for b in budgets if b <= max_n} | {1}):
         for d in range(1, table.max_depth + 1):
             plan = table.tree(n, d)
-            cost = profile.t_of(plan.n) + profile.draft_cost(plan)
-            candidates.append(Choice(n, d, table.value(n, d), table.value(n, d) / cost, plan))
+            cost = profile.step_cost(plan, batch)
+            value = table.value(n, d)
+            candidates.append(Choice(n, d, value, value * alone / cost, plan, batch, cost))
     best = max(candidates, key=lambda c: (round(c.predicted_speedup, 12), -c.n, -c.d))
     return best, candidates
+
+
+def choose_buckets(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS
+                   ) -> dict[int, tuple[Choice, list[Choice]]]:
+    """``choose`` for every batch bucket the profile can plan for."""
+    return {b: choose(table, profile, budgets, batch=b) for b in profile.buckets()}
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -154,6 +266,106 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
     return {s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
 
 
+def time_batched(model, batch: int, sizes, *, context: int, repeats: int = 3, warmup: int = 1, seed: int = 0,
+                 layout: str = BATCH_LAYOUT) -> dict[int, float]:
+    """Median seconds of one batched forward: ``batch`` requests, each with ``context`` cached tokens and s new
+    ones, in one ``hidden_many`` call plus one LM head call over all batch·s rows (as a batched worker runs
+    it), for each s in ``sizes``; keyed by the batch's total tokens batch·s."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    steps = batch_steps(model, batch, sizes, context=context, gen=gen, layout=layout)
+    return round_robin(steps, repeats=repeats, warmup=warmup)
+
+
+def batch_steps(model, batch: int, sizes, *, context: int, gen: torch.Generator, layout: str = BATCH_LAYOUT
+                ) -> dict[int, Callable[[], float]]:
+    """Per total tokens batch·s, a function timing one forward of ``batch`` requests with s new tokens each
+    (see ``time_batched``); the sessions are built once, each call leaves them as it found them."""
+    device = model.device
+    sessions = _same_context(model, batch, context, gen)
+
+    def step(s: int, tokens: torch.Tensor) -> float:  # tokens: [batch, s]
+        positions = context + torch.arange(s, device=device)
+        segments = [Segment(session, tokens[i], positions) for i, session in enumerate(sessions)]
+        start = _clock(device)
+        hidden = hidden_many(model, segments, layout)  # batch x [s, H]
+        sessions[0].head(torch.cat(hidden))
+        elapsed = _clock(device) - start
+        for session in sessions:
+            session.truncate(context)
+        return elapsed
+
+    vocab = model.config.vocab_size
+    return {batch * s: functools.partial(step, s, torch.randint(0, vocab, (batch, s), generator=gen).to(device))
+            for s in sizes}
+
+
+def round_robin(steps: dict, *, repeats: int, warmup: int = 1) -> dict:
+    """The median of ``repeats`` calls of each timing function, called in turn (drift hits every one alike)."""
+    for _ in range(warmup):
+        for f in steps.values():
+            f()
+    rounds = [{k: f() for k, f in steps.items()} for _ in range(repeats)]
+    return {k: statistics.median(r[k] for r in rounds) for k in steps}
+
+
+def time_steps(target, draft, plans: list[TreePlan], batch: int, *, context: int, repeats: int = 3,
+               warmup: int = 1, seed: int = 0, layout: str = BATCH_LAYOUT) -> list[float]:
+    """Median seconds of the forwards of one batched step on each of ``plans``, timed for real and round-robin
+    (drift hits every plan alike): per level with inner nodes one draft ``hidden_many`` over the ``batch``
+    requests' inner nodes (+ head), then one target ``hidden_many`` over their ``plan.n`` tree tokens each
+    (+ one head call). What ``step_cost`` predicts; sampling and the verify walk are not in it. A root-only
+    tree makes no draft call (``draft`` may be None when every plan is root-only)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    targets = _same_context(target, batch, context, gen)
+    drafts = _same_context(draft, batch, context, gen) if any(plan.n > 1 for plan in plans) else []
+
+    def forward(sessions: list[KVSession], width: int) -> None:
+        model, device = sessions[0].model, sessions[0].device
+        tokens = torch.randint(0, model.config.vocab_size, (width,), generator=gen, device="cpu").to(device)
+        positions = sessions[0].length + torch.arange(width, device=device)
+        sessions[0].head(torch.cat(hidden_many(model, [Segment(s, tokens, positions) for s in sessions], layout)))
+
+    def step(plan: TreePlan) -> float:
+        inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
+        start = _clock(target.device)
+        for width in (i for i in inner if i):
+            forward(drafts, width)
+        forward(targets, plan.n)
+        elapsed = _clock(target.device) - start
+        for session in targets + drafts:
+            session.truncate(context)
+        return elapsed
+
+    for _ in range(warmup):
+        for plan in plans:
+            step(plan)
+    rounds = [[step(plan) for plan in plans] for _ in range(repeats)]
+    return [statistics.median(r[i] for r in rounds) for i in range(len(plans))]
+
+
+def _same_context(model, batch: int, context: int, gen: torch.Generator) -> list[KVSession]:
+    """``batch`` sessions holding the K/V of one random ``context``-token prefix (prefilled once, copied)."""
+    device = model.device
+    first = KVSession(model)
+    prefix = torch.randint(0, model.config.vocab_size, (context,), generator=gen, device="cpu").to(device)
+    first.hidden(prefix, torch.arange(context, device=device))
+    sessions = [first]
+    for _ in range(batch - 1):
+        copy = KVSession(model)
+        for dst, src in zip(copy.cache.layers, first.cache.layers):
+            dst.update(src.keys.clone(), src.values.clone())
+        sessions.append(copy)
+    return sessions
+
+
+def per_request_sizes(batch: int, sizes, max_total: int | None = None) -> tuple[int, ...]:
+    """The per-request sizes s of ``sizes`` a batch of ``batch`` is timed at: batch·s <= ``max_total``, and 1
+    always (the target alone batched, the root-only tree, is a candidate at every batch size); ``max_total``
+    defaults to the largest size."""
+    max_total = max(sizes) if max_total is None else max_total
+    return tuple(s for s in sorted(set(sizes) | {1}) if s == 1 or batch * s <= max_total)
+
+
 def _clock(device: torch.device) -> float:
     """``perf_counter`` after the queued work on ``device`` has finished."""
     synchronize(device)
@@ -161,20 +373,42 @@ def _clock(device: torch.device) -> float:
 
 
 def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRAFT_WIDTHS, context: int = 256,
-            repeats: int = 5, dtype: str = "float32", time_target=None) -> HardwareProfile:
-    """t(n) and c(w) for a target and a draft model. ``time_target(sizes, context, repeats)`` replaces the
-    in-process target timing, e.g. to time a whole tensor-parallel group (every rank in lockstep)."""
+            repeats: int = 5, dtype: str = "float32", time_target=None, batches=(),
+            batch_total: int | None = None) -> HardwareProfile:
+    """t(n) and c(w) for a target and a draft model, and for each batch B >= 2 of ``batches`` the batched
+    T_B and C_B at B·s total tokens for the sizes s of ``budgets`` with B·s <= ``batch_total`` (default: the
+    largest size; s = 1 always). With the target in process (``target`` not None) every forward is timed in
+    one round-robin loop, so a burst of load on a shared machine hits all sizes and batches alike instead of
+    one table; else ``time_target(sizes, context, repeats)`` times the target (e.g. a whole tensor-parallel
+    group, every rank in lockstep) and the profile has no batch tables."""
     sizes = sorted(set(budgets) | {1})
-    if time_target is None:
-        target_s = time_forward(target, sizes, context=context, repeats=repeats)
-    else:
+    if target is None:
         target_s = time_target(sizes, context, repeats)
-    draft_s = time_forward(draft, widths, context=context, repeats=repeats)
+        draft_s = time_forward(draft, widths, context=context, repeats=repeats)
+        timed = {}
+    else:
+        timed = _time_all(target, draft, sizes, widths, context=context, repeats=repeats,
+                          grid={b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1})
+        target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
     one = target_s[1]
+    batch_t, batch_c = ({b: {k: v / one for (m, bb, k), v in timed.items() if (m, bb) == (name, b)}
+                         for b in {b for (m, b, _) in timed if b > 1}} for name in "tc")
     return HardwareProfile(
         hardware_id=hardware, t={n: s / one for n, s in target_s.items()}, c={w: s / one for w, s in draft_s.items()},
         target_step_s=one, context=context, dtype=dtype, versions=library_versions(),
-        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), batch_t=batch_t, batch_c=batch_c)
+
+
+def _time_all(target, draft, sizes, widths, *, context: int, repeats: int, grid: dict[int, tuple[int, ...]]
+              ) -> dict[tuple[str, int, int], float]:
+    """Seconds per ("t" | "c", batch, total tokens): the target at ``sizes`` and the draft at ``widths`` alone
+    (batch 1), both at every batch of ``grid`` (its per-request sizes), in one round-robin loop."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    plan = [("t", target, 1, sizes), ("c", draft, 1, widths)]
+    plan += [(name, model, b, per) for b, per in grid.items() for name, model in (("t", target), ("c", draft))]
+    steps = {(name, b, k): f for name, model, b, per in plan
+             for k, f in batch_steps(model, b, per, context=context, gen=gen).items()}
+    return round_robin(steps, repeats=repeats)
 
 
 def library_versions() -> dict[str, str]:

@@ -5,11 +5,15 @@ scheme=http`` for an S3-compatible server) or anything else ``pyarrow.fs.FileSys
 
 Key layout (every file JSON with ``schema_version``, validated on every read)::
 
-    <root>/plans/<hardware>/<pair>/t<temperature>/<UTC timestamp>-<random>.json
+    <root>/plans/<hardware>/<pair>/t<temperature>/<UTC timestamp>-<random>.json          (batch bucket 1)
+    <root>/plans/<hardware>/<pair>/t<temperature>-b<bucket>/<UTC timestamp>-<random>.json  (buckets 2, 4, 8, 16)
     <root>/profiles/<hardware>/<UTC timestamp>-<random>.json
 
 ``<pair>`` is a readable slug of the draft and target names plus a short hash of both; ``<temperature>``
-is the request temperature rounded to one decimal (``t0.0`` = greedy). Publishing never overwrites: each
+is the request temperature rounded to one decimal (``t0.0`` = greedy); ``<bucket>`` is the batch-size
+bucket the plan was chosen for (``sequoia_ray.hardware.BATCH_BUCKETS``). Bucket 1 keeps the layout of
+before buckets existed, so a store written then reads as bucket 1, and a reader of then never sees the
+other buckets' files (they sit in sibling folders, outside the bucket-1 folder it lists). Publishing never overwrites: each
 publish writes a new uniquely named file (to a temporary name first, then moved into place), so
 concurrent publishers cannot corrupt each other and the latest plan is the last name in sort order.
 """
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from sequoia_ray.hardware import HardwareProfile, ProfileError
+from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
 
@@ -62,16 +66,27 @@ def _new_name() -> str:
     return f"{stamp}-{uuid.uuid4().hex[:8]}.json"
 
 
+def plan_bucket(temperature: float, batch: int = 1) -> str:
+    """A plan's folder name under its pair: ``t0.6`` (batch bucket 1), ``t0.6-b4``."""
+    return temperature_bucket(temperature) + ("" if batch == 1 else f"-b{batch}")
+
+
 @dataclass(frozen=True)
 class PlanKey:
     hardware: str
     draft: str
     target: str
     temperature: float
+    batch: int = 1  # the batch bucket (1, 2, 4, 8, 16); ``batch_bucket(batch_size)`` maps a batch size to it
+
+    def __post_init__(self) -> None:
+        if self.batch not in BATCH_BUCKETS:
+            fix = f"use batch_bucket({self.batch}) = {batch_bucket(self.batch)}" if self.batch >= 1 else "use >= 1"
+            raise ValueError(f"batch {self.batch} is not a batch bucket {BATCH_BUCKETS}; {fix}")
 
     def folder(self) -> str:
         return "/".join(["plans", _safe(self.hardware, "hardware id"), pair_key(self.draft, self.target),
-                         temperature_bucket(self.temperature)])
+                         plan_bucket(self.temperature, self.batch)])
 
 
 class PlanStore:
@@ -89,7 +104,8 @@ class PlanStore:
     # ---- plans ---------------------------------------------------------------------------------
     def publish_plan(self, planned: PlannedTree, key: PlanKey) -> str:
         prov = replace(planned.provenance, draft=key.draft, target=key.target, temperature=key.temperature,
-                       hardware=key.hardware)  # the key's fields; what it was measured with stays
+                       hardware=key.hardware,  # the key's fields; what it was measured with stays
+                       batch=None if key.batch == 1 else key.batch)  # None = 1: readers of before accept it
         stamped = PlannedTree(planned.plan, planned.acceptance, planned.budget, planned.max_depth,
                               planned.expected_tokens, prov)
         return self._publish(key.folder(), stamped.dumps())
@@ -97,7 +113,8 @@ class PlanStore:
     def fetch_plan(self, key: PlanKey) -> tuple[PlannedTree, str]:
         """The latest plan for ``key`` and its path; PlanNotFound if none, StoreError if corrupt."""
         path = self._latest(key.folder(), f"no plan for hardware {key.hardware!r}, pair {key.draft!r} -> "
-                                          f"{key.target!r}, temperature {key.temperature}; run tuning/profile.py")
+                                          f"{key.target!r}, temperature {key.temperature}, batch bucket {key.batch}; "
+                                          "run tuning/profile.py")
         try:
             return PlannedTree.loads(self._read(path), source=self._display(path)), path
         except PlanFormatError as exc:

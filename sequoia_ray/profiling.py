@@ -1,5 +1,6 @@
-"""One hardware type's profiling trial, without Ray: measure p, profile t(n) and c, DP, choose,
-validate for real, publish. ``tuning/profile.py`` runs one of these per hardware type under Ray Tune;
+"""One hardware type's profiling trial, without Ray: measure p, profile t(n) and c (and the batched T_B, C_B),
+DP, choose per batch bucket, validate the batch-1 plan for real, publish one plan per bucket.
+``tuning/profile.py`` runs one of these per hardware type under Ray Tune;
 ``sequoia-ray profile`` runs one in-process for this machine.
 """
 
@@ -16,7 +17,8 @@ from tqdm.auto import tqdm
 
 from sequoia_ray.acceptance import measure
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
-from sequoia_ray.hardware import DRAFT_WIDTHS, Choice, HardwareProfile, choose, profile
+from sequoia_ray.hardware import (BATCH_BUCKETS, DRAFT_WIDTHS, Choice, HardwareProfile, choose_buckets,
+                                  per_request_sizes, profile)
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.prompts import Prompt, load_prompts
@@ -50,6 +52,9 @@ class TrialResult:
     measured_tokens_per_step: float
     plan_key: str
     profile_key: str
+    batch: int = 1  # the batch bucket B the plan is for (measured_* are measured at batch 1 only)
+    step_s: float = math.nan  # predicted seconds of one step of B requests on this plan
+    throughput: float = math.nan  # predicted tokens per second of the batch: B·G / step_s
 
 
 def load_pair(cfg: ProfileJobConfig, *, progress: bool = True) -> LocalPair:
@@ -69,23 +74,37 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
     prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
     budgets = SMOKE_BUDGETS if cfg.smoke_test else cfg.budgets
     depth = min(cfg.max_depth, 5) if cfg.smoke_test else cfg.max_depth
-    prof = profile(None, pair.draft.model, hardware=hardware, budgets=budgets, time_target=pair.time_target,
-                   context=min(cfg.context, 32) if cfg.smoke_test else cfg.context, dtype=cfg.dtype)
+    prof = profile(target_model(pair), pair.draft.model, hardware=hardware, budgets=budgets,
+                   time_target=pair.time_target, context=min(cfg.context, 32) if cfg.smoke_test else cfg.context,
+                   dtype=cfg.dtype, batches=BATCH_BUCKETS)
     profile_key = store.publish_profile(prof)
     results, grids = [], {}
     for temperature in cfg.temperatures:
         acceptance = _acceptance(cfg, pair, prompts, temperature, progress)
         table = solve(acceptance, max(budgets), depth)
-        best, candidates = choose(table, prof, budgets)
-        grids[temperature] = [(c.n, c.d, c.predicted_speedup) for c in candidates]
-        speedup, per_step = validate(pair, best, prompts, temperature, cfg.validate_tokens if not cfg.smoke_test else 12)
-        planned = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d))
-        key = PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature)
-        plan_key = store.publish_plan(planned, key)
-        results.append(TrialResult(hardware, temperature, best.n, best.d, best.expected_tokens,
-                                   best.predicted_speedup, speedup, per_step, plan_key, profile_key))
-        logger.info("%s T=%s: %s", hardware, temperature, asdict(results[-1]))
+        chosen = choose_buckets(table, prof, budgets)
+        grids[temperature] = [(c.n, c.d, c.predicted_speedup) for c in chosen[1][1]]
+        measured = validate(pair, chosen[1][0], prompts, temperature, cfg.validate_tokens if not cfg.smoke_test else 12)
+        for batch, (best, _) in chosen.items():
+            planned = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d))
+            key = PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature, batch)
+            result = _result(prof, temperature, best, measured if batch == 1 else (math.nan, math.nan))
+            results.append(replace(result, plan_key=store.publish_plan(planned, key), profile_key=profile_key))
+            logger.info("%s T=%s B=%d: %s", hardware, temperature, batch, asdict(results[-1]))
     return results, grids
+
+
+def target_model(pair):
+    """The in-process target model (batches are timed with it), None for a target that is a group of rank
+    actors (its profile then has no batch tables: see ``sequoia_ray.hardware`` on how they are extrapolated)."""
+    target = getattr(pair, "target", None)
+    return getattr(target, "model", None)
+
+
+def _result(prof: HardwareProfile, temperature: float, best: Choice, measured: tuple[float, float]) -> TrialResult:
+    step_s = best.step_cost * prof.target_step_s
+    return TrialResult(prof.hardware_id, temperature, best.n, best.d, best.expected_tokens, best.predicted_speedup,
+                       measured[0], measured[1], "", "", best.batch, step_s, best.batch * best.expected_tokens / step_s)
 
 
 def _name(cfg: ProfileJobConfig, role: str) -> str:
@@ -152,11 +171,15 @@ def heatmap_png(grid: list[tuple[int, int, float]], title: str) -> bytes:
 
 
 def format_results(results: list[TrialResult]) -> str:
-    head = f"{'hardware':28s} {'T':>4s} {'n':>4s} {'d':>3s} {'G':>6s} {'pred':>6s} {'meas':>6s} {'tok/step':>8s}"
+    """One row per temperature and batch bucket B: the plan (n, d), G, the predicted step time and batch
+    throughput, the predicted speedup over the target alone at that batch size, and (batch 1) the measured one."""
+    head = (f"{'hardware':28s} {'T':>4s} {'B':>3s} {'n':>4s} {'d':>3s} {'G':>6s} {'step ms':>8s} {'tok/s':>7s} "
+            f"{'pred':>6s} {'meas':>6s} {'tok/step':>8s}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.hardware:28s} {r.temperature:4.1f} {r.n:4d} {r.d:3d} {r.expected_tokens:6.2f} "
-                     f"{r.predicted_speedup:6.2f} {r.measured_speedup:6.2f} {r.measured_tokens_per_step:8.2f}")
+        lines.append(f"{r.hardware:28s} {r.temperature:4.1f} {r.batch:3d} {r.n:4d} {r.d:3d} {r.expected_tokens:6.2f} "
+                     f"{1e3 * r.step_s:8.1f} {r.throughput:7.1f} {r.predicted_speedup:6.2f} {r.measured_speedup:6.2f} "
+                     f"{r.measured_tokens_per_step:8.2f}")
     return "\n".join(lines)
 
 
@@ -229,7 +252,8 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
     """``run_trial`` within ``serving.time_budget_s`` by construction: a few sizes profiled at a short
     context, then per temperature as many prompts and tokens as the measured step time fits into that
     temperature's share of the time left. BudgetExhausted when that is too little for a usable plan.
-    Publishes (profile and every temperature's plan) only when all temperatures have a plan. Loading the
+    Publishes (profile and every temperature's plan for every batch bucket) only when all temperatures have
+    their plans. Loading the
     models is outside the budget: its time does not depend on what is measured (and the served actors
     load the same models anyway)."""
     names = ["loading models", "profiling t(n) and c"] + [
@@ -250,57 +274,69 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
 
 
 def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadline) -> HardwareProfile:
-    sizes = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
+    sizes, batch_total = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
     widths = tuple(w for w in DRAFT_WIDTHS if w <= max(sizes))
-    return monotone(profile(None, pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
+    return monotone(profile(target_model(pair), pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
                             context=BOUNDED_CONTEXT, repeats=BOUNDED_REPEATS, dtype=cfg.dtype,
-                            time_target=pair.time_target))
+                            time_target=pair.time_target, batches=BATCH_BUCKETS, batch_total=batch_total))
 
 
 def monotone(prof: HardwareProfile) -> HardwareProfile:
-    """t(n) and c(w) made non-decreasing (a running maximum): more tokens never cost less, and a few
-    repeats on a busy machine can say otherwise, which would make the DP favour big trees for free."""
+    """t(n), c(w) and every batch's T_B, C_B made non-decreasing (a running maximum): more tokens never cost
+    less, and a few repeats on a busy machine can say otherwise, which would make the DP favour big trees for
+    free."""
     def running_max(table: dict[int, float]) -> dict[int, float]:
         out, top = {}, 0.0
         for k in sorted(table):
             top = out[k] = max(top, table[k])
         return out
 
-    return replace(prof, t=running_max(prof.t), c=running_max(prof.c))
+    return replace(prof, t=running_max(prof.t), c=running_max(prof.c),
+                   batch_t={b: running_max(row) for b, row in prof.batch_t.items()},
+                   batch_c={b: running_max(row) for b, row in prof.batch_c.items()})
 
 
-def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[int, ...]:
-    """The longest prefix of BOUNDED_BUDGETS whose profiling fits ``seconds``, from a probe's target
-    seconds at 1 and 8 tokens (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats)."""
-    def cost(sizes) -> float:
-        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in sizes)
+def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[tuple[int, ...], int]:
+    """(sizes, batch_total) whose profiling fits ``seconds``, from a probe's target seconds at 1 and 8 tokens
+    (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats): the longest prefix of
+    BOUNDED_BUDGETS timed alone (t, c) with every batch bucket B timed at B·1 tokens at least, then the
+    largest of those sizes as the batch grid's bound (T_B, C_B at B·s <= batch_total): the batch-1 plan
+    gets the sizes first, batches are extrapolated beyond their grid (``sequoia_ray.hardware``)."""
+    def cost(sizes, total: int) -> float:
+        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in batch_tokens(sizes, total))
 
-    fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1) if cost(BOUNDED_BUDGETS[:k]) <= seconds]
+    fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1) if cost(BOUNDED_BUDGETS[:k], 1) <= seconds]
     if not fits:
-        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3]):.0f}s "
+        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3], 1):.0f}s "
                               f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
-    return fits[0]
+    return fits[0], max(s for s in fits[0] if cost(fits[0], s) <= seconds)
+
+
+def batch_tokens(sizes, total: int | None = None) -> list[int]:
+    """The forwards a profile of ``sizes`` times, by total tokens: each size alone, then each batch bucket's
+    grid up to ``total`` (default: the largest size)."""
+    return list(sizes) + [b * s for b in BATCH_BUCKETS[1:] for s in per_request_sizes(b, sizes, total)]
 
 
 def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: Deadline, stages: Stages,
-                  serving: Serving) -> tuple[PlannedTree, TrialResult]:
-    """Temperature ``cfg.temperatures[i]`` within its share of the time left: measure p, DP, choose, validate."""
+                  serving: Serving) -> list[tuple[PlannedTree, TrialResult]]:
+    """Temperature ``cfg.temperatures[i]`` within its share of the time left: measure p, DP, choose per batch
+    bucket, validate the batch-1 plan; a (plan, result) per bucket."""
     temperature = cfg.temperatures[i]
     end = deadline.elapsed() + deadline.left() / (len(cfg.temperatures) - i)
     stages.next(f"measuring p T={temperature}")
     measure_end = end - (end - deadline.elapsed()) * (1 - MEASURE_SHARE)
     acceptance, used, tokens, pace = measure_within(cfg, pair, prompts, temperature, deadline, measure_end, prof)
     table = solve(acceptance, max(prof.t), cfg.max_depth)
-    best, _ = choose(table, prof, tuple(prof.t))
+    chosen = choose_buckets(table, prof, tuple(prof.t))
     stages.next(f"validating T={temperature}")
-    speedup, per_step = _validate_within(pair, best, prompts[0], temperature, end - deadline.elapsed(), prof, pace,
-                                         cfg.validate_tokens)
+    measured = _validate_within(pair, chosen[1][0], prompts[0], temperature, end - deadline.elapsed(), prof, pace,
+                                cfg.validate_tokens)
     prov = Provenance(dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=str(pair.target.model.device),
                       threads=serving.threads, time_budget_s=serving.time_budget_s, prompts=used, tokens_measured=tokens)
-    planned = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d), prov)
-    result = TrialResult(prof.hardware_id, temperature, best.n, best.d, best.expected_tokens, best.predicted_speedup,
-                         speedup, per_step, "", "")
-    return planned, result
+    return [(PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d), prov),
+             _result(prof, temperature, best, measured if batch == 1 else (math.nan, math.nan)))
+            for batch, (best, _) in chosen.items()]
 
 
 def tokens_within(seconds: float, step_s: float, fixed_s: float) -> int:
@@ -357,11 +393,14 @@ def _validate_within(pair, best: Choice, prompt, temperature: float, seconds: fl
 
 
 def _publish_all(cfg: ProfileJobConfig, hardware: str, prof: HardwareProfile,
-                 planned: list[tuple[PlannedTree, TrialResult]]) -> list[TrialResult]:
+                 planned: list[list[tuple[PlannedTree, TrialResult]]]) -> list[TrialResult]:
+    """Every bucket's plan, the batch-1 plan LAST: the launcher takes a temperature's batch-1 plan as the mark
+    that its plans are there, so a publish cut short leaves the temperature missing (profiled again)."""
     store = PlanStore(cfg.storage)
     profile_key = store.publish_profile(prof)
     results = []
-    for (tree, r), temperature in zip(planned, cfg.temperatures):
-        plan_key = store.publish_plan(tree, PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature))
-        results.append(replace(r, plan_key=plan_key, profile_key=profile_key))
-    return results
+    for per_bucket, temperature in zip(planned, cfg.temperatures):
+        for tree, r in sorted(per_bucket, key=lambda x: -x[1].batch):
+            key = PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature, r.batch)
+            results.append(replace(r, plan_key=store.publish_plan(tree, key), profile_key=profile_key))
+    return sorted(results, key=lambda r: (cfg.temperatures.index(r.temperature), r.batch))

@@ -6,8 +6,11 @@
 One Tune trial per hardware type present in the cluster (its ``accelerator_type:<X>`` resources) or given
 with ``--hardware``; a CPU-only cluster gets one CPU trial. Each trial is pinned to its type by a tiny
 ``accelerator_type`` demand and reserves one bundle per tensor-parallel rank. A trial loads the pair,
-measures the acceptance vector per temperature, profiles t(n) and c, runs the DP, chooses (n, d), runs the
-chosen plan for real, and publishes the plan, the profile and a heatmap to the plan store. Tune's own
+measures the acceptance vector per temperature, profiles t(n) and c (and, with the target in process, the
+batched T_B and C_B of every batch bucket), runs the DP, chooses (n, d) per batch bucket (1, 2, 4, 8, 16),
+runs the batch-1 plan for real, and publishes one plan per bucket, the profile and a heatmap to the plan
+store; the printed table has a row per temperature and bucket. A tensor-parallel trial's target is a group
+of rank actors: its profile has no batch tables and the buckets are extrapolated (``sequoia_ray.hardware``). Tune's own
 results go under <storage>/tune. ``sequoia-ray profile`` runs the same trial in-process without Ray.
 """
 

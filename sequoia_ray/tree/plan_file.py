@@ -42,6 +42,7 @@ class Provenance:
     time_budget_s: float | None = None  # a bounded profile's time budget; None = unbounded
     prompts: int | None = None  # prompts the acceptance vector was measured on
     tokens_measured: int | None = None  # tokens asked for while measuring it (a prompt may end sooner at EOS)
+    batch: int | None = None  # the batch-size bucket the plan was chosen for; None = 1 (never written for 1)
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,10 @@ def _provenance(obj: Any, bad) -> Provenance:
     for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device"):
         if obj.get(key) is not None and not isinstance(obj[key], str):
             raise bad(f"provenance.{key}", f"{obj[key]!r} must be a string")
-    for key in ("threads", "prompts", "tokens_measured"):
+    for key, least in (("threads", 0), ("prompts", 0), ("tokens_measured", 0), ("batch", 1)):
         v = obj.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise bad(f"provenance.{key}", f"{v!r} must be an integer >= 0")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+            raise bad(f"provenance.{key}", f"{v!r} must be an integer >= {least}")
     budget = obj.get("time_budget_s")
     if budget is not None and (not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0):
         raise bad("provenance.time_budget_s", f"{budget!r} must be a finite number > 0")

@@ -11,6 +11,7 @@ pytest.importorskip("ray")
 
 from deployments.config import ServeConfig  # noqa: E402
 from deployments.launch import ensure_plans, serving_hardware_id  # noqa: E402
+from sequoia_ray.hardware import BATCH_BUCKETS  # noqa: E402
 from sequoia_ray.plan_store import PlanStore  # noqa: E402
 from tests.serving import BASE, serving  # noqa: E402
 
@@ -21,7 +22,7 @@ def test_profiled_plan_is_the_one_served(tmp_path):
     args = {**BASE, "plan_store": str(tmp_path / "plans"), "num_cpus": 1, "threads": 1}
     assert ensure_plans(ServeConfig.model_validate(args), 30.0) == "profiled"
     published = PlanStore(args["plan_store"]).list_plans()
-    assert len(published) == 2  # T=0.0 and T=0.6
+    assert len(published) == 2 * len(BATCH_BUCKETS)  # T=0.0 and T=0.6, a plan per batch bucket each
     with serving({"main": args}) as url:
         meta = requests.get(f"{url}/main/v1/models", timeout=60).json()["data"][0]["metadata"]
         greedy = [p for p in published if "/t0.0/" in p]

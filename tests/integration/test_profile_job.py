@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main as cli_main
+from sequoia_ray.hardware import BATCH_BUCKETS
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from tuning.profile import discover_hardware, main as job_main, trial_bundles
 
@@ -57,6 +58,13 @@ def test_profile_verb_in_process(tmp_path, capsys):
     planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware_id(), "tiny-draft", "tiny-target", 0.0))
     assert planned.plan.n <= planned.budget
     assert list((store / "reports").glob("heatmap-*.png"))
+    prof = PlanStore(str(store)).fetch_profile(hardware_id())
+    assert set(prof.batch_t) == set(prof.batch_c) == set(BATCH_BUCKETS[1:])  # the in-process target: timed
+    rows = [line.split() for line in out.splitlines() if line.startswith(hardware_id())]
+    assert [int(r[2]) for r in rows] == list(BATCH_BUCKETS)  # a table row per bucket
+    for batch, row in zip(BATCH_BUCKETS, rows):
+        planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware_id(), "tiny-draft", "tiny-target", 0.0, batch))
+        assert (planned.budget, planned.provenance.batch) == (int(row[3]), None if batch == 1 else batch)
 
 
 @pytest.mark.integration
@@ -82,7 +90,7 @@ def test_ray_job_submit_smoke_test(tmp_path):
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
     plans = PlanStore(str(store)).list_plans()
-    assert len(plans) == 2, plans
+    assert len(plans) == 2 * len(BATCH_BUCKETS), plans  # a plan per temperature and batch bucket
     hardware = plans[0].split("/plans/")[-1].split("/")[0]
     assert hardware.startswith("cpu-")
     for t in (0.0, 0.6):
@@ -113,5 +121,8 @@ def test_tensor_parallel_trial_times_the_whole_group(tmp_path):
         ray.shutdown()
     store = PlanStore(str(tmp_path / "store"))
     assert store.fetch_profile("cpu-test-tp2").t[1] == 1.0
+    assert store.fetch_profile("cpu-test-tp2").batch_t == {}  # rank actors: the buckets are extrapolated
+    assert [r.batch for r in results] == list(BATCH_BUCKETS)
+    store.fetch_plan(PlanKey("cpu-test-tp2", "tiny-draft", "tiny-target", 0.0, 16))
     planned, _ = store.fetch_plan(PlanKey("cpu-test-tp2", "tiny-draft", "tiny-target", 0.0))
-    assert results[0].measured_tokens_per_step >= 1.0 and planned.plan.n == results[0].n
+    assert results[0].measured_tokens_per_step >= 1.0 and planned.budget == results[0].n >= planned.plan.n

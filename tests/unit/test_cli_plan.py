@@ -95,3 +95,32 @@ def test_serve_rejects_a_bad_config_in_one_line_before_starting_ray(args, needle
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_plan_with_a_profile_prints_the_best_tree_per_batch_bucket(tmp_path, capsys):
+    from sequoia_ray.hardware import choose
+    from tests.unit.test_hardware import batched
+
+    prof = batched(per_token=0.05, draft=0.2)
+    prof.save(tmp_path / "profile.json")
+    args = ["plan", "--acceptance", "0.7,0.1,0.05", "--budget", "32", "--max-depth", "6",
+            "--profile", str(tmp_path / "profile.json")]
+    assert main(args + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["batch_buckets"]
+    table = solve(AcceptanceVector.from_p([0.7, 0.1, 0.05]), 32, 6)
+    for row in rows:
+        best, _ = choose(table, prof, (1, 2, 4, 6, 8, 12, 16, 24, 32), batch=row["batch"])
+        assert (row["n"], row["d"], row["speedup"]) == (best.n, best.d, best.predicted_speedup)
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] * row["expected_tokens"] / row["step_s"])
+    assert [r["batch"] for r in rows] == [1, 2, 4, 8, 16]
+    assert rows[0]["n"] > rows[-1]["n"]  # the tree shrinks as the batch grows
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "per batch bucket" in text and text.rstrip().splitlines()[-1].split()[:3] == ["16", str(rows[-1]["n"]),
+                                                                                         str(rows[-1]["d"])]
+
+
+def test_plan_with_a_broken_profile_exits_2(tmp_path, capsys):
+    (tmp_path / "profile.json").write_text("{}")
+    assert main(["plan", "--acceptance", "0.7", "--budget", "8", "--profile", str(tmp_path / "profile.json")]) == 2
+    assert "schema_version" in capsys.readouterr().err

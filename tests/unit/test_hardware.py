@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from sequoia_ray.hardware import HardwareProfile, ProfileError, choose, hardware_id, time_forward
+from sequoia_ray.hardware import (HardwareProfile, ProfileError, batch_bucket, choose, hardware_id, per_request_sizes,
+                                  profile, time_batched, time_forward, time_steps)
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
 from tests.tiny import tiny_model
@@ -75,3 +76,144 @@ def test_time_forward_on_a_tiny_model_and_hardware_id():
     assert set(times) == {1, 4} and all(v > 0 for v in times.values())
     assert hardware_id().startswith("cpu-") and hardware_id().endswith("c")
     assert hardware_id("H100", 2) == "H100-tp2" and hardware_id("L4") == "L4"
+
+
+# ---- batches -----------------------------------------------------------------------------------------
+BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def batched(per_token: float, fixed: float = 1.0, draft: float = 0.05) -> HardwareProfile:
+    """T_B(N) = fixed + per_token x N for every batch (a forward reads the weights once, then pays per token),
+    C_B(W) = draft x T_B(W): speculation's extra tokens cost more the more requests share the forward."""
+    def row(b: int, scale: float) -> dict[int, float]:
+        return {b * s: scale * (fixed + per_token * b * s) for s in BUDGETS if b * s <= 64 or s == 1}
+
+    base = {n: fixed + per_token * n for n in BUDGETS}
+    norm = base[1]
+    return HardwareProfile("test-hw", {n: v / norm for n, v in base.items()},
+                           {w: draft * v / norm for w, v in base.items()}, 0.1, 128, "float32",
+                           batch_t={b: {k: v / norm for k, v in row(b, 1.0).items()} for b in (2, 4, 8, 16)},
+                           batch_c={b: {k: v / norm for k, v in row(b, draft).items()} for b in (2, 4, 8, 16)})
+
+
+def by_hand(table, prof, batch, n, d) -> float:
+    """B·G / step(B, n, d) from the profile's tables, level by level (no helper of the module)."""
+    plan = table.tree(n, d)
+    step = prof.target_cost(batch, batch * plan.n)
+    for level in plan.levels:
+        inner = sum(1 for node in level if plan.children[node])
+        if inner:
+            step += prof.level_cost(batch, batch * inner)
+    return batch * table.value(n, d) / step
+
+
+def test_the_tree_shrinks_as_the_batch_grows():
+    table = solve(AcceptanceVector.from_p([0.72, 0.09, 0.04, 0.02]), 64, 10)
+    prof = batched(per_token=0.02)
+    chosen = {b: choose(table, prof, BUDGETS, batch=b)[0] for b in (1, 2, 4, 8, 16)}
+    ns = [chosen[b].n for b in (1, 2, 4, 8, 16)]
+    assert ns == sorted(ns, reverse=True) and ns[0] > ns[-1], ns
+    for b, best in chosen.items():
+        assert best.batch == b
+        alone = b / prof.target_cost(b, b)  # the target alone batched: b tokens per T_B(b)
+        assert best.throughput == pytest.approx(by_hand(table, prof, b, best.n, best.d), rel=1e-12)
+        assert best.predicted_speedup == pytest.approx(best.throughput / alone, rel=1e-12)
+        best_by_hand = max(by_hand(table, prof, b, n, d) for n in BUDGETS if b * n <= prof.max_tokens(b)
+                           for d in range(1, 11))
+        assert best.throughput == pytest.approx(best_by_hand, rel=1e-12)
+
+
+def test_the_root_only_tree_wins_where_speculation_cannot_pay():
+    """Per-token cost so high that at batch 16 (16 x n tokens) any tree costs more than it brings; at batch 1
+    the fixed cost still dominates and a tree pays."""
+    table = solve(AcceptanceVector.from_p([0.6, 0.1]), 64, 8)
+    prof = batched(per_token=0.1, draft=0.3)
+    small, big = (choose(table, prof, BUDGETS, batch=b)[0] for b in (1, 16))
+    assert small.n > 1 and small.predicted_speedup > 1
+    assert (big.n, big.plan.n, big.predicted_speedup) == (1, 1, 1.0)
+    assert big.step_cost == prof.target_cost(16, 16)  # no draft call at all
+
+
+def test_batch_one_ignores_the_batch_tables():
+    table = solve(AcceptanceVector.from_p([0.72, 0.09, 0.04, 0.02]), 64, 10)
+    prof = batched(per_token=0.02)
+    old = HardwareProfile(prof.hardware_id, prof.t, prof.c, prof.target_step_s, prof.context, prof.dtype)
+    assert choose(table, prof, BUDGETS)[0] == choose(table, old, BUDGETS)[0]
+    assert choose(table, prof, BUDGETS)[0] == choose(table, prof, BUDGETS, batch=1)[0]
+
+
+def test_a_profile_without_batch_tables_extrapolates_one_long_request(tmp_path):
+    prof = synthetic({1: 1.0, 8: 1.2, 64: 3.0}, c=0.2)
+    assert prof.buckets() == (1, 2, 4, 8, 16)
+    assert prof.target_cost(4, 32) == prof.t_of(32) and prof.level_cost(4, 8) == prof.c_of(8)
+    assert prof.max_tokens(16) == 64  # min(max t, max c): n <= 4 at batch 16
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in prof.to_dict().items()
+                                                   if k not in ("batch_t", "batch_c")}))  # a file of before
+    assert HardwareProfile.load(tmp_path / "old.json") == prof
+
+
+def test_batch_tables_round_trip_and_validation(tmp_path):
+    prof = batched(per_token=0.02)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert HardwareProfile.load(path) == prof and prof.buckets() == (1, 2, 4, 8, 16)
+    bad = json.loads(path.read_text())
+    bad["batch_t"]["4"]["8"] = -1.0
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match=r"field 'batch_t\[4\]'"):
+        HardwareProfile.load(path)
+    with pytest.raises(ProfileError, match="batch 3 not profiled"):
+        prof.target_cost(3, 6)
+    with pytest.raises(ProfileError, match="profiled max 64"):
+        prof.target_cost(16, 128)
+
+
+@pytest.mark.parametrize("size, bucket", [(1, 1), (2, 2), (3, 2), (5, 4), (8, 8), (15, 8), (16, 16), (40, 16)])
+def test_batch_bucket_is_the_largest_bucket_not_above(size, bucket):
+    assert batch_bucket(size) == bucket
+
+
+def test_batch_bucket_rejects_an_empty_batch():
+    with pytest.raises(ValueError, match="batch size 0 must be >= 1"):
+        batch_bucket(0)
+
+
+def test_time_batched_on_a_tiny_model():
+    model = tiny_model("llama")
+    assert per_request_sizes(4, (1, 2, 4, 8), 8) == (1, 2)
+    assert per_request_sizes(16, (2, 4, 8), 8) == (1,)  # the target alone batched, always
+    times = time_batched(model, 4, (1, 2), context=16, repeats=2, warmup=1)
+    assert set(times) == {4, 8} and all(v > 0 for v in times.values())
+
+
+def test_profile_times_every_bucket_on_tiny_models():
+    target, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    prof = profile(target, draft, hardware="test-hw", budgets=(1, 2, 4), widths=(1, 2, 4), context=8, repeats=1,
+                   batches=(1, 2, 4, 8))
+    assert set(prof.batch_t) == set(prof.batch_c) == {2, 4, 8} and prof.buckets() == (1, 2, 4, 8)
+    assert set(prof.batch_t[2]) == {2, 4} and set(prof.batch_t[8]) == {8}  # B·s <= 4 for s = 1, 2; s = 1 always
+    assert prof.max_tokens(8) == 8
+
+
+def test_time_steps_runs_the_batched_forwards_of_a_step():
+    from sequoia_ray.tree.plan import chain, k_ary
+
+    target, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    times = time_steps(target, draft, [k_ary(2, 2), chain(0)], 4, context=8, repeats=1)
+    assert len(times) == 2 and all(v > 0 for v in times)
+    assert time_steps(target, None, [chain(0)], 4, context=8, repeats=1)[0] > 0  # root-only: no draft call
+
+
+def test_a_batch_beyond_its_timed_grid_carries_its_excess_over_one_request():
+    """Batch 4 timed at 4 and 8 tokens only (a bounded profile): beyond 8, t(N) + (T_4(8) - t(8))."""
+    t = {1: 1.0, 4: 1.1, 8: 1.3, 16: 2.0, 32: 3.5}
+    c = {w: 0.1 * v for w, v in t.items()}
+    prof = HardwareProfile("test-hw", t, c, 0.1, 64, "float32", batch_t={4: {4: 1.4, 8: 1.7}},
+                           batch_c={4: {4: 0.2, 8: 0.25}})
+    assert prof.target_cost(4, 6) == pytest.approx(1.55)  # inside the grid: interpolated
+    assert prof.target_cost(4, 16) == pytest.approx(2.0 + 0.4) and prof.target_cost(4, 32) == pytest.approx(3.9)
+    assert prof.level_cost(4, 16) == pytest.approx(0.2 + 0.12)
+    assert prof.max_tokens(4) == 32 and prof.buckets() == (1, 4)
+    low = HardwareProfile("test-hw", t, c, 0.1, 64, "float32", batch_t={4: {4: 1.0, 8: 1.2}}, batch_c={4: {4: 0.1}})
+    assert low.target_cost(4, 16) == pytest.approx(2.0 - 0.1)  # a batch cheaper than one long request stays so
+    assert low.target_cost(4, 12) >= low.target_cost(4, 8)  # ... but more tokens never cost less

@@ -98,13 +98,21 @@ def test_tokens_within_counts_one_step_per_token_after_the_fixed_cost():
 
 
 def test_profiled_sizes_fit_their_share_of_the_budget():
-    probe = {1: 0.1, 8: 0.8}  # 0.1 s a token; each size costs 2 x (warm-up + 3 repeats) x its time
-    assert profiling.BOUNDED_REPEATS == 3
-    assert bounded_sizes(probe, 100.0) == (1, 2, 4, 8, 16, 32)  # 50.4 s
-    assert bounded_sizes(probe, 30.0) == (1, 2, 4, 8, 16)  # 24.8 s
-    assert bounded_sizes(probe, 6.0) == (1, 2, 4)  # 5.6 s
+    """0.1 s a token; each forward costs 2 x (warm-up + 3 repeats) x its time = 0.8 s a token. A forward per
+    size alone and per batch bucket B at B·1 token decide the sizes; the batch grid (B·s <= batch_total)
+    then grows into what is left."""
+    probe = {1: 0.1, 8: 0.8}
+    assert profiling.BOUNDED_REPEATS == 3 and profiling.BATCH_BUCKETS == (1, 2, 4, 8, 16)
+    assert profiling.batch_tokens((1, 2, 4)) == [1, 2, 4, 2, 4, 4, 8, 16]  # B=2: s 1, 2; B=4, 8, 16: s 1
+    assert profiling.batch_tokens((1, 2, 4), 1) == [1, 2, 4, 2, 4, 8, 16]  # one token per request
+    # all sizes: 63 tokens alone + 62 (B=2) + 60 (B=4) + 56 (B=8) + 48 (B=16) = 289 tokens = 231.2 s
+    assert bounded_sizes(probe, 232.0) == ((1, 2, 4, 8, 16, 32), 32)
+    # 63 + 30 (B·1) = 93 tokens = 74.4 s; the grid to 8: 63 + 14 + 12 + 8 + 16 = 113 = 90.4 s (to 16: 128.8 s)
+    assert bounded_sizes(probe, 100.0) == ((1, 2, 4, 8, 16, 32), 8)
+    assert bounded_sizes(probe, 60.0) == ((1, 2, 4, 8, 16), 4)  # 31 + 30 = 48.8 s; to 4: 31 + 34 = 52 s
+    assert bounded_sizes(probe, 33.0) == ((1, 2, 4), 4)  # 7 + 30 = 29.6 s; to 4: 7 + 34 = 32.8 s
     with pytest.raises(BudgetExhausted, match="raise the time budget"):
-        bounded_sizes(probe, 5.0)
+        bounded_sizes(probe, 29.0)
 
 
 def test_profile_is_made_monotone():
@@ -212,6 +220,13 @@ def test_missing_plans_are_profiled_published_and_then_served(tmp_path, pair, ca
         assert (prov.hardware, prov.dtype, prov.threads, prov.device, prov.time_budget_s) == (
             hardware, "float32", 1, "cpu", 60.0)
         assert prov.prompts >= 1 and prov.tokens_measured >= profiling.MIN_TOKENS
+        for batch in profiling.BATCH_BUCKETS:  # a plan per batch bucket, each its own
+            active = provider.get(temperature, batch)
+            assert active.bucket == batch and active.planned.provenance.batch == (None if batch == 1 else batch)
+            assert active.planned.provenance.time_budget_s == 60.0
+    rows = [line.split() for line in out.splitlines() if line.startswith(hardware)]
+    assert sorted((float(r[1]), int(r[2])) for r in rows) == sorted(
+        (t, b) for t in SERVED_TEMPERATURES for b in profiling.BATCH_BUCKETS)  # the table: a row per bucket
     assert ensure_plans(cfg, 60.0, run=_never) == "present"
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +132,43 @@ def test_unreachable_store_is_a_clear_error():
     store = PlanStore(f"s3://plans/x?endpoint_override=127.0.0.1:{free_port()}&scheme=http&region=us-east-1")
     with pytest.raises(StoreError, match="unreachable"):
         store.fetch_plan(KEY)
+
+
+# ---- batch buckets -----------------------------------------------------------------------------------
+def test_one_plan_per_batch_bucket_round_trips(store):
+    keys = {b: PlanKey(KEY.hardware, KEY.draft, KEY.target, KEY.temperature, b) for b in (1, 2, 4, 8, 16)}
+    for b, key in keys.items():
+        store.publish_plan(planned(2 + b), key)  # each bucket its own budget
+    for b, key in keys.items():
+        got, path = store.fetch_plan(key)
+        assert got.budget == 2 + b and got.provenance.batch == (None if b == 1 else b)
+        assert ("-b" in path.rsplit("/", 2)[1]) == (b > 1)
+    assert keys[1] == KEY  # bucket 1 is the default
+    store.publish_plan(planned(30), keys[16])  # a newer plan of another bucket never shadows this one
+    assert store.fetch_plan(KEY)[0].budget == 3
+
+
+def test_a_store_of_before_reads_as_bucket_one(tmp_path):
+    """A plan file written before buckets existed (no ``batch`` in its provenance, in the temperature's
+    folder) is bucket 1's; the other buckets live outside that folder, so readers of before never list them,
+    and bucket 1's new files carry nothing those readers would reject."""
+    store = PlanStore(str(tmp_path))
+    old = planned(8).to_dict()
+    old["provenance"] = {"draft": KEY.draft, "target": KEY.target, "temperature": 0.6, "hardware": KEY.hardware}
+    folder = tmp_path / "plans" / KEY.folder().split("/", 1)[1]
+    folder.mkdir(parents=True)
+    (folder / "20260101T000000000000Z-0ld0ld00.json").write_text(json.dumps(old))
+    got, _ = store.fetch_plan(PlanKey(KEY.hardware, KEY.draft, KEY.target, 0.6, batch=1))
+    assert got.budget == 8 and got.provenance.batch is None
+    with pytest.raises(PlanNotFound, match="batch bucket 4"):
+        store.fetch_plan(PlanKey(KEY.hardware, KEY.draft, KEY.target, 0.6, batch=4))
+    for b in (2, 4, 8, 16):
+        assert not PlanKey(KEY.hardware, KEY.draft, KEY.target, 0.6, b).folder().startswith(KEY.folder() + "/")
+    path = store.publish_plan(planned(12), KEY)
+    assert "batch" not in json.loads(Path(path).read_text())["provenance"]
+
+
+@pytest.mark.parametrize("batch, fix", [(3, "batch_bucket\\(3\\) = 2"), (32, "= 16"), (0, "use >= 1")])
+def test_a_batch_that_is_no_bucket_is_rejected(batch, fix):
+    with pytest.raises(ValueError, match=f"batch {batch} is not a batch bucket.*{fix}"):
+        PlanKey(KEY.hardware, KEY.draft, KEY.target, 0.6, batch)

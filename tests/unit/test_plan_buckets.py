@@ -1,0 +1,97 @@
+"""PlanProvider per batch bucket: a batch of B requests gets its bucket's plan (the largest bucket <= B);
+a bucket without a plan of its own uses the batch-1 plan (store or built-in), store faults never reach a
+request, refresh picks up every bucket's new plan, and a loaded bucket costs no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.config import ServeConfig
+from deployments.service import PlanProvider
+from sequoia_ray.plan_store import PlanKey, PlanStore
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.builtin import builtin_plan
+from sequoia_ray.tree.planning import plan_for
+
+HW = "cpu-test-2c"
+
+
+def provider(uri: str | None) -> PlanProvider:
+    return PlanProvider(ServeConfig(draft="tiny-draft", target="tiny-target", plan_store=uri), HW)
+
+
+def publish(store: PlanStore, budget: int, batch: int, temperature: float = 0.0) -> str:
+    planned = plan_for(AcceptanceVector.from_p([0.8, 0.1]), budget, 4)[0]
+    return store.publish_plan(planned, PlanKey(HW, "tiny-draft", "tiny-target", temperature, batch))
+
+
+@pytest.fixture
+def store(tmp_path) -> PlanStore:
+    return PlanStore(str(tmp_path / "plans"))
+
+
+def test_each_batch_size_gets_its_buckets_plan(store):
+    paths = {b: publish(store, budget, b) for b, budget in ((1, 16), (2, 8), (4, 6), (8, 4), (16, 1))}
+    plans = provider(store.uri)
+    expected = {1: 1, 2: 2, 3: 2, 4: 4, 7: 4, 8: 8, 15: 8, 16: 16, 64: 16}
+    for size, bucket in expected.items():
+        active = plans.get(0.0, size)
+        assert (active.source, active.bucket) == (f"store:{paths[bucket]}", bucket), size
+    assert plans.get(0.0, 16).planned.plan.n == 1  # the root-only plan is served as any other
+    assert plans.get(0.0) is plans.get(0.0, 1)
+    assert set(plans.plans) == {"t0.0", "t0.0-b2", "t0.0-b4", "t0.0-b8", "t0.0-b16"}
+
+
+def test_a_bucket_without_a_plan_uses_the_batch_one_plan(store):
+    one = publish(store, 16, 1)
+    publish(store, 8, 2, temperature=0.6)  # another temperature's bucket 2 is not this one's
+    plans = provider(store.uri)
+    active = plans.get(0.0, 2)
+    assert (active.source, active.bucket) == (f"store:{one}", 1) and plans.errors == 0
+    assert provider(None).get(0.6, 8) == provider(None).get(0.6, 1)
+    assert provider(None).get(0.6, 8).planned == builtin_plan(0.6) and provider(None).get(0.6, 8).source == "builtin"
+
+
+def test_a_store_fault_falls_back_and_is_counted(store):
+    one = publish(store, 16, 1)
+    four = publish(store, 6, 4)
+    with open(four.rsplit("/", 1)[0] + "/99990101T000000000000Z-deadbeef.json", "w") as f:
+        f.write('{"schema_version": 1, "parents": [')  # bucket 4's newest file is corrupt
+    plans = provider(store.uri)
+    active = plans.get(0.0, 4)
+    assert (active.source, active.bucket) == (f"store:{one}", 1) and plans.errors == 1
+    plans.refresh()  # still corrupt: batch 1's plan stays, the error is counted again
+    assert plans.get(0.0, 4).source == f"store:{one}" and plans.errors == 2
+
+
+def test_refresh_follows_every_bucket(store):
+    plans = provider(store.uri)
+    assert plans.get(0.0, 4).source == "builtin"
+    first = publish(store, 16, 1)
+    plans.refresh()
+    assert plans.get(0.0, 4).source == f"store:{first}"  # still a fallback: follows batch 1's new plan
+    four = publish(store, 6, 4)
+    plans.refresh()
+    assert (plans.get(0.0, 4).source, plans.get(0.0, 4).bucket) == (f"store:{four}", 4)
+    newer_one = publish(store, 12, 1)
+    plans.refresh()
+    assert plans.get(0.0, 4).source == f"store:{four}" and plans.get(0.0, 1).source == f"store:{newer_one}"
+
+
+def test_a_loaded_bucket_costs_no_io(store, monkeypatch):
+    publish(store, 16, 1)
+    publish(store, 8, 2)
+    plans = provider(store.uri)
+    want = {b: plans.get(0.0, b) for b in (1, 2, 3, 4)}
+
+    def no_io(*args, **kwargs):
+        raise AssertionError("the store was read on the hot path")
+
+    monkeypatch.setattr(PlanStore, "fetch_plan", no_io)
+    for _ in range(3):
+        assert {b: plans.get(0.0, b) for b in (1, 2, 3, 4)} == want
+
+
+def test_a_bad_batch_size_is_an_error():
+    with pytest.raises(ValueError, match="batch size 0 must be >= 1"):
+        provider(None).get(0.0, 0)
