@@ -155,7 +155,7 @@ class OpenAIIngress:
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         plans = await self._plans()
-        active = await asyncio.to_thread(plans.get, 0.0)
+        active = await asyncio.to_thread(plans.get, 0.0, max(1, self.active))
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
                 "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()},
@@ -290,10 +290,10 @@ class OpenAIIngress:
         start, first = time.perf_counter(), None
         try:
             plans = await self._plans()
-            active = await asyncio.to_thread(plans.get, params.temperature)  # a first fetch may be slow
+            active = await asyncio.to_thread(plans.get, params.temperature, self.active)  # a first fetch may be slow
             self.metrics.plan.set(active.planned.plan.n, tags={"hardware": plans.hardware, "source": active.source,
                                                                "bucket": f"{params.temperature:.1f}"})
-            decoder = await self._decoder(active.planned.plan, speculate)
+            decoder = await self._decoder(lambda: plans.get(params.temperature, self.active).planned.plan, speculate)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
@@ -310,6 +310,8 @@ class OpenAIIngress:
             self.metrics.active.set(self.active)
 
     async def _decoder(self, plan, speculate: bool) -> SpeculativeDecoder:
+        """``plan``: each step's tree — the plan of the batch-size bucket of the requests in flight here now
+        (trees are regrown every step, so a request's tree follows the batch as it grows and shrinks)."""
         timeout = self.cfg.step_timeout_s
         target = await self._target_actors()
         draft = None

@@ -415,3 +415,23 @@ def test_tp_ranks_agree_on_equal_results_and_exceptions_and_disagree_otherwise()
                   [Verdict([0, 1], [5, 6]), KeyError("bad tree"), NOT_YET]):
         with pytest.raises(RuntimeError, match="ranks disagree on a batched verify of 3 requests"):
             TargetRank._check_agree("verify", mine, [other])
+
+
+def test_the_plan_may_change_at_every_step_even_to_root_only(models):
+    """A server picks each step's plan from the current batch size: trees of different sizes, and root-only
+    steps (no draft call; their verdicts reach the draft with its next grow), must keep greedy exact."""
+    target, draft = models
+    plans = [PLAN, chain(0), chain(0), k_ary(2, 2), chain(3), chain(0)]
+    asked = []
+
+    def plan_for_step():
+        asked.append(len(asked))
+        return plans[len(asked) % len(plans)]
+
+    spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), plan_for_step)
+    for prompt in _prompts(3):
+        params = SamplingParams(max_tokens=30)
+        out = spec.generate(prompt, params)
+        assert out.token_ids == _alone(target, None, chain(0), prompt, params)
+        assert len(asked) >= out.stats.steps  # asked at every step
+        assert out.stats.tokens_per_step > 1.0  # the tree steps really speculated
