@@ -39,3 +39,35 @@ def test_sampling_same_seed_same_text(pair):
     params = SamplingParams(max_tokens=12, temperature=0.6, seed=7)
     decoder = pair.decoder(builtin_plan(0.6).plan)
     assert decoder.generate(prompt, params).token_ids == decoder.generate(prompt, params).token_ids
+
+
+def test_batched_greedy_is_the_target_greedy_output(pair):
+    """Both prompts and a third decode at once through the batchers (one target forward for all their trees,
+    one draft forward per level): each text is the target alone's, token for token (fp32)."""
+    import threading
+
+    from sequoia_ray.batching import BatchedWorker, Batcher, BatchLimits
+    from sequoia_ray.draft import DraftWorker
+    from sequoia_ray.engine import SpeculativeDecoder
+    from sequoia_ray.target import TargetWorker
+
+    prompts = [pair.encode(text, chat=chat) for text, chat in PROMPTS + [("class Stack:\n", False)]]
+    params = SamplingParams(max_tokens=16)
+    alone = [pair.decoder(chain(0), speculate=False).generate(p, params).token_ids for p in prompts]
+    batchers = [Batcher.over(TargetWorker(pair.target.model), BatchLimits()),
+                Batcher.over(DraftWorker(pair.draft.model), BatchLimits())]
+    got = [None] * len(prompts)
+
+    def run(i):
+        spec = SpeculativeDecoder(BatchedWorker(batchers[0]), BatchedWorker(batchers[1]), builtin_plan(0.0).plan)
+        got[i] = spec.generate(prompts[i], params).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for b in batchers:
+        b.close()
+    assert got == alone
+    assert max(batchers[0].stats()) > 1, "the target never verified two requests in one forward"

@@ -1,0 +1,94 @@
+"""The batched KV layouts side by side: B requests' trees in one target forward, padded vs flat vs B forwards.
+
+    .venv/bin/python benchmarks/layout.py [--tiny] [--batches 1,2,4,8] [--n 4] [--repeats 5]
+
+Each request has its own cached context (ragged: 64 to ~420 tokens) and a tree of ``--n`` nodes (a chain).
+For each batch size B: the median time of one step's target forward (``hidden_many`` + the LM head over
+all tree rows) in the ``padded`` and ``flat`` layouts, and of B separate forwards (one request per forward,
+as without batching), interleaved round-robin so drift hits each alike. Table + JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_json  # noqa: E402
+
+from sequoia_ray.local import LocalPair  # noqa: E402
+from sequoia_ray.models.batch_forward import Segment, hidden_many  # noqa: E402
+from sequoia_ray.models.tree_lm import KVSession  # noqa: E402
+from sequoia_ray.tree.plan import chain  # noqa: E402
+
+CONTEXTS = [64, 420, 180, 300, 96, 250, 140, 360]
+
+
+def sessions(model, batch: int, vocab: int) -> list[KVSession]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for ctx in CONTEXTS[:batch]:
+        s = KVSession(model)
+        s.hidden(torch.randint(5, vocab, (ctx,), generator=gen), torch.arange(ctx))
+        out.append(s)
+    return out
+
+
+def segments(ss: list[KVSession], n: int, vocab: int) -> list[Segment]:
+    plan = chain(n - 1)
+    mask = torch.from_numpy(plan.ancestor_mask())
+    return [Segment(s, torch.randint(5, vocab, (n,)), s.length + torch.tensor(plan.depth), mask) for s in ss]
+
+
+def step(model, ss, n: int, vocab: int, how: str) -> float:
+    lengths = [s.length for s in ss]
+    segs = segments(ss, n, vocab)
+    start = time.perf_counter()
+    if how == "separate":
+        hidden = [hidden_many(model, [seg])[0] for seg in segs]
+        [ss[0].head(h) for h in hidden]
+    else:
+        ss[0].head(torch.cat(hidden_many(model, segs, how)))
+    seconds = time.perf_counter() - start
+    for s, length in zip(ss, lengths):
+        s.truncate(length)
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--n", type=int, default=4, help="tree nodes per request")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    pair = LocalPair.tiny() if args.tiny else LocalPair.load(dtype="bfloat16", draft=None, progress=False)
+    model = pair.target.model
+    vocab = min(model.config.vocab_size, 5000)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        ss = sessions(model, batch, vocab)
+        hows = ["separate", "padded", "flat"] if batch > 1 else ["separate"]
+        times = {how: [] for how in hows}
+        for _ in range(args.repeats + 1):  # the first round warms up
+            for how in hows:
+                times[how].append(step(model, ss, args.n, vocab, how))
+        med = {how: statistics.median(t[1:]) for how, t in times.items()}
+        rows.append({"B": batch, "tokens": batch * args.n, "separate ms": 1000 * med["separate"],
+                     "padded ms": 1000 * med.get("padded", med["separate"]),
+                     "flat ms": 1000 * med.get("flat", med["separate"]),
+                     "padded vs separate": med["separate"] / med.get("padded", med["separate"]),
+                     "flat vs separate": med["separate"] / med.get("flat", med["separate"])})
+    print_table(rows, list(rows[0]))
+    write_json("layout-tiny" if args.tiny else "layout", {"n": args.n, "contexts": CONTEXTS, "rows": rows,
+                                                          "repeats": args.repeats}, args.out)
+
+
+if __name__ == "__main__":
+    main()
