@@ -285,7 +285,7 @@ def summarize(results: list[Result], alone: list[Result], mismatches: int, secon
             "p99 latency s": percentile(latency, 99), "p50 TTFT s": percentile(ttft, 50),
             "p99 TTFT s": percentile(ttft, 99), "tokens": tokens, "tokens/s": tokens / seconds,
             "tokens/step (mean)": float(np.mean(steps)) if steps else None,
-            "target alone tokens/s": sum(r.tokens for r in alone) / sum(r.latency for r in alone)}
+            "target alone tokens/s": sum(r.tokens for r in alone) / sum(r.latency for r in alone) if alone else None}
 
 
 def actor_rows(before: dict[str, dict | str], after: dict[str, dict | str], held: dict[str, int | str]
