@@ -26,7 +26,7 @@ class ModelActorSpec:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     max_batch_requests: int = 16  # requests per forward (1: one request per forward)
     max_batch_tokens: int = 2048  # tokens per forward (a larger first call still runs, alone)
-    batch_layout: str = "padded"  # padded | flat (sequoia_ray.models.batch_forward)
+    batch_layout: str = "flat"  # flat | padded (sequoia_ray.models.batch_forward)
     prefill_chunk: int | None = None  # longest prefill forwarded in one step (None: a whole prompt at once)
 
     def __post_init__(self) -> None:

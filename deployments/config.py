@@ -41,8 +41,8 @@ class ServeConfig(BaseModel):
                                     "forward grows): continuous batching. 1 = one request per forward.")
     max_batch_tokens: int = Field(2048, ge=1, description="Tokens one forward may take (trees + prefill); a larger "
                                   "first request still runs, alone.")
-    batch_layout: str = Field("padded", description="How a batch's ragged requests share a forward: padded "
-                              "(batch dimension, padded to the longest) | flat (one sequence, block mask).")
+    batch_layout: str = Field("flat", description="How a batch's ragged requests share a forward: flat (one "
+                              "sequence, block mask; no padding) | padded (batch dimension, padded to the longest).")
     prefill_chunk: int | None = Field(None, ge=1, description="Prefill a long prompt this many tokens per step beside "
                                       "the others' decoding (None: the whole prompt in one step).")
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")

@@ -85,7 +85,7 @@ class DraftWorker(RequestTable):
 
     state_type = _Request
 
-    def __init__(self, model, *, support: int = DEFAULT_SUPPORT, layout: str = "padded",
+    def __init__(self, model, *, support: int = DEFAULT_SUPPORT, layout: str = "flat",
                  prefill_chunk: int | None = None) -> None:
         super().__init__(model)
         self.support, self.layout = support, layout

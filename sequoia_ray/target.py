@@ -49,7 +49,7 @@ class _Prepared:
 class TargetWorker(RequestTable):
     """Holds the target model and per-request target state, keyed by request id."""
 
-    def __init__(self, model, *, layout: str = "padded", prefill_chunk: int | None = None,
+    def __init__(self, model, *, layout: str = "flat", prefill_chunk: int | None = None,
                  retry_alone: bool = True) -> None:
         super().__init__(model)
         self.layout = layout

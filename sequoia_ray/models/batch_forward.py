@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from sequoia_ray.models.tree_lm import KVSession
 
-LAYOUTS = ("padded", "flat")
+LAYOUTS = ("flat", "padded")
 
 
 @dataclass
@@ -65,7 +65,7 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def hidden_many(model, segments: list[Segment], layout: str = "padded") -> list[torch.Tensor]:
+def hidden_many(model, segments: list[Segment], layout: str = "flat") -> list[torch.Tensor]:
     """``[q_b, H]`` final hidden states per segment, from one forward; appends each segment's K/V to its session."""
     check_layout(layout)
     if len(segments) == 1:

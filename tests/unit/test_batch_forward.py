@@ -79,5 +79,5 @@ def test_a_request_never_sees_another_requests_tokens(layout):
 
 def test_unknown_layout_is_named():
     model = tiny_model("qwen2")
-    with pytest.raises(ValueError, match="layout 'paged' must be one of padded, flat"):
+    with pytest.raises(ValueError, match="layout 'paged' must be one of flat, padded"):
         hidden_many(model, [], "paged")
