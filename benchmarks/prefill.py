@@ -8,7 +8,7 @@ running, one request with a ``--prompt-tokens`` prompt joins. Settings, side by 
 
 - ``whole/padded``, ``whole/flat``: its whole prompt in the next forward, beside the others' trees (padded:
   every tree row is padded up to the prompt's length; flat: no padding, one sequence);
-- ``chunk N`` (padded layout): N prompt tokens per step, beside the others' trees.
+- ``chunk N`` (flat layout): N prompt tokens per step, beside the others' trees.
 
 ("Apart", a forward of its own before the batch, stalls the others exactly as long as ``whole/flat``'s
 prefill rows do: the prompt's forward runs between two of their steps either way.)
@@ -95,7 +95,7 @@ def main() -> None:
         args.prompt_tokens = min(args.prompt_tokens, 400)
     else:
         pair = LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
-    settings = [("padded", None), ("flat", None)] + [("padded", int(c)) for c in args.chunks.split(",")]
+    settings = [("padded", None), ("flat", None)] + [("flat", int(c)) for c in args.chunks.split(",")]
     rows = [run(pair, layout, chunk, args.decoders, args.prompt_tokens, args.max_tokens) for layout, chunk in settings]
     print_table(rows, ["setting", "stall max s", "median gap s", "long TTFT s", "tokens/s"])
     write_json("prefill-tiny" if args.tiny else "prefill", {"decoders": args.decoders, "prompt tokens": args.prompt_tokens,
