@@ -315,6 +315,7 @@ def main() -> int:
     ap.add_argument("--batch-layout", choices=["padded", "flat"], help="how a batch shares a forward")
     ap.add_argument("--prefill-chunk", type=int, help="prefill long prompts this many tokens per step")
     ap.add_argument("--threads", type=int, help="torch threads per model actor (default: num_cpus)")
+    ap.add_argument("--batch-wait-ms", type=float, help="how long a forward may wait for the previous one's requests")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (requests in flight finish)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -329,7 +330,8 @@ def main() -> int:
     counts = [int(c) for c in args.clients.split(",")]
     cfg = service_config(args.real, max(counts), args.tp_size, args.dtype, args.draft_quantize, args.num_cpus)
     cfg.update({k: v for k, v in (("plan_store", args.plan_store), ("batch_layout", args.batch_layout),
-                                  ("prefill_chunk", args.prefill_chunk), ("threads", args.threads)) if v is not None})
+                                  ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
+                                  ("batch_wait_ms", args.batch_wait_ms)) if v is not None})
     prompts = load_prompts(HERE / "prompts.jsonl")
     if args.modes:
         return run_sweep(args, cfg, prompts, counts)

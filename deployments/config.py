@@ -43,7 +43,10 @@ class ServeConfig(BaseModel):
                                   "first request still runs, alone.")
     batch_layout: str = Field("flat", description="How a batch's ragged requests share a forward: flat (one "
                               "sequence, block mask; no padding) | padded (batch dimension, padded to the longest).")
-    prefill_chunk: int | None = Field(None, ge=1, description="Prefill a long prompt this many tokens per step beside "
+    batch_wait_ms: float = Field(0.0, ge=0, le=10_000, description="How long a forward may wait for the requests of "
+                                 "the previous one to come back, so they share forwards instead of alternating "
+                                 "(0 = start each forward at once).")
+    prefill_chunk: int | None = Field(256, ge=1, description="Prefill a long prompt this many tokens per step beside "
                                       "the others' decoding (None: the whole prompt in one step).")
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
@@ -103,7 +106,8 @@ class ServeConfig(BaseModel):
                               threads=self.threads or max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
                               collective_timeout_s=self.collective_timeout_s,
                               max_batch_requests=self.max_batch_requests, max_batch_tokens=self.max_batch_tokens,
-                              batch_layout=self.batch_layout, prefill_chunk=self.prefill_chunk)
+                              batch_layout=self.batch_layout, prefill_chunk=self.prefill_chunk,
+                              batch_wait_s=self.batch_wait_ms / 1000)
 
     def plan_hardware_id(self, threads: int, accelerator: str | None = None) -> str:
         """The hardware id plans are published and looked up by: the override, else the configured

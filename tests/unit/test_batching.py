@@ -5,6 +5,7 @@ request dropped from its batch without touching the others, long prompts prefill
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -435,3 +436,48 @@ def test_the_plan_may_change_at_every_step_even_to_root_only(models):
         assert out.token_ids == _alone(target, None, chain(0), prompt, params)
         assert len(asked) >= out.stats.steps  # asked at every step
         assert out.stats.tokens_per_step > 1.0  # the tree steps really speculated
+
+
+def _clients(batcher, rids, rounds, turnaround_s, stop_after=None):
+    """Each request calls verify ``rounds`` times, ``turnaround_s`` between a result and its next call (the trip
+    back through the caller); ``stop_after`` {rid: n}: that request goes quiet after n calls."""
+    def client(rid):
+        for k in range(rounds):
+            if stop_after and k >= stop_after.get(rid, rounds):
+                return
+            batcher.call("verify", rid)
+            time.sleep(turnaround_s)
+
+    with ThreadPoolExecutor(len(rids)) as pool:
+        list(pool.map(client, rids))
+
+
+def _slow_batcher(wait_s, forward_s=0.05):
+    def run_batch(method, calls):
+        time.sleep(forward_s)
+        return [c[0] for c in calls]
+
+    return Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits(wait_s=wait_s))
+
+
+def test_a_wait_lets_requests_share_forwards_instead_of_alternating():
+    """2 requests, 50 ms forwards, 5 ms back: without a wait they settle into alternate forwards (one request
+    each); waiting up to 30 ms for the previous forward's requests puts both in every forward."""
+    sizes = {}
+    for wait_s in (0.0, 0.03):
+        batcher = _slow_batcher(wait_s)
+        _clients(batcher, ["a", "b"], 12, 0.005)
+        stats = batcher.stats()
+        sizes[wait_s] = sum(b * n for b, n in stats.items()) / sum(stats.values())
+        batcher.close()
+    assert sizes[0.0] < 1.4 and sizes[0.03] > 1.8, sizes
+
+
+def test_a_request_that_stops_calling_is_waited_for_once_only():
+    """Request "c" goes quiet after 2 calls: the next forward waits for it (0.5 s) once, then never again."""
+    batcher = _slow_batcher(0.5, forward_s=0.02)
+    start = time.monotonic()
+    _clients(batcher, ["a", "b", "c"], 12, 0.002, stop_after={"c": 2})
+    elapsed = time.monotonic() - start
+    batcher.close()
+    assert elapsed < 12 * 0.02 + 3 * 0.5, elapsed  # waiting at every forward would take 10 x 0.5 s more
