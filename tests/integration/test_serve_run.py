@@ -121,6 +121,8 @@ def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
     address, dashboard = two_cpu_cluster
     config, port = shipped_config(tmp_path)
     url = f"http://127.0.0.1:{port}"
+    # The unplaceable case ran first and was stopped; its DEPLOY_FAILED status may linger a moment.
+    wait_until(lambda: not failed(dashboard), 120, "the previous (failed) application gone")
     with serve_run(address, dashboard, config) as proc:
         wait_until(lambda: models_up(url) or proc.poll() is not None or failed(dashboard), 420,
                    "/v1/models answering 200")
