@@ -101,19 +101,6 @@ def models_up(url: str) -> bool:
         return False
 
 
-def test_unplaceable_config_fails_fast_naming_the_resource(tmp_path, two_cpu_cluster):
-    """Before, such an app stayed DEPLOYING for ever (replicas "waiting to be scheduled"); now the build
-    fails at once and Serve reports DEPLOY_FAILED with the reason."""
-    address, dashboard = two_cpu_cluster
-    config, _ = shipped_config(tmp_path, num_cpus=3, **TINY)
-    with serve_run(address, dashboard, config):
-        status = wait_until(lambda: (s := app_status(dashboard)).get("status") == "DEPLOY_FAILED" and s, 180,
-                            "DEPLOY_FAILED")
-    message = status.get("message", "")
-    assert "needs 3 CPU on one node" in message and "largest node has 2" in message, message
-    assert "lower num_cpus" in message, message
-
-
 @pytest.mark.slow
 def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
     """Exactly the shipped config (the real pair, bf16 target, int8 draft) on 2 CPUs; the resources alone
@@ -121,8 +108,9 @@ def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
     address, dashboard = two_cpu_cluster
     config, port = shipped_config(tmp_path)
     url = f"http://127.0.0.1:{port}"
-    # The unplaceable case ran first; its DEPLOY_FAILED status stays until this run replaces the app, so
-    # only a failure with another message is this config's.
+    # First in this file: Serve's proxy keeps the HTTP port of the first serve run on a cluster (a failed
+    # deploy may leave Serve up), so the run that must answer on its own port goes first. Only a failure
+    # with another message than one already shown is this config's.
     stale = app_status(dashboard).get("message") if failed(dashboard) else None
 
     def failed_here() -> bool:
@@ -137,3 +125,16 @@ def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
         r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unplaceable_config_fails_fast_naming_the_resource(tmp_path, two_cpu_cluster):
+    """Before, such an app stayed DEPLOYING for ever (replicas "waiting to be scheduled"); now the build
+    fails at once and Serve reports DEPLOY_FAILED with the reason."""
+    address, dashboard = two_cpu_cluster
+    config, _ = shipped_config(tmp_path, num_cpus=3, **TINY)
+    with serve_run(address, dashboard, config):
+        status = wait_until(lambda: (s := app_status(dashboard)).get("status") == "DEPLOY_FAILED" and s, 180,
+                            "DEPLOY_FAILED")
+    message = status.get("message", "")
+    assert "needs 3 CPU on one node" in message and "largest node has 2" in message, message
+    assert "lower num_cpus" in message, message
