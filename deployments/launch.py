@@ -110,7 +110,7 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
         return "present"
     job = ProfileJobConfig(storage=cfg.plan_store, draft=cfg.draft, target=cfg.target, temperatures=missing,
                            dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=cfg.device)
-    serving = Serving(threads=cfg.actor_spec("target").threads, time_budget_s=float(seconds))
+    serving = Serving(threads=cfg.actor_spec("target").threads, time_budget_s=float(seconds), calls=_call_probe())
     print(f"plans: none for {hardware} at T={', '.join(map(str, missing))}; profiling this machine "
           f"(at most {seconds:.0f}s, --no-profile skips) ...", flush=True)
     start_t = clock()
@@ -124,18 +124,36 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
     return "profiled"
 
 
-def start(args: dict, port: int, address: str | None):
+def _call_probe():
+    """The served step's actor calls are measured when Ray is up here (``actors.call_probe``), else not counted."""
     import ray
-    from ray import serve
 
-    from deployments.app import build_app
+    if not ray.is_initialized():
+        return None
+    from actors.call_probe import measure_calls
 
+    return measure_calls
+
+
+def init_ray(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
     if address:
         ray.init(address=address)
     else:
         # a new local Ray with the machine's real CPUs (what `serve run` gets too); a bare ray.init() would
         # attach to any Ray already running here (another job's, a test's) and replace its "sequoia" app
         ray.init(address="local", include_dashboard=False)
+
+
+def start(args: dict, port: int, address: str | None):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    init_ray(address)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="sequoia", route_prefix="/")
     return f"http://127.0.0.1:{port}"
@@ -186,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("fetching the default model pair (first run: ~3 minutes, then cached) ...", flush=True)
         fetch_default_pair()
+    init_ray(opts.address)  # first: the profile measures the actor calls a served step makes
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
     url = start(args, opts.port, opts.address)

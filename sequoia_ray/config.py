@@ -66,6 +66,11 @@ class ProfileJobConfig(BaseModel):
     validate_tokens: int = Field(48, ge=1, description="Tokens per prompt when validating the chosen plan.")
     max_prompts: int = Field(6, ge=1, description="Prompts used for measuring and validating.")
     context: int = Field(256, ge=1, description="Cached context length at which t(n) and c are profiled.")
+    candidates: int = Field(3, ge=0, le=16, description="Trees the cost model predicts fastest that are then run "
+                            "for real per batch bucket (besides the target alone); the fastest measured is published.")
+    measure_rounds: int = Field(3, ge=1, le=20, description="Round-robin rounds of the measured choice and overhead runs.")
+    max_noise: float = Field(0.25, gt=0.0, description="Refuse a profile whose timing noise (median relative MAD of "
+                             "the repeats) exceeds this fraction; raise it on a shared machine.")
     dtype: str = Field("bfloat16", description="Model dtype on this hardware: float32 | bfloat16 | float16.")
     draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size of the target (part of the hardware id).")

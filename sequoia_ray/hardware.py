@@ -26,6 +26,18 @@ grow with the tree), likewise C_B. A profile without batch tables (written befor
 extrapolates a batch as one request of B·n tokens (T_B(N) = t(N), C_B(W) = c(W)): right when reading the
 weights dominates a step, optimistic when reading the B contexts' K/V does (long contexts).
 
+Overhead. The forwards are not the whole step: drawing children, the verifier's walk, the KV compaction, the
+Python around them and, when served, the actor calls take time too. ``StepOverhead`` holds it, measured by
+running real steps (``sequoia_ray.overhead``: lockstep steps in process, minus the forwards predicted here) as
+a fixed part plus a part per request of the batch, for a root-only step and for a step that grows a tree:
+
+    step(B, n, d) = T_B(B·n) + sum_l C_B(B·i_l) + O_tree(B)        O(B) = fixed + B·per_request (+ calls)
+    alone(B)      = T_B(B) + O_alone(B)
+
+Noise. Every table is timed round-robin with repeats; ``noise`` is the median over everything timed of the
+repeats' median absolute deviation over their median. ``check_noise`` refuses a profile noisier than a bound
+(a busy machine's profile would choose a plan for load that is gone).
+
 Timings run on the model's device and synchronise it before every clock read (an accelerator runs kernels
 asynchronously; without the sync a timer measures only the launches).
 """
@@ -72,6 +84,37 @@ def batch_bucket(batch_size: int, buckets=BATCH_BUCKETS) -> int:
 
 
 @dataclass(frozen=True)
+class StepOverhead:
+    """Time a step spends outside the profiled forwards, in target steps (one target token's time):
+    ``fixed + per_request·B`` for a root-only step (``alone``) and for a step that grows a tree (``tree``), plus
+    ``calls`` = (alone, tree) for the actor calls of a served step (0 in process)."""
+
+    alone: tuple[float, float] = (0.0, 0.0)  # (fixed, per request)
+    tree: tuple[float, float] = (0.0, 0.0)
+    calls: tuple[float, float] = (0.0, 0.0)  # (a root-only step, a step with a tree), when served
+
+    def of(self, batch: int, speculating: bool) -> float:
+        fixed, per_request = self.tree if speculating else self.alone
+        return fixed + per_request * batch + self.calls[int(speculating)]
+
+    def to_dict(self) -> dict:
+        return {"alone": list(self.alone), "tree": list(self.tree), "calls": list(self.calls)}
+
+    @classmethod
+    def from_dict(cls, obj: dict, *, source: str = "overhead") -> StepOverhead:
+        try:
+            pairs = {k: tuple(float(x) for x in obj.get(k, (0.0, 0.0))) for k in ("alone", "tree", "calls")}
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ProfileError(f"{source}: malformed overhead ({type(exc).__name__}: {exc})") from None
+        if any(len(v) != 2 or not all(math.isfinite(x) for x in v) for v in pairs.values()):
+            raise ProfileError(f"{source}: overhead fields alone/tree/calls must be [fixed, per_request] finite numbers")
+        return cls(**pairs)
+
+
+NO_OVERHEAD = StepOverhead()
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     hardware_id: str
     t: dict[int, float]  # n -> t(n), t(1) = 1
@@ -83,6 +126,7 @@ class HardwareProfile:
     timestamp: str = ""
     batch_t: dict[int, dict[int, float]] = field(default_factory=dict)  # B >= 2 -> total tokens B·n -> T_B
     batch_c: dict[int, dict[int, float]] = field(default_factory=dict)  # B >= 2 -> total level width -> C_B
+    noise: float = math.nan  # median relative MAD of the timed repeats (nan: not measured)
 
     def t_of(self, n: int) -> float:
         return _interpolate(self.t, n, "t(n)")
@@ -108,9 +152,11 @@ class HardwareProfile:
         inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
         return sum(self.level_cost(batch, batch * i) for i in inner if i)
 
-    def step_cost(self, plan: TreePlan, batch: int = 1) -> float:
-        """step(B, n, d): verify ``batch`` trees of ``plan`` in one target forward, grow them level by level."""
-        return self.target_cost(batch, batch * plan.n) + self.draft_cost(plan, batch)
+    def step_cost(self, plan: TreePlan, batch: int = 1, overhead: StepOverhead = NO_OVERHEAD) -> float:
+        """step(B, n, d): verify ``batch`` trees of ``plan`` in one target forward, grow them level by level,
+        plus the step's ``overhead``."""
+        forwards = self.target_cost(batch, batch * plan.n) + self.draft_cost(plan, batch)
+        return forwards + overhead.of(batch, plan.n > 1)
 
     def max_tokens(self, batch: int) -> int:
         """The most tree tokens in total a batch of ``batch`` requests can be costed at (its draft levels,
@@ -138,6 +184,7 @@ class HardwareProfile:
             out[name] = {str(k): v for k, v in getattr(self, name).items()}
         for name in ("batch_t", "batch_c"):
             out[name] = {str(b): {str(k): v for k, v in row.items()} for b, row in getattr(self, name).items()}
+        out["noise"] = None if math.isnan(self.noise) else self.noise  # JSON has no NaN
         return {"schema_version": SCHEMA_VERSION, **out}
 
     @classmethod
@@ -150,7 +197,7 @@ class HardwareProfile:
             batch_t, batch_c = (_batch_tables(obj.get(name, {})) for name in ("batch_t", "batch_c"))
             prof = cls(str(obj["hardware_id"]), t, c, float(obj["target_step_s"]), int(obj["context"]),
                        str(obj["dtype"]), dict(obj.get("versions", {})), str(obj.get("timestamp", "")),
-                       batch_t, batch_c)
+                       batch_t, batch_c, _optional_float(obj.get("noise")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
         tables = [("t", t), ("c", c)] + [(f"{name}[{b}]", row) for name, batches in (("batch_t", batch_t),
@@ -171,6 +218,17 @@ class HardwareProfile:
             return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _optional_float(x) -> float:
+    return math.nan if x is None else float(x)
+
+
+def check_noise(prof: HardwareProfile, bound: float) -> None:
+    """ProfileError when ``prof``'s timings are noisier than ``bound`` (a fraction, e.g. 0.1 = 10%)."""
+    if prof.noise > bound:
+        raise ProfileError(f"profile of {prof.hardware_id}: timing noise {prof.noise:.0%} exceeds the bound {bound:.0%}; "
+                           f"profile again on a quieter machine (nothing else running) or raise the bound (max_noise)")
 
 
 def _batched(row: dict[int, float], one: dict[int, float], x: int, name: str) -> float:
@@ -210,31 +268,32 @@ class Choice:
         return self.batch * self.expected_tokens / self.step_cost
 
 
-def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS, batch: int = 1
-           ) -> tuple[Choice, list[Choice]]:
+def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS, batch: int = 1,
+           overhead: StepOverhead = NO_OVERHEAD) -> tuple[Choice, list[Choice]]:
     """The (n, d) maximising the batch's throughput B·G(n, d) / step(B, n, d) for ``batch`` requests per step,
-    the root-only tree (the target alone) included, and every candidate evaluated. The predicted speedup is
-    over that root-only tree at the same batch size; at batch 1 it is G(n, d) / (t(n) + draft cost)."""
+    the root-only tree (the target alone) included, and every candidate evaluated; every step pays
+    ``overhead``. The predicted speedup is over that root-only tree at the same batch size; at batch 1 without
+    overhead it is G(n, d) / (t(n) + draft cost)."""
     candidates = []
     max_n = min(table.max_nodes, profile.max_tokens(batch) // batch)
     if max_n < 1:
         raise ProfileError(f"batch {batch} needs >= {batch} tokens profiled, the profile has "
                            f"{profile.max_tokens(batch)}; re-profile with larger sizes")
-    alone = profile.step_cost(chain(0), batch)  # T_B(B); t(1) = 1 at batch 1
+    alone = profile.step_cost(chain(0), batch, overhead)  # T_B(B) + O_alone(B); t(1) = 1 at batch 1
     for n in sorted({b for b in budgets if b <= max_n} | {1}):
         for d in range(1, table.max_depth + 1):
             plan = table.tree(n, d)
-            cost = profile.step_cost(plan, batch)
+            cost = profile.step_cost(plan, batch, overhead)
             value = table.value(n, d)
             candidates.append(Choice(n, d, value, value * alone / cost, plan, batch, cost))
     best = max(candidates, key=lambda c: (round(c.predicted_speedup, 12), -c.n, -c.d))
     return best, candidates
 
 
-def choose_buckets(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS
-                   ) -> dict[int, tuple[Choice, list[Choice]]]:
+def choose_buckets(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS,
+                   overhead: StepOverhead = NO_OVERHEAD) -> dict[int, tuple[Choice, list[Choice]]]:
     """``choose`` for every batch bucket the profile can plan for."""
-    return {b: choose(table, profile, budgets, batch=b) for b in profile.buckets()}
+    return {b: choose(table, profile, budgets, batch=b, overhead=overhead) for b in profile.buckets()}
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -301,11 +360,28 @@ def batch_steps(model, batch: int, sizes, *, context: int, gen: torch.Generator,
 
 def round_robin(steps: dict, *, repeats: int, warmup: int = 1) -> dict:
     """The median of ``repeats`` calls of each timing function, called in turn (drift hits every one alike)."""
+    return {k: statistics.median(v) for k, v in timed_rounds(steps, repeats=repeats, warmup=warmup).items()}
+
+
+def timed_rounds(steps: dict, *, repeats: int, warmup: int = 1) -> dict[object, list[float]]:
+    """Every one of ``repeats`` results of each timing function, the functions called in turn."""
     for _ in range(warmup):
         for f in steps.values():
             f()
     rounds = [{k: f() for k, f in steps.items()} for _ in range(repeats)]
-    return {k: statistics.median(r[k] for r in rounds) for k in steps}
+    return {k: [r[k] for r in rounds] for k in steps}
+
+
+def relative_noise(samples: dict[object, list[float]]) -> float:
+    """The median, over everything timed, of its repeats' median absolute deviation over their median (nan
+    with fewer than 2 repeats)."""
+    spreads = [_mad(v) / statistics.median(v) for v in samples.values() if len(v) > 1 and statistics.median(v) > 0]
+    return statistics.median(spreads) if spreads else math.nan
+
+
+def _mad(values: list[float]) -> float:
+    mid = statistics.median(values)
+    return statistics.median(abs(v - mid) for v in values)
 
 
 def time_steps(target, draft, plans: list[TreePlan], batch: int, *, context: int, repeats: int = 3,
@@ -382,13 +458,15 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
     one table; else ``time_target(sizes, context, repeats)`` times the target (e.g. a whole tensor-parallel
     group, every rank in lockstep) and the profile has no batch tables."""
     sizes = sorted(set(budgets) | {1})
+    noise = math.nan  # a target timed elsewhere (a group of ranks) reports medians only
     if target is None:
         target_s = time_target(sizes, context, repeats)
         draft_s = time_forward(draft, widths, context=context, repeats=repeats)
         timed = {}
     else:
-        timed = _time_all(target, draft, sizes, widths, context=context, repeats=repeats,
-                          grid={b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1})
+        rounds = _time_all(target, draft, sizes, widths, context=context, repeats=repeats,
+                           grid={b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1})
+        timed, noise = {k: statistics.median(v) for k, v in rounds.items()}, relative_noise(rounds)
         target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
     one = target_s[1]
     batch_t, batch_c = ({b: {k: v / one for (m, bb, k), v in timed.items() if (m, bb) == (name, b)}
@@ -396,19 +474,20 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
     return HardwareProfile(
         hardware_id=hardware, t={n: s / one for n, s in target_s.items()}, c={w: s / one for w, s in draft_s.items()},
         target_step_s=one, context=context, dtype=dtype, versions=library_versions(),
-        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), batch_t=batch_t, batch_c=batch_c)
+        timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), batch_t=batch_t, batch_c=batch_c,
+        noise=noise)
 
 
 def _time_all(target, draft, sizes, widths, *, context: int, repeats: int, grid: dict[int, tuple[int, ...]]
-              ) -> dict[tuple[str, int, int], float]:
-    """Seconds per ("t" | "c", batch, total tokens): the target at ``sizes`` and the draft at ``widths`` alone
-    (batch 1), both at every batch of ``grid`` (its per-request sizes), in one round-robin loop."""
+              ) -> dict[tuple[str, int, int], list[float]]:
+    """Seconds (every repeat) per ("t" | "c", batch, total tokens): the target at ``sizes`` and the draft at
+    ``widths`` alone (batch 1), both at every batch of ``grid`` (its per-request sizes), in one round-robin loop."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     plan = [("t", target, 1, sizes), ("c", draft, 1, widths)]
     plan += [(name, model, b, per) for b, per in grid.items() for name, model in (("t", target), ("c", draft))]
     steps = {(name, b, k): f for name, model, b, per in plan
              for k, f in batch_steps(model, b, per, context=context, gen=gen).items()}
-    return round_robin(steps, repeats=repeats)
+    return timed_rounds(steps, repeats=repeats)
 
 
 def library_versions() -> dict[str, str]:

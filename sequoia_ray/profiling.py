@@ -17,14 +17,16 @@ from tqdm.auto import tqdm
 
 from sequoia_ray.acceptance import measure
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
-from sequoia_ray.hardware import (BATCH_BUCKETS, DRAFT_WIDTHS, Choice, HardwareProfile, choose_buckets,
-                                  per_request_sizes, profile)
+from sequoia_ray.hardware import (BATCH_BUCKETS, DRAFT_WIDTHS, Choice, HardwareProfile, StepOverhead, check_noise,
+                                  choose, choose_buckets, per_request_sizes, profile)
+from sequoia_ray.measured_choice import Measured, measure_choices, pick, top_candidates
+from sequoia_ray.overhead import OVERHEAD_BATCHES, measure_overhead
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.prompts import Prompt, load_prompts
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
-from sequoia_ray.tree.plan import chain
+from sequoia_ray.tree.plan import TreePlan, chain
 from sequoia_ray.tree.plan_file import PlannedTree, Provenance
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ BUILTIN_PROMPTS = [
     Prompt("Give three tips for learning to play the guitar.", True, "prose"),
 ]
 SMOKE_BUDGETS = (1, 2, 4, 8, 16)
+MIN_CHOICE_TOKENS = 16  # per request, in a measured choice's run at a large batch size
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,11 @@ class TrialResult:
     measured_tokens_per_step: float
     plan_key: str
     profile_key: str
-    batch: int = 1  # the batch bucket B the plan is for (measured_* are measured at batch 1 only)
+    batch: int = 1  # the batch bucket B the plan is for (measured_* are measured at that batch size)
     step_s: float = math.nan  # predicted seconds of one step of B requests on this plan
     throughput: float = math.nan  # predicted tokens per second of the batch: B·G / step_s
+    model_n: int = 0  # the cost model's own pick (the published n, d may be a measured runner-up)
+    model_d: int = 0
 
 
 def load_pair(cfg: ProfileJobConfig, *, progress: bool = True) -> LocalPair:
@@ -64,11 +69,15 @@ def load_pair(cfg: ProfileJobConfig, *, progress: bool = True) -> LocalPair:
                           device=cfg.device, progress=progress)
 
 
-def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None) -> tuple[list[TrialResult], dict]:
+def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None, calls=None
+              ) -> tuple[list[TrialResult], dict]:
     """Everything for one hardware type; returns the results and the predicted-speedup grids for plots.
 
     ``pair`` defaults to an in-process ``LocalPair``; a tensor-parallel job passes one whose target is a
-    group of rank actors (``decoder``, ``encode``, ``draft`` and ``time_target`` are all it needs)."""
+    group of rank actors (``decoder``, ``encode``, ``draft`` and ``time_target`` are all it needs: without the
+    target in process there are no lockstep runs, so no overhead term and no measured choice — the model's
+    pick is published, its batch-1 plan validated). ``calls(plan, sampled=...)`` -> (root-only, tree) seconds
+    of a served step's actor calls (``actors.call_probe.measure_calls``), when the plans will be served."""
     store = PlanStore(cfg.storage)
     pair = pair or load_pair(cfg, progress=progress)
     prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
@@ -77,21 +86,105 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
     prof = profile(target_model(pair), pair.draft.model, hardware=hardware, budgets=budgets,
                    time_target=pair.time_target, context=min(cfg.context, 32) if cfg.smoke_test else cfg.context,
                    dtype=cfg.dtype, batches=BATCH_BUCKETS)
+    check_noise(prof, math.inf if cfg.smoke_test else cfg.max_noise)  # tiny models: sub-ms timings, all noise
     profile_key = store.publish_profile(prof)
+    tokens = 12 if cfg.smoke_test else cfg.validate_tokens
     results, grids = [], {}
     for temperature in cfg.temperatures:
         acceptance = _acceptance(cfg, pair, prompts, temperature, progress)
         table = solve(acceptance, max(budgets), depth)
-        chosen = choose_buckets(table, prof, budgets)
-        grids[temperature] = [(c.n, c.d, c.predicted_speedup) for c in chosen[1][1]]
-        measured = validate(pair, chosen[1][0], prompts, temperature, cfg.validate_tokens if not cfg.smoke_test else 12)
-        for batch, (best, _) in chosen.items():
-            planned = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d))
+        params = SamplingParams(max_tokens=tokens, temperature=temperature)
+        if target_model(pair) is None:
+            picks = _model_picks(pair, table, prof, budgets, prompts, params)
+        else:
+            picks = plan_buckets(cfg, pair, prof, table, budgets, prompts, params, calls=calls)
+        grids[temperature] = [(c.n, c.d, c.predicted_speedup) for c in picks[1].predicted]
+        for batch, picked in picks.items():
             key = PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature, batch)
-            result = _result(prof, temperature, best, measured if batch == 1 else (math.nan, math.nan))
+            prov = _provenance(cfg, pair, picked, batch, prompts=len(prompts), tokens=cfg.measure_tokens)
+            planned = PlannedTree(picked.choice.plan, acceptance, picked.choice.n, picked.choice.d,
+                                  table.value(picked.choice.n, picked.choice.d), prov)
+            result = _result(prof, temperature, picked)
             results.append(replace(result, plan_key=store.publish_plan(planned, key), profile_key=profile_key))
             logger.info("%s T=%s B=%d: %s", hardware, temperature, batch, asdict(results[-1]))
     return results, grids
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A batch bucket's published tree: the choice, what it measured, every tree measured, the overhead."""
+
+    choice: Choice
+    model_choice: Choice  # the cost model's own argmax
+    predicted: list[Choice]  # every (n, d) the model evaluated
+    measured: Measured | None = None  # the pick, run for real (None: not measured)
+    candidates: tuple[Measured, ...] = ()
+    overhead: StepOverhead | None = None
+
+
+def plan_buckets(cfg: ProfileJobConfig, pair, prof: HardwareProfile, table, budgets, prompts, params: SamplingParams,
+                 *, measured_buckets=None, calls=None) -> dict[int, Picked]:
+    """Per batch bucket the profile has: the overhead measured on real steps, the model's choice with it, then
+    (for ``measured_buckets``, default all) the measured choice among its ``cfg.candidates`` best and the target
+    alone, each run at the bucket's batch size with ``params.max_tokens`` tokens in all (at least
+    MIN_CHOICE_TOKENS per request). ``calls``: see ``run_trial``; its times join the overhead (the lockstep
+    runs make no actor calls)."""
+    models = (target_model(pair), pair.draft.model)
+    probe, batches = _probe(table, prof, choose(table, prof, budgets)[0])
+    overhead = measure_overhead(*models, prof, probe, prompts, params, batches=batches,
+                                repeats=cfg.measure_rounds).overhead
+    if calls is not None:
+        alone_s, tree_s = calls(probe, sampled=not params.greedy)
+        overhead = replace(overhead, calls=(alone_s / prof.target_step_s, tree_s / prof.target_step_s))
+    chosen = choose_buckets(table, prof, budgets, overhead)
+    picks = {}
+    for batch, (best, predicted) in chosen.items():
+        if not cfg.candidates or batch not in (measured_buckets or chosen):
+            picks[batch] = Picked(best, best, predicted, overhead=overhead)
+            continue
+        per_request = params.model_copy(update={"max_tokens": max(MIN_CHOICE_TOKENS, params.max_tokens // batch)})
+        measured = measure_choices(*models, top_candidates(predicted, cfg.candidates), prompts, per_request,
+                                   batch=batch, rounds=cfg.measure_rounds)
+        winner = pick(measured)
+        picks[batch] = Picked(winner.choice, best, predicted, winner, tuple(measured), overhead)
+    return picks
+
+
+def _probe(table, prof: HardwareProfile, first: Choice) -> tuple[TreePlan, tuple[int, ...]]:
+    """The tree the overhead is measured on — the model's batch-1 choice, else (root-only, or too big to cost
+    at the largest overhead batch) the DP's tree of at most 8 nodes and 4 levels that can be costed — and the
+    overhead batches it can be costed at."""
+    top = max(OVERHEAD_BATCHES)
+    fits = max(1, min(table.max_nodes, prof.max_tokens(top) // top))
+    plan = first.plan if 1 < first.n <= fits else table.tree(max(2, min(8, fits)), max(2, min(4, table.max_depth)))
+    return plan, tuple(b for b in OVERHEAD_BATCHES if b * plan.n <= prof.max_tokens(b))
+
+
+def _model_picks(pair, table, prof: HardwareProfile, budgets, prompts, params: SamplingParams) -> dict[int, Picked]:
+    """The model's choice per bucket without lockstep runs (a target that is a group of rank actors); the
+    batch-1 plan validated with the pair's decoders."""
+    chosen = choose_buckets(table, prof, budgets)
+    speedup, per_step = validate(pair, chosen[1][0], prompts, params.temperature, params.max_tokens)
+    picks = {b: Picked(best, best, predicted) for b, (best, predicted) in chosen.items()}
+    one = chosen[1][0]
+    picks[1] = replace(picks[1], measured=Measured(one, speedup, math.nan, per_step))
+    return picks
+
+
+def _provenance(cfg: ProfileJobConfig, pair, picked: Picked, batch: int, *, prompts: int, tokens: int,
+                **extra) -> Provenance:
+    measured = picked.measured
+    return Provenance(
+        dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=str(pair.draft.model.device), prompts=prompts,
+        tokens_measured=tokens, batch=batch if batch > 1 else None,
+        predicted_speedup=_positive(picked.choice.predicted_speedup),
+        measured_speedup=_positive(measured.measured_speedup) if measured else None,
+        candidates=[m.to_dict() for m in picked.candidates] or None,
+        overhead=picked.overhead.to_dict() if picked.overhead else None, **extra)
+
+
+def _positive(x: float) -> float | None:
+    return x if math.isfinite(x) and x > 0 else None
 
 
 def target_model(pair):
@@ -101,10 +194,13 @@ def target_model(pair):
     return getattr(target, "model", None)
 
 
-def _result(prof: HardwareProfile, temperature: float, best: Choice, measured: tuple[float, float]) -> TrialResult:
+def _result(prof: HardwareProfile, temperature: float, picked: Picked) -> TrialResult:
+    best, measured = picked.choice, picked.measured
     step_s = best.step_cost * prof.target_step_s
     return TrialResult(prof.hardware_id, temperature, best.n, best.d, best.expected_tokens, best.predicted_speedup,
-                       measured[0], measured[1], "", "", best.batch, step_s, best.batch * best.expected_tokens / step_s)
+                       measured.measured_speedup if measured else math.nan,
+                       measured.tokens_per_step if measured else math.nan, "", "", best.batch, step_s,
+                       best.batch * best.expected_tokens / step_s, picked.model_choice.n, picked.model_choice.d)
 
 
 def _name(cfg: ProfileJobConfig, role: str) -> str:
@@ -171,15 +267,17 @@ def heatmap_png(grid: list[tuple[int, int, float]], title: str) -> bytes:
 
 
 def format_results(results: list[TrialResult]) -> str:
-    """One row per temperature and batch bucket B: the plan (n, d), G, the predicted step time and batch
-    throughput, the predicted speedup over the target alone at that batch size, and (batch 1) the measured one."""
+    """One row per temperature and batch bucket B: the published plan (n, d), G, the predicted step time and
+    batch throughput, the predicted and measured speedup over the target alone at that batch size, and the
+    cost model's own pick when the measured choice published another."""
     head = (f"{'hardware':28s} {'T':>4s} {'B':>3s} {'n':>4s} {'d':>3s} {'G':>6s} {'step ms':>8s} {'tok/s':>7s} "
-            f"{'pred':>6s} {'meas':>6s} {'tok/step':>8s}")
+            f"{'pred':>6s} {'meas':>6s} {'tok/step':>8s} {'model':>7s}")
     lines = [head, "-" * len(head)]
     for r in results:
+        model = "same" if (r.model_n, r.model_d) in ((r.n, r.d), (0, 0)) else f"{r.model_n}/{r.model_d}"
         lines.append(f"{r.hardware:28s} {r.temperature:4.1f} {r.batch:3d} {r.n:4d} {r.d:3d} {r.expected_tokens:6.2f} "
                      f"{1e3 * r.step_s:8.1f} {r.throughput:7.1f} {r.predicted_speedup:6.2f} {r.measured_speedup:6.2f} "
-                     f"{r.measured_tokens_per_step:8.2f}")
+                     f"{r.measured_tokens_per_step:8.2f} {model:>7s}")
     return "\n".join(lines)
 
 
@@ -194,9 +292,10 @@ BOUNDED_BUDGETS = (1, 2, 4, 8, 16, 32)  # tree sizes n profiled under a time bud
 BOUNDED_CONTEXT = 64  # cached context when timing t(n) and c under a budget
 BOUNDED_REPEATS = 3
 PROFILE_SHARE = 0.25  # of the budget: profiling t(n) and c (the sizes are chosen to fit)
-MEASURE_SHARE = 0.6  # of a temperature's time: measuring p; the rest validates the chosen plan
+MEASURE_SHARE = 0.45  # of a temperature's time: measuring p; the rest measures the overhead and the best trees
 MIN_TOKENS = 8  # fewer tokens than this per prompt measure nothing useful
-WARMUP_TOKENS = 4  # validate()'s warm-up generation
+BOUNDED_CANDIDATES = 2  # trees measured for real at batch 1 under a time budget (besides the target alone)
+BOUNDED_ROUNDS = 2
 
 
 class BudgetExhausted(RuntimeError):
@@ -245,6 +344,7 @@ class Serving:
 
     threads: int  # the target actor's torch threads (part of the hardware id)
     time_budget_s: float
+    calls: object = None  # see run_trial: the served step's actor calls, measured (None: not counted)
 
 
 def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock=time.monotonic,
@@ -266,6 +366,7 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
         stages.deadline = deadline = Deadline(serving.time_budget_s, clock)  # from here: loading is not ours
         stages.next("profiling t(n) and c")
         prof = _bounded_profile(cfg, pair, hardware, deadline)
+        check_noise(prof, cfg.max_noise)
         planned = [_bounded_plan(cfg, pair, prof, prompts, i, deadline, stages, serving)
                    for i in range(len(cfg.temperatures))]
     finally:
@@ -320,23 +421,41 @@ def batch_tokens(sizes, total: int | None = None) -> list[int]:
 
 def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: Deadline, stages: Stages,
                   serving: Serving) -> list[tuple[PlannedTree, TrialResult]]:
-    """Temperature ``cfg.temperatures[i]`` within its share of the time left: measure p, DP, choose per batch
-    bucket, validate the batch-1 plan; a (plan, result) per bucket."""
+    """Temperature ``cfg.temperatures[i]`` within its share of the time left: measure p, DP, then the overhead
+    and the measured choice at batch 1 (``plan_buckets``) with as many tokens as fit, the other buckets the
+    model's choice with that overhead; a (plan, result) per bucket."""
     temperature = cfg.temperatures[i]
     end = deadline.elapsed() + deadline.left() / (len(cfg.temperatures) - i)
     stages.next(f"measuring p T={temperature}")
     measure_end = end - (end - deadline.elapsed()) * (1 - MEASURE_SHARE)
     acceptance, used, tokens, pace = measure_within(cfg, pair, prompts, temperature, deadline, measure_end, prof)
     table = solve(acceptance, max(prof.t), cfg.max_depth)
-    chosen = choose_buckets(table, prof, tuple(prof.t))
-    stages.next(f"validating T={temperature}")
-    measured = _validate_within(pair, chosen[1][0], prompts[0], temperature, end - deadline.elapsed(), prof, pace,
-                                cfg.validate_tokens)
-    prov = Provenance(dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=str(pair.target.model.device),
-                      threads=serving.threads, time_budget_s=serving.time_budget_s, prompts=used, tokens_measured=tokens)
-    return [(PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d), prov),
-             _result(prof, temperature, best, measured if batch == 1 else (math.nan, math.nan)))
-            for batch, (best, _) in chosen.items()]
+    stages.next(f"measuring trees T={temperature}")
+    bounded = cfg.model_copy(update={"candidates": min(cfg.candidates, BOUNDED_CANDIDATES),
+                                     "measure_rounds": BOUNDED_ROUNDS})
+    ask = choice_tokens(end - deadline.elapsed(), prof, pace, bounded.candidates, len(max(prompts, key=len)))
+    if ask < MIN_TOKENS:
+        logger.warning("no time left to measure trees at T=%s; publishing the cost model's choice unmeasured", temperature)
+        picks = {b: Picked(best, best, predicted) for b, (best, predicted) in choose_buckets(table, prof, tuple(prof.t)).items()}
+    else:
+        params = SamplingParams(max_tokens=min(ask, cfg.validate_tokens), temperature=temperature)
+        picks = plan_buckets(bounded, pair, prof, table, tuple(prof.t), prompts, params, measured_buckets=(1,),
+                             calls=serving.calls)
+    return [(PlannedTree(p.choice.plan, acceptance, p.choice.n, p.choice.d, table.value(p.choice.n, p.choice.d),
+                         _provenance(cfg, pair, p, batch, prompts=used, tokens=tokens, threads=serving.threads,
+                                     time_budget_s=serving.time_budget_s)),
+             _result(prof, temperature, p)) for batch, p in picks.items()]
+
+
+def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int) -> int:
+    """Tokens per run that fit ``plan_buckets`` at batch 1 in ``seconds``: BOUNDED_ROUNDS rounds of the
+    overhead runs (root-only and a tree at OVERHEAD_BATCHES) and of the 1 + ``candidates`` measured trees, each
+    run a prefill and at most one step per token, a tree step costed at twice the root-only step (the profiled
+    times scaled by ``pace``)."""
+    alone = {b: pace * prof.target_step_s * prof.target_cost(b, b) for b in OVERHEAD_BATCHES}
+    per_token = BOUNDED_ROUNDS * (sum(3 * s for s in alone.values()) + (1 + 2 * candidates) * alone[1])
+    runs = BOUNDED_ROUNDS * (2 * len(OVERHEAD_BATCHES) + 1 + candidates)
+    return tokens_within(seconds, per_token, runs * pace * _prefill_s(prof, prompt_len))
 
 
 def tokens_within(seconds: float, step_s: float, fixed_s: float) -> int:
@@ -377,19 +496,6 @@ def measure_within(cfg: ProfileJobConfig, pair, prompts, temperature: float, dea
                               f"{MIN_TOKENS} tokens at {predicted:.2f}s a step; raise the time budget (profile_seconds)")
     acceptance = AcceptanceVector.from_p([w / steps_total for w in weighted[1:]], weighted[0] / steps_total)
     return acceptance, used, tokens, pace
-
-
-def _validate_within(pair, best: Choice, prompt, temperature: float, seconds: float, prof: HardwareProfile,
-                     pace: float, max_tokens: int) -> tuple[float, float]:
-    """validate() on one prompt with as many tokens as fit in ``seconds`` (the profiled times scaled by the
-    pace measuring observed); (nan, nan) when too few fit."""
-    step_s = pace * prof.target_step_s * (1 + prof.t_of(best.plan.n) + prof.draft_cost(best.plan))  # alone + tree
-    fixed_s = pace * 2 * _prefill_s(prof, len(prompt)) + WARMUP_TOKENS * step_s
-    ask = min(max_tokens, tokens_within(seconds, step_s, fixed_s))
-    if ask < MIN_TOKENS:
-        logger.warning("no time left to validate the plan (n=%d, d=%d); publishing it unvalidated", best.n, best.d)
-        return math.nan, math.nan
-    return validate(pair, best, [prompt], temperature, ask)
 
 
 def _publish_all(cfg: ProfileJobConfig, hardware: str, prof: HardwareProfile,

@@ -95,7 +95,9 @@ def trainable(config: dict) -> None:
         on_gpu = device.type == "cuda"
         pair = GroupPair(cfg, backend="nccl" if on_gpu else "gloo", num_cpus=config.get("cpus", 1.0),
                          num_gpus=1 if on_gpu else 0)
-    results, grids = run_trial(cfg, hw_id, progress=False, pair=pair)
+    from actors.call_probe import measure_calls
+
+    results, grids = run_trial(cfg, hw_id, progress=False, pair=pair, calls=measure_calls)
     publish_heatmaps(cfg, hw_id, grids)
     tune.report({"results": json.dumps([asdict(r) for r in results]),
                  "best_predicted_speedup": max(r.predicted_speedup for r in results)})

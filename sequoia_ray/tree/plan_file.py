@@ -43,6 +43,10 @@ class Provenance:
     prompts: int | None = None  # prompts the acceptance vector was measured on
     tokens_measured: int | None = None  # tokens asked for while measuring it (a prompt may end sooner at EOS)
     batch: int | None = None  # the batch-size bucket the plan was chosen for; None = 1 (never written for 1)
+    predicted_speedup: float | None = None  # over the target alone at the batch size, by the cost model
+    measured_speedup: float | None = None  # the same, run for real (the measured choice)
+    candidates: list[dict] | None = None  # every tree measured: n, d, predicted and measured speedup, ...
+    overhead: dict | None = None  # the cost model's per-step overhead (hardware.StepOverhead.to_dict())
 
 
 @dataclass(frozen=True)
@@ -160,4 +164,30 @@ def _provenance(obj: Any, bad) -> Provenance:
     budget = obj.get("time_budget_s")
     if budget is not None and (not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0):
         raise bad("provenance.time_budget_s", f"{budget!r} must be a finite number > 0")
+    for key in ("predicted_speedup", "measured_speedup"):
+        v = obj.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0):
+            raise bad(f"provenance.{key}", f"{v!r} must be a finite number > 0")
+    _check_records(obj.get("candidates"), bad)
+    _check_overhead(obj.get("overhead"), bad)
     return Provenance(**obj)
+
+
+def _check_records(records: Any, bad) -> None:
+    if records is None:
+        return
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise bad("provenance.candidates", f"{records!r:.80} must be a list of objects")
+    for r in records:
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r.values()):
+            raise bad("provenance.candidates", f"{r!r:.80} must map names to numbers")
+
+
+def _check_overhead(overhead: Any, bad) -> None:
+    if overhead is None:
+        return
+    ok = isinstance(overhead, dict) and all(
+        isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and math.isfinite(x) for x in v)
+        for v in overhead.values())
+    if not ok:
+        raise bad("provenance.overhead", f"{overhead!r:.80} must map alone/tree/calls to [fixed, per_request]")

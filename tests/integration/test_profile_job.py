@@ -96,6 +96,8 @@ def test_ray_job_submit_smoke_test(tmp_path):
     for t in (0.0, 0.6):
         planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware, "tiny-draft", "tiny-target", t))
         assert planned.expected_tokens >= 1.0
+        prov = planned.provenance  # the measured choice, its runners-up, and the overhead with the served calls
+        assert prov.measured_speedup > 0 and len(prov.candidates) >= 2 and prov.overhead["calls"][1] > 0
     assert list((store / "reports").glob("heatmap-*.png"))
     assert (store / "tune").is_dir()
     shutil.rmtree(store, ignore_errors=True)

@@ -1,0 +1,95 @@
+"""The measured choice: the cost model ranks the trees, real steps decide among the best few.
+
+``choose`` predicts every (n, d); the few it predicts fastest (distinct trees) and the root-only tree (the
+target alone, the baseline every speedup is over, and itself a candidate: a batch where speculation does not
+pay serves it) are run for real in lockstep at the batch size (``sequoia_ray.lockstep``), round-robin over
+``rounds`` rounds — round r decodes prompts r·B, r·B + 1, ... with seed r for every candidate, so they do the
+same work and load drift hits them alike. The measured throughput is the timed steps' tokens over their seconds (the first step, which prefills, is
+not timed);
+the pick is the fastest measured, the prediction only the prior that chose who gets measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.hardware import Choice, timed_rounds
+from sequoia_ray.lockstep import LockstepRun, run_lockstep
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.plan import TreePlan
+
+
+@dataclass(frozen=True)
+class Measured:
+    choice: Choice
+    measured_speedup: float  # tokens/s over the root-only tree's at the same batch size
+    tokens_per_s: float
+    tokens_per_step: float  # per request and step
+
+    def to_dict(self) -> dict:
+        c = self.choice
+        return {"n": c.n, "d": c.d, "predicted_speedup": round(c.predicted_speedup, 4),
+                "measured_speedup": round(self.measured_speedup, 4), "tokens_per_s": round(self.tokens_per_s, 3),
+                "tokens_per_step": round(self.tokens_per_step, 3)}
+
+
+def top_candidates(candidates: list[Choice], k: int) -> list[Choice]:
+    """The root-only choice, then the ``k`` distinct trees (by shape) predicted fastest."""
+    ranked = sorted(candidates, key=lambda c: (-round(c.predicted_speedup, 12), c.n, c.d))
+    root = next(c for c in candidates if c.n == 1)
+    picked, shapes = [root], {root.plan.parents}
+    for c in ranked:
+        if len(picked) > k:
+            break
+        if c.plan.parents not in shapes:
+            picked.append(c)
+            shapes.add(c.plan.parents)
+    return picked
+
+
+def measure_choices(target_model, draft_model, choices: list[Choice], prompts: list[list[int]],
+                    params: SamplingParams, *, batch: int, rounds: int) -> list[Measured]:
+    """Each of ``choices`` (the first must be the root-only tree: the baseline) run for real, ``rounds``
+    rounds round-robin; in the order given."""
+    if not choices or choices[0].n != 1:
+        raise ValueError("the first choice must be the root-only tree (the baseline speedups are measured over)")
+    work = [[prompts[(r * batch + i) % len(prompts)] for i in range(batch)] for r in range(rounds)]
+    runs = {i: _Runs(target_model, draft_model, c.plan, work, params) for i, c in enumerate(choices)}
+    timed_rounds({i: run.next for i, run in runs.items()}, repeats=rounds, warmup=0)
+    base = runs[0].tokens_per_s
+    return [Measured(c, runs[i].tokens_per_s / base, runs[i].tokens_per_s, runs[i].tokens_per_step)
+            for i, c in enumerate(choices)]
+
+
+def pick(measured: list[Measured]) -> Measured:
+    """The fastest measured (the smaller tree on a tie)."""
+    return max(measured, key=lambda m: (m.tokens_per_s, -m.choice.n, -m.choice.d))
+
+
+class _Runs:
+    """One candidate's runs, one round per call (``timed_rounds`` calls them in turn)."""
+
+    def __init__(self, target_model, draft_model, plan: TreePlan, work: list[list[list[int]]],
+                 params: SamplingParams) -> None:
+        self.run = functools.partial(run_lockstep, plan=plan, params=params)
+        self.target_model, self.draft_model, self.plan, self.work = target_model, draft_model, plan, work
+        self.done: list[LockstepRun] = []
+
+    def next(self) -> float:
+        r = len(self.done)
+        draft = DraftWorker(self.draft_model) if self.plan.n > 1 else None
+        self.done.append(self.run(TargetWorker(self.target_model), draft, self.work[r], seed=r))
+        return self.done[-1].seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        seconds = sum(run.seconds for run in self.done)
+        return sum(run.timed_tokens for run in self.done) / seconds if seconds > 0 else math.nan
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(run.tokens_per_step for run in self.done) / len(self.done)

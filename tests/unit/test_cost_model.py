@@ -1,0 +1,193 @@
+"""Issue 12, item 1-2: the per-step overhead in the cost model (measured on real lockstep steps), the noise
+bound on a profile, and the measured choice among the model's best trees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.hardware import (Choice, HardwareProfile, ProfileError, StepOverhead, check_noise,
+                                  choose, profile, relative_noise)
+from sequoia_ray.measured_choice import Measured, measure_choices, pick, top_candidates
+from sequoia_ray.overhead import fit_linear, measure_overhead
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.dp import solve
+from sequoia_ray.tree.plan import chain, from_nested
+from tests.tiny import noisy_copy, sharpen, tiny_model
+
+BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def flat(per_token: float = 0.01) -> HardwareProfile:
+    """t(n) = 1 + per_token·(n - 1) alone and in every batch (B requests of s tokens: t(B·s)), c = 0.05·t."""
+    t = {n: 1 + per_token * (n - 1) for n in BUDGETS}
+    rows = {b: {b * s: 1 + per_token * (b * s - 1) for s in BUDGETS if b * s <= 64} for b in (2, 4, 8, 16)}
+    return HardwareProfile("test-hw", t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32",
+                           batch_t=rows, batch_c={b: {k: 0.05 * v for k, v in r.items()} for b, r in rows.items()})
+
+
+TABLE = solve(AcceptanceVector.from_p([0.7, 0.1, 0.05]), 64, 8)
+
+
+def test_overhead_is_fixed_plus_per_request_and_adds_to_the_step():
+    over = StepOverhead(alone=(0.1, 0.02), tree=(0.3, 0.05), calls=(0.01, 0.04))
+    assert over.of(1, False) == pytest.approx(0.1 + 0.02 + 0.01)
+    assert over.of(8, True) == pytest.approx(0.3 + 0.4 + 0.04)
+    prof, plan = flat(), TABLE.tree(8, 4)
+    assert prof.step_cost(plan, 4, over) == pytest.approx(prof.step_cost(plan, 4) + over.of(4, True))
+    assert prof.step_cost(chain(0), 4, over) == pytest.approx(prof.step_cost(chain(0), 4) + over.of(4, False))
+    assert StepOverhead.from_dict(over.to_dict()) == over
+
+
+@pytest.mark.parametrize("bad", [{"tree": [1.0]}, {"alone": ["x", 1]}, {"calls": [math.inf, 0]}, [1, 2]])
+def test_a_malformed_overhead_names_its_fields(bad):
+    with pytest.raises(ProfileError, match="overhead"):
+        StepOverhead.from_dict(bad)
+
+
+def test_a_tree_overhead_moves_the_choice_to_smaller_trees_and_the_prediction_down():
+    prof = flat()
+    free, _ = choose(TABLE, prof, BUDGETS)
+    costly, _ = choose(TABLE, prof, BUDGETS, overhead=StepOverhead(tree=(0.5, 0.0)))
+    assert free.n > 1 and costly.predicted_speedup < free.predicted_speedup
+    # with the overhead, the predicted speedup is G·(1 + O_alone) / (forwards + O_tree): recomputed by hand
+    forwards = prof.step_cost(costly.plan)
+    assert costly.predicted_speedup == pytest.approx(costly.expected_tokens / (forwards + 0.5))
+
+
+def test_a_per_request_overhead_makes_the_target_alone_win_at_large_batches_only():
+    """Issue 11: speculation that stops paying as the batch grows. Each request's tree costs 0.15 target
+    steps of walk and drawing per step: at batch 1 a tree still pays, at batch 16 the target alone wins."""
+    prof, over = flat(per_token=0.02), StepOverhead(tree=(0.0, 0.15))
+    one, _ = choose(TABLE, prof, BUDGETS, batch=1, overhead=over)
+    sixteen, _ = choose(TABLE, prof, BUDGETS, batch=16, overhead=over)
+    assert one.n > 1 and one.predicted_speedup > 1
+    assert sixteen.n == 1 and sixteen.predicted_speedup == pytest.approx(1.0)
+    assert choose(TABLE, prof, BUDGETS, batch=16)[0].n > 1  # without the overhead it would still speculate
+
+
+def test_fit_linear_goes_through_both_batches_and_clamps_at_zero():
+    assert fit_linear({1: 0.3, 4: 0.9}) == pytest.approx((0.1, 0.2))
+    assert fit_linear({1: 0.5, 4: 0.2}) == pytest.approx((0.5, 0.0))  # less per request at 4: none
+    assert fit_linear({1: -0.2, 4: 0.4}) == pytest.approx((0.0, 0.2))  # forwards over-predicted: never below 0
+    assert fit_linear({1: 0.4}) == (0.4, 0.0)
+
+
+def test_relative_noise_is_the_median_relative_mad():
+    samples = {"a": [1.0, 1.1, 0.9], "b": [2.0, 2.0, 2.0], "c": [10.0, 13.0, 10.0]}
+    # a: MAD 0.1 / 1.0; b: 0; c: MAD 0 (two of three equal) -> median of (0.1, 0, 0) = 0
+    assert relative_noise(samples) == pytest.approx(0.0)
+    assert relative_noise({"a": [1.0, 1.2, 0.8], "b": [1.0, 1.5, 0.5]}) == pytest.approx((0.2 + 0.5) / 2)
+    assert math.isnan(relative_noise({"a": [1.0]}))
+
+
+def test_a_noisy_profile_is_refused_with_the_bound_and_the_fix():
+    prof = HardwareProfile("hw", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32", noise=0.3)
+    check_noise(prof, 0.35)
+    with pytest.raises(ProfileError, match=r"noise 30% exceeds the bound 20%.*quieter machine.*max_noise"):
+        check_noise(prof, 0.2)
+    check_noise(HardwareProfile("hw", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32"), 0.01)  # nan: not measured
+
+
+def test_noise_round_trips_and_a_missing_noise_loads_as_nan(tmp_path):
+    prof = HardwareProfile("hw", {1: 1.0, 4: 1.2}, {1: 0.1}, 0.1, 64, "float32", noise=0.04)
+    prof.save(tmp_path / "p.json")
+    assert HardwareProfile.load(tmp_path / "p.json").noise == pytest.approx(0.04)
+    old = prof.to_dict()
+    del old["noise"]
+    assert math.isnan(HardwareProfile.from_dict(old).noise)
+    unmeasured = HardwareProfile("hw", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32")
+    assert unmeasured.to_dict()["noise"] is None  # JSON has no NaN
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
+    return target, noisy_copy(target, scale=0.03, seed=1)
+
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46]]
+
+
+def test_profile_measures_its_noise(models):
+    prof = profile(*models, hardware="hw", budgets=(1, 2, 4), widths=(1, 2), context=8, repeats=3)
+    assert 0 <= prof.noise < 10
+
+
+def test_measured_overhead_is_the_step_minus_the_predicted_forwards(models):
+    target, draft = models
+    prof = profile(target, draft, hardware="hw", budgets=(1, 2, 4, 8, 16, 32), widths=(1, 2, 4, 8, 16, 32),
+                   context=8, repeats=2, batches=(4,))
+    plan = from_nested([[[[]], []], [[]], []])
+    m = measure_overhead(target, draft, prof, plan, PROMPTS, SamplingParams(max_tokens=10), repeats=2)
+    alone = {"alone": chain(0), "tree": plan}
+    for (kind, b), seconds in m.step_s.items():
+        assert m.residual[kind, b] == pytest.approx(seconds / prof.target_step_s - prof.step_cost(alone[kind], b))
+    for kind, (fixed, per_request) in (("alone", m.overhead.alone), ("tree", m.overhead.tree)):
+        assert (fixed, per_request) == pytest.approx(fit_linear({b: m.residual[kind, b] for b in (1, 4)}))
+    # the step as predicted with the overhead never under-predicts the measured one
+    assert prof.step_cost(plan, 1, m.overhead) >= m.step_s["tree", 1] / prof.target_step_s - 1e-9
+
+
+def test_top_candidates_are_the_target_alone_and_distinct_trees_by_prediction():
+    _, candidates = choose(TABLE, flat(), BUDGETS)
+    picked = top_candidates(candidates, 3)
+    assert picked[0].n == 1 and len(picked) == 4
+    assert len({c.plan.parents for c in picked}) == 4
+    ranked = sorted((c for c in candidates if c.n > 1), key=lambda c: -c.predicted_speedup)
+    assert picked[1].predicted_speedup == pytest.approx(ranked[0].predicted_speedup)
+    assert all(a.predicted_speedup >= b.predicted_speedup for a, b in zip(picked[1:], picked[2:]))
+
+
+def _choice(n: int, predicted: float) -> Choice:
+    return Choice(n, 2, 1.0, predicted, chain(min(n, 2) - 1))
+
+
+def test_pick_is_the_fastest_measured_not_the_best_predicted():
+    measured = [Measured(_choice(1, 1.0), 1.0, 10.0, 1.0), Measured(_choice(8, 2.0), 1.3, 13.0, 2.0),
+                Measured(_choice(4, 1.8), 1.5, 15.0, 1.8)]
+    assert pick(measured).choice.n == 4
+    assert pick(measured[:1]).choice.n == 1
+
+
+def test_measure_choices_runs_each_tree_and_measures_over_the_target_alone(models):
+    target, draft = models
+    _, candidates = choose(TABLE, flat(), (1, 2, 4, 8))
+    choices = top_candidates(candidates, 2)
+    measured = measure_choices(target, draft, choices, PROMPTS, SamplingParams(max_tokens=8), batch=2, rounds=2)
+    assert [m.choice for m in measured] == choices
+    assert measured[0].measured_speedup == 1.0 and measured[0].tokens_per_step == 1.0
+    assert all(m.tokens_per_s > 0 for m in measured) and max(m.tokens_per_step for m in measured[1:]) > 1
+    with pytest.raises(ValueError, match="root-only"):
+        measure_choices(target, draft, choices[1:], PROMPTS, SamplingParams(max_tokens=8), batch=1, rounds=1)
+
+
+def test_plan_buckets_measures_the_overhead_and_adds_the_served_calls(tmp_path):
+    from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray.local import LocalPair
+    from sequoia_ray.profiling import plan_buckets
+
+    pair = LocalPair.tiny(device="cpu")
+    prof = profile(pair.target.model, pair.draft.model, hardware="hw", budgets=(1, 2, 4, 8, 16), widths=(1, 2, 4, 8, 16),
+                   context=8, repeats=2, batches=(2, 4))
+    cfg = ProfileJobConfig(storage=str(tmp_path), candidates=1, measure_rounds=1)
+    seen = []
+
+    def calls(plan, *, sampled):
+        seen.append((plan.n, sampled))
+        return 0.002, 0.005
+
+    picks = plan_buckets(cfg, pair, prof, TABLE, (1, 2, 4, 8, 16), PROMPTS, SamplingParams(max_tokens=8, temperature=0.6),
+                         measured_buckets=(1,), calls=calls)
+    assert set(picks) == set(prof.buckets()) and seen and seen[0][1] is True
+    over = picks[1].overhead
+    assert over.calls == pytest.approx((0.002 / prof.target_step_s, 0.005 / prof.target_step_s))
+    assert all(p.overhead == over for p in picks.values())
+    assert picks[1].measured is not None and len(picks[1].candidates) == 2  # the target alone + 1 tree
+    assert all(p.measured is None and p.choice == p.model_choice for b, p in picks.items() if b > 1)
+    # every bucket's choice is the model's argmax with that overhead
+    for b, p in picks.items():
+        if b > 1:
+            assert p.choice == choose(TABLE, prof, (1, 2, 4, 8, 16), batch=b, overhead=over)[0]
