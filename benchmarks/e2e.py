@@ -1,21 +1,30 @@
-"""End to end on the real pair: target alone vs transformers' assisted generation vs Sequoia trees.
+"""End to end on the real pair: the plan this machine serves against the best fixed plan in hindsight,
+transformers' assisted generation and the target alone.
 
-    .venv/bin/python benchmarks/e2e.py [--dtype bfloat16] [--limit 6] [--max-tokens 64] [--temperatures 0,0.6]
-                                       [--device auto|cpu|cuda]
+    .venv/bin/python benchmarks/e2e.py [--dtype bfloat16] [--draft-quantize int8] [--limit 3] [--max-tokens 64]
+                                       [--temperatures 0,0.6] [--profile-seconds 120] [--device auto|cpu|cuda]
 
-Same prompts (benchmarks/prompts.jsonl: code and prose) for every configuration, in one run. For each
-temperature: the target alone; assisted generation with the same draft (num_assistant_tokens 3, 5, 8);
-ours with fixed plans (chain, SpecInfer k×L, DP trees of several budgets) and with the plan chosen for
-this machine (profile t(n) and c here, DP on the measured acceptance vector, argmax of predicted speedup).
-Prints tokens/s (total tokens ÷ total wall time, prefill included), tokens per step and the ratio to the
-target alone, split by prompt kind; writes benchmarks/results/e2e.json.
+The served plan is what the main job would serve here: ``run_bounded`` (the launcher's bounded profile:
+t(n) and c, p measured on the profiler's own built-in prompts — never on these —, the DP, the overhead
+measured on real steps, the measured choice among the model's best trees) into a scratch plan store, its
+batch-1 plan per temperature. Then, on the same benchmark prompts (benchmarks/prompts.jsonl: code and prose),
+in one run per temperature: the target alone; assisted generation with the same draft (its default schedule
+and num_assistant_tokens 3, 5, 8, constant); every fixed Sequoia plan of the hindsight grid (the DP's tree for
+the served acceptance vector at n in --grid-n, d in --grid-d); the built-in plan; the served plan (and the cost
+model's own pick when the measured choice published another). tokens/s = total tokens / total wall time
+(prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
+(the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
+beside its measured one. Writes benchmarks/results/e2e.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import tempfile
 import time
+from dataclasses import asdict
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,20 +33,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.config import ProfileJobConfig, SamplingParams  # noqa: E402
 from sequoia_ray.devices import DEVICE_CHOICES, synchronize  # noqa: E402
-from sequoia_ray.hardware import accelerator_name, choose, hardware_id, profile  # noqa: E402
+from sequoia_ray.hardware import accelerator_name, hardware_id  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
+from sequoia_ray.plan_store import PlanKey, PlanStore  # noqa: E402
+from sequoia_ray.profiling import Serving, TrialResult, format_results, run_bounded  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
-from sequoia_ray.tree.acceptance_vector import AcceptanceVector  # noqa: E402
-from sequoia_ray.tree.builtin import DEFAULT_ACCEPTANCE  # noqa: E402
+from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
-from sequoia_ray.tree.plan import chain, specinfer  # noqa: E402
+from sequoia_ray.tree.plan import chain  # noqa: E402
+from sequoia_ray.tree.plan_file import PlannedTree  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
-def run_ours(pair: LocalPair, plan, prompts, temperature: float, max_tokens: int, speculate: bool = True):
+def run_ours(pair: LocalPair, plan, prompts, *, temperature: float, max_tokens: int, speculate: bool = True):
     decoder = pair.decoder(plan, speculate=speculate)
     tokens = steps = 0
     seconds = 0.0
@@ -51,11 +62,9 @@ def run_ours(pair: LocalPair, plan, prompts, temperature: float, max_tokens: int
     return tokens, seconds, steps
 
 
-def run_assisted(pair: LocalPair, k: int, prompts, temperature: float, max_tokens: int):
+def run_assisted(pair: LocalPair, prompts, temperature: float, max_tokens: int):
     target, draft = pair.target.model, pair.draft.model
     device = target.device
-    draft.generation_config.num_assistant_tokens = k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
     tokens, seconds = 0, 0.0
     for i, prompt in enumerate(prompts):
         torch.manual_seed(i)  # transformers' sampling reads the global generator
@@ -76,75 +85,127 @@ def _hardware(pair: LocalPair) -> str:
     return hardware_id(accelerator_name(pair.target.model.device))
 
 
+def served_plans(pair: LocalPair, args, temperatures: list[float]) -> dict[float, tuple[TrialResult, PlannedTree]]:
+    """What the main job would serve on this machine: its bounded profile, run here into a scratch store."""
+    job = ProfileJobConfig(storage=args.plan_store or tempfile.mkdtemp(prefix="e2e-plans-"), temperatures=tuple(temperatures),
+                           dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device)
+    hardware = _hardware(pair)
+    results = run_bounded(job, hardware, Serving(torch.get_num_threads(), args.profile_seconds), pair=pair)
+    print(f"{format_results(results)}\nplans published under {job.storage}", flush=True)
+    store, out = PlanStore(job.storage), {}
+    for r in (r for r in results if r.batch == 1):
+        planned, _ = store.fetch_plan(PlanKey(hardware, "default-draft", "default-target", r.temperature))
+        out[r.temperature] = (r, planned)
+    return out
+
+
+def assisted_configs(pair: LocalPair, temperature: float, max_tokens: int) -> list[tuple[str, object]]:
+    """Assisted generation with transformers' default schedule, then num_assistant_tokens 3, 5, 8 constant."""
+    cfg = pair.draft.model.generation_config
+    defaults = (cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule)
+
+    def run(ps, k=None):
+        cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = defaults if k is None else (k, "constant")
+        return run_assisted(pair, ps, temperature, max_tokens)
+
+    return [("assisted default", run)] + [(f"assisted k={k}", functools.partial(run, k=k)) for k in (3, 5, 8)]
+
+
+def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, planned: PlannedTree, args
+                 ) -> list[tuple[str, object]]:
+    table = solve(planned.acceptance, 64, max(args.grid_d + [planned.max_depth or 1, result.model_d]))
+    plans = [(f"grid n={n} d={d}", table.tree(n, d)) for n in args.grid_n for d in args.grid_d]
+    plans.append((f"built-in n={builtin_plan(temperature).budget}", builtin_plan(temperature).plan))
+    if (result.model_n, result.model_d) != (result.n, result.d) and result.model_n:
+        plans.append((f"model pick n={result.model_n} d={result.model_d}", table.tree(result.model_n, result.model_d)))
+    plans.append((f"SERVED n={result.n} d={result.d}", planned.plan))
+    return [(name, functools.partial(run_ours, pair, plan, temperature=temperature, max_tokens=args.max_tokens))
+            for name, plan in plans]
+
+
+def ratios(rows: list[dict]) -> None:
+    """x assisted and x best fixed, per temperature and prompt kind."""
+    for key in {(r["T"], r["kind"]) for r in rows}:
+        sub = [r for r in rows if (r["T"], r["kind"]) == key]
+        assisted = max(r["tok/s"] for r in sub if r["config"].startswith("assisted"))
+        fixed = max(r["tok/s"] for r in sub if r["config"].startswith("grid"))
+        for r in sub:
+            r["x assisted"], r["x best fixed"] = r["tok/s"] / assisted, r["tok/s"] / fixed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--draft-quantize", default=None, choices=[None, "int8"])
-    ap.add_argument("--limit", type=int, default=6, help="prompts per kind")
+    ap.add_argument("--draft-quantize", default="int8", choices=["none", "int8"], help="the serving default: int8")
+    ap.add_argument("--limit", type=int, default=3, help="prompts per kind")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="0,0.6")
-    ap.add_argument("--acceptance", action="append", default=[], help="T=file measured vectors, e.g. 0=acc.json")
-    ap.add_argument("--budgets", default="8,16,32", help="tree sizes n of the fixed Sequoia plans")
-    ap.add_argument("--depths", default="6", help="max depths d of the fixed Sequoia plans")
+    ap.add_argument("--grid-n", default="4,8,16,32", help="tree sizes n of the hindsight grid")
+    ap.add_argument("--grid-d", default="4,6,8,10,12", help="max depths d of the hindsight grid")
+    ap.add_argument("--profile-seconds", type=float, default=120.0, help="the bounded profile's budget")
+    ap.add_argument("--plan-store", help="publish the served plans here (default: a scratch directory); "
+                    "benchmarks/load.py --plan-store serves them")
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto = a GPU if torch sees one")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    args.draft_quantize = None if args.draft_quantize == "none" else args.draft_quantize
+    args.grid_n, args.grid_d = ([int(x) for x in v.split(",")] for v in (args.grid_n, args.grid_d))
+    temperatures = [float(x) for x in args.temperatures.split(",")]
 
     pair = LocalPair.load(dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device)
     print(f"target on {pair.target.model.device}, draft on {pair.draft.model.device}", flush=True)
-    prompts = load_prompts(HERE / "prompts.jsonl")
     by_kind = defaultdict(list)
-    for p in prompts:
+    for p in load_prompts(HERE / "prompts.jsonl"):
         if len(by_kind[p.kind]) < args.limit:
             by_kind[p.kind].append(pair.encode(p.text, chat=p.chat))
-    acceptance = dict(DEFAULT_ACCEPTANCE)
-    for item in args.acceptance:
-        t, path = item.split("=", 1)
-        acceptance[float(t)] = AcceptanceVector.parse(path)
+    served = served_plans(pair, args, temperatures)
 
-    print("profiling t(n) and c on this machine ...", flush=True)
-    prof = profile(pair.target.model, pair.draft.model, hardware=_hardware(pair), budgets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
-                   widths=(1, 2, 4, 8, 16, 32), context=128, repeats=3, dtype=args.dtype)
-    print(f"t(n) = {prof.t}\nc(w) = {prof.c}\ntarget step = {prof.target_step_s * 1000:.0f} ms")
-
-    rows, record = [], {"profile": prof.to_dict(), "args": vars(args) | {"out": str(args.out)}, "results": []}
-    for temperature in [float(x) for x in args.temperatures.split(",")]:
-        acc = acceptance[min(acceptance, key=lambda t: abs(t - temperature))]
-        table = solve(acc, 64, 10)
-        chosen, _ = choose(table, prof, budgets=(2, 4, 6, 8, 12, 16, 24, 32, 48, 64))
-        configs = [("target alone", lambda ps: run_ours(pair, chain(0), ps, temperature, args.max_tokens, False))]
-        configs += [(f"assisted k={k}", lambda ps, k=k: run_assisted(pair, k, ps, temperature, args.max_tokens))
-                    for k in (3, 5, 8)]
-        plans = [("chain 4", chain(4)), ("specinfer 2x4", specinfer(2, 4))]
-        plans += [(f"sequoia n={n} d={d}", table.tree(n, d)) for d in map(int, args.depths.split(","))
-                  for n in map(int, args.budgets.split(","))]
-        plans += [(f"sequoia chosen n={chosen.n} d={chosen.d}", chosen.plan)]
-        configs += [(name, lambda ps, plan=plan: run_ours(pair, plan, ps, temperature, args.max_tokens))
-                    for name, plan in plans]
-        base = {}
-        for name, fn in configs:
-            fn([by_kind["code"][0][:8]])  # warm-up: first-call kernel selection is not part of any config's time
-            for kind, ps in by_kind.items():
-                tokens, seconds, steps = fn(ps)
-                tps = tokens / seconds
-                base.setdefault(kind, tps)
-                row = {"T": temperature, "kind": kind, "config": name, "tok/s": tps, "x target": tps / base[kind],
-                       "tok/step": tokens / steps if steps else "-", "tokens": tokens}
-                rows.append(row)
-                print(f"  {temperature} {kind:5s} {name:28s} {tps:6.2f} tok/s  x{tps / base[kind]:.2f}", flush=True)
-        record["results"].append({"temperature": temperature, "acceptance": acc.to_dict(),
-                                  "chosen": {"n": chosen.n, "d": chosen.d, "G": chosen.expected_tokens,
-                                             "predicted_speedup": chosen.predicted_speedup}})
-    for kind in by_kind:
-        for temperature in sorted({r["T"] for r in rows}):
-            sub = [r for r in rows if r["kind"] == kind and r["T"] == temperature]
-            best_assisted = max(r["tok/s"] for r in sub if r["config"].startswith("assisted"))
-            for r in sub:
-                r["x assisted"] = r["tok/s"] / best_assisted
+    rows, record = [], {"args": vars(args) | {"out": str(args.out)}, "results": []}
+    for temperature in temperatures:
+        result, planned = served[temperature]
+        configs = [("target alone", functools.partial(run_ours, pair, chain(0), temperature=temperature,
+                                                      max_tokens=args.max_tokens, speculate=False))]
+        configs += assisted_configs(pair, temperature, args.max_tokens)
+        configs += plan_configs(pair, temperature, result, planned, args)
+        rows += run_configs(configs, by_kind, temperature)
+        record["results"].append({"temperature": temperature, "served": asdict(result),
+                                  "provenance": vars(planned.provenance), "acceptance": planned.acceptance.to_dict()})
+    ratios(rows)
     print()
-    print_table(rows, ["T", "kind", "config", "tok/s", "x target", "x assisted", "tok/step", "tokens"])
-    record["rows"] = rows
+    print_table(rows, ["T", "kind", "config", "tok/s", "x target", "x assisted", "x best fixed", "tok/step", "tokens"])
+    summary = summarize(rows, served)
+    print()
+    print_table(summary, ["T", "kind", "served", "x target", "x assisted", "x best fixed", "best fixed", "predicted"])
+    record["rows"], record["summary"] = rows, summary
     write_json("e2e", record, args.out)
+
+
+def run_configs(configs, by_kind, temperature: float) -> list[dict]:
+    rows, base = [], {}
+    for name, fn in configs:
+        fn([by_kind["code"][0][:8]])  # warm-up: first-call kernel selection is not part of any config's time
+        for kind, ps in by_kind.items():
+            tokens, seconds, steps = fn(ps)
+            tps = tokens / seconds
+            base.setdefault(kind, tps)
+            rows.append({"T": temperature, "kind": kind, "config": name, "tok/s": tps, "x target": tps / base[kind],
+                         "tok/step": tokens / steps if steps else "-", "tokens": tokens})
+            print(f"  {temperature} {kind:5s} {name:28s} {tps:6.2f} tok/s  x{tps / base[kind]:.2f}", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict], served) -> list[dict]:
+    """Per temperature and kind: the served plan against the target alone, assisted and the best fixed plan,
+    and the profile's predicted speedup."""
+    out = []
+    for (temperature, kind) in sorted({(r["T"], r["kind"]) for r in rows}):
+        sub = [r for r in rows if (r["T"], r["kind"]) == (temperature, kind)]
+        mine = next(r for r in sub if r["config"].startswith("SERVED"))
+        best = max((r for r in sub if r["config"].startswith("grid")), key=lambda r: r["tok/s"])
+        out.append({"T": temperature, "kind": kind, "served": mine["config"][7:], "x target": mine["x target"],
+                    "x assisted": mine["x assisted"], "x best fixed": mine["x best fixed"], "best fixed": best["config"][5:],
+                    "predicted": served[temperature][0].predicted_speedup})
+    return out
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ Python around them and, when served, the actor calls take time too. ``StepOverhe
 running real steps (``sequoia_ray.overhead``: lockstep steps in process, minus the forwards predicted here) as
 a fixed part plus a part per request of the batch, for a root-only step and for a step that grows a tree:
 
-    step(B, n, d) = T_B(B·n) + sum_l C_B(B·i_l) + O_tree(B)        O(B) = fixed + B·per_request (+ calls)
+    step(B, n, d) = T_B(B·n) + sum_l C_B(B·i_l) + O_tree(B)        O(B) = fixed + B·(per_request + calls)
     alone(B)      = T_B(B) + O_alone(B)
 
 Noise. Every table is timed round-robin with repeats; ``noise`` is the median over everything timed of the
@@ -87,7 +87,9 @@ def batch_bucket(batch_size: int, buckets=BATCH_BUCKETS) -> int:
 class StepOverhead:
     """Time a step spends outside the profiled forwards, in target steps (one target token's time):
     ``fixed + per_request·B`` for a root-only step (``alone``) and for a step that grows a tree (``tree``), plus
-    ``calls`` = (alone, tree) for the actor calls of a served step (0 in process)."""
+    ``B·calls`` with ``calls`` = (alone, tree) the actor calls of one request's served step (0 in process): every
+    request of a batch makes its own calls, and on a host whose cores the forwards keep busy their time adds up.
+    """
 
     alone: tuple[float, float] = (0.0, 0.0)  # (fixed, per request)
     tree: tuple[float, float] = (0.0, 0.0)
@@ -95,7 +97,7 @@ class StepOverhead:
 
     def of(self, batch: int, speculating: bool) -> float:
         fixed, per_request = self.tree if speculating else self.alone
-        return fixed + per_request * batch + self.calls[int(speculating)]
+        return fixed + (per_request + self.calls[int(speculating)]) * batch
 
     def to_dict(self) -> dict:
         return {"alone": list(self.alone), "tree": list(self.tree), "calls": list(self.calls)}

@@ -34,7 +34,7 @@ TABLE = solve(AcceptanceVector.from_p([0.7, 0.1, 0.05]), 64, 8)
 def test_overhead_is_fixed_plus_per_request_and_adds_to_the_step():
     over = StepOverhead(alone=(0.1, 0.02), tree=(0.3, 0.05), calls=(0.01, 0.04))
     assert over.of(1, False) == pytest.approx(0.1 + 0.02 + 0.01)
-    assert over.of(8, True) == pytest.approx(0.3 + 0.4 + 0.04)
+    assert over.of(8, True) == pytest.approx(0.3 + 8 * (0.05 + 0.04))  # every request makes its own calls
     prof, plan = flat(), TABLE.tree(8, 4)
     assert prof.step_cost(plan, 4, over) == pytest.approx(prof.step_cost(plan, 4) + over.of(4, True))
     assert prof.step_cost(chain(0), 4, over) == pytest.approx(prof.step_cost(chain(0), 4) + over.of(4, False))
