@@ -450,10 +450,10 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
 def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int) -> int:
     """Tokens per run that fit ``plan_buckets`` at batch 1 in ``seconds``: BOUNDED_ROUNDS rounds of the
     overhead runs (root-only and a tree at OVERHEAD_BATCHES) and of the 1 + ``candidates`` measured trees, each
-    run a prefill and at most one step per token, a tree step costed at twice the root-only step (the profiled
-    times scaled by ``pace``)."""
+    run a prefill and one root-only step's time per token (a tree step costs more, and yields more tokens;
+    the profiled times scaled by ``pace``)."""
     alone = {b: pace * prof.target_step_s * prof.target_cost(b, b) for b in OVERHEAD_BATCHES}
-    per_token = BOUNDED_ROUNDS * (sum(3 * s for s in alone.values()) + (1 + 2 * candidates) * alone[1])
+    per_token = BOUNDED_ROUNDS * (2 * sum(alone.values()) + (1 + candidates) * alone[1])
     runs = BOUNDED_ROUNDS * (2 * len(OVERHEAD_BATCHES) + 1 + candidates)
     return tokens_within(seconds, per_token, runs * pace * _prefill_s(prof, prompt_len))
 
@@ -473,16 +473,17 @@ def _prefill_s(prof: HardwareProfile, prompt_len: int) -> float:
 def measure_within(cfg: ProfileJobConfig, pair, prompts, temperature: float, deadline: Deadline, until: float,
                    prof: HardwareProfile) -> tuple[AcceptanceVector, int, int, float]:
     """(p, prompts used, tokens asked for, pace) measuring prompt after prompt until ``until`` (seconds into
-    the deadline): each prompt asks for as many tokens as fit in the time left at the profiled step and
-    prefill times, scaled, once a prompt has run, by the pace observed (seconds seen / seconds predicted;
-    a profile taken on a busy machine can be off either way)."""
+    the deadline): each prompt asks for as many tokens as fit in its equal share of the time left (``_share``)
+    at the profiled step and prefill times, scaled, once a prompt has run, by the pace observed (seconds seen /
+    seconds predicted; a profile taken on a busy machine can be off either way). Sharing spreads p over the
+    prompts — one predictable prompt taking all the time measured p[1] = 1.0 at T = 0.6 here."""
     predicted = prof.target_step_s * (prof.t_of(min(cfg.width + 1, max(prof.t))) + prof.c_of(1))
     pace, began, predicted_total = 1.0, deadline.elapsed(), 0.0
     weighted, steps_total, used, tokens = [0.0] * (cfg.width + 1), 0, 0, 0
     for i, prompt in enumerate(prompts):
-        left = until - deadline.elapsed()
-        ask = min(cfg.measure_tokens, tokens_within(left, pace * predicted, pace * _prefill_s(prof, len(prompt))))
-        if ask < MIN_TOKENS:
+        ask = _share(cfg.measure_tokens, until - deadline.elapsed(), len(prompts) - i, pace * predicted,
+                     pace * _prefill_s(prof, len(prompt)))
+        if not ask:
             break
         acc, steps = measure(pair.decoder, [prompt], width=cfg.width, temperature=temperature, max_tokens=ask,
                              seed=i, progress=False)
@@ -496,6 +497,15 @@ def measure_within(cfg: ProfileJobConfig, pair, prompts, temperature: float, dea
                               f"{MIN_TOKENS} tokens at {predicted:.2f}s a step; raise the time budget (profile_seconds)")
     acceptance = AcceptanceVector.from_p([w / steps_total for w in weighted[1:]], weighted[0] / steps_total)
     return acceptance, used, tokens, pace
+
+
+def _share(most: int, seconds: float, prompts: int, step_s: float, fixed_s: float) -> int:
+    """Tokens for the next of ``prompts`` prompts: what fits its equal share of ``seconds`` (at most ``most``);
+    MIN_TOKENS when the share is smaller but the whole time still fits them; 0 when not even that fits."""
+    share = min(most, tokens_within(seconds / prompts, step_s, fixed_s))
+    if share >= MIN_TOKENS:
+        return share
+    return MIN_TOKENS if min(most, tokens_within(seconds, step_s, fixed_s)) >= MIN_TOKENS else 0
 
 
 def _publish_all(cfg: ProfileJobConfig, hardware: str, prof: HardwareProfile,

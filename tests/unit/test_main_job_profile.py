@@ -151,13 +151,19 @@ def _measure_taking(clock: FakeClock, seconds_per_unit: float, asked: list):
 
 
 @pytest.mark.parametrize("unit_s, until, expected_asks, pace", [
-    (1.0, 40.0, [16, 16], 1.0),  # as profiled: 2 + 16 s a prompt; the third finds 4 s left (< 2 + 8)
-    (3.0, 90.0, [16, 10], 3.0),  # 3x slower than profiled: 54 s, then (36 - 6) / 3 = 10 tokens
-    (0.25, 20.0, [16, 16, 16, 16], 0.25),  # 4x faster (a profile on a busy machine): measuring is not starved
+    # as profiled: a share of 40/6 s fits 4 tokens (< 8), so each prompt gets the minimum 8 (10 s) while the
+    # whole time left fits them: four prompts, then nothing is left
+    (1.0, 40.0, [8, 8, 8, 8], 1.0),
+    # 3x slower than profiled (not yet known): a share of 15 s fits 13 tokens (45 s); then at the pace seen a
+    # share of 45/5 s fits 1 token, the 45 s left fit 13: the minimum 8 (30 s); 15 s left fit 3: stop
+    (3.0, 90.0, [13, 8], 3.0),
+    # 4x faster (a profile on a busy machine): after the first prompt, every share of 3.5 s fits 12 tokens
+    (0.25, 20.0, [8, 12, 12, 12, 12, 12], 0.25),
 ])
 def test_measuring_fits_its_time(monkeypatch, unit_s, until, expected_asks, pace):
     """The profile says 1 s a step and 2 s of prefill; the fake takes ``unit_s`` per unit. Every prompt asks
-    for what fits the time left at the pace seen so far, so the clock never passes ``until``."""
+    for what fits its equal share of the time left at the pace seen so far (at least 8 tokens while they fit),
+    so p is spread over the prompts and the clock never passes ``until``."""
     clock, asked = FakeClock(), []
     monkeypatch.setattr(profiling, "measure", _measure_taking(clock, unit_s, asked))
     deadline = Deadline(100, clock)
@@ -184,7 +190,8 @@ def test_bounded_trial_out_of_time_publishes_nothing(tmp_path, pair, monkeypatch
         return prof
 
     monkeypatch.setattr(profiling, "_bounded_profile", slow_profile)
-    cfg = ProfileJobConfig(storage=str(tmp_path), draft="tiny-draft", target="tiny-target", dtype="float32")
+    cfg = ProfileJobConfig(storage=str(tmp_path), draft="tiny-draft", target="tiny-target", dtype="float32",
+                           max_noise=100.0)  # tiny models' sub-ms timings on a busy machine
     with pytest.raises(BudgetExhausted, match="measuring p at T=0.0"):
         run_bounded(cfg, "cpu-x-1c", Serving(threads=1, time_budget_s=60), clock=clock, progress=False, pair=pair)
     assert PlanStore(str(tmp_path)).list_plans() == []
@@ -290,8 +297,8 @@ def test_a_noisy_bounded_profile_publishes_nothing_and_the_builtin_plan_serves(t
 
 def test_choice_tokens_fit_their_time():
     """1 s a target step everywhere, prompts of 10 tokens (2 s of prefill): 2 rounds of 4 overhead runs and
-    1 + 2 measured trees = 14 runs, 28 s of prefill; a token costs 2 x (3 x 1 + 3 x 1 + 5 x 1) = 22 s."""
+    1 + 2 measured trees = 14 runs, 28 s of prefill; a token costs 2 x (2 x (1 + 1) + 3 x 1) = 14 s."""
     prof = _profile()
-    assert profiling.choice_tokens(28 + 22 * 5, prof, 1.0, 2, 10) == 5
-    assert profiling.choice_tokens(2 * (28 + 22 * 5), prof, 2.0, 2, 10) == 5  # twice as slow as profiled
+    assert profiling.choice_tokens(28 + 14 * 5, prof, 1.0, 2, 10) == 5
+    assert profiling.choice_tokens(2 * (28 + 14 * 5), prof, 2.0, 2, 10) == 5  # twice as slow as profiled
     assert profiling.choice_tokens(27, prof, 1.0, 2, 10) == 0
