@@ -38,9 +38,11 @@ class ServeConfig(BaseModel):
     plan_store: str | None = Field(None, description="Plan store URI; None = built-in plans only.")
     hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
     plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
-    live_acceptance: bool = Field(True, description="Learn the acceptance vector from the verdicts of live traffic "
+    live_acceptance: bool = Field(False, description="Learn the acceptance vector from the verdicts of live traffic "
                                   "(per temperature bucket) and re-plan when the served plan's vector leaves its "
-                                  "confidence bound; the new plan is served at once and published as a live plan.")
+                                  "confidence bound; the new plan is served at once and published as a live plan. "
+                                  "Off unless asked for (the shipped config.yaml turns it on), so a server's plans "
+                                  "change only where the operator wants them to.")
     live_min_samples: int = Field(400, ge=10, description="Trials (inner nodes with >= k children) rank k needs "
                                   "before its live estimate replaces the plan's p[k].")
     live_z: float = Field(3.0, gt=0, le=10, description="Width of the confidence bound (Wilson interval), in "
