@@ -105,7 +105,7 @@ def test_traffic_that_matches_the_plan_never_re_plans():
                                  dict(live_z=-1)])
 def test_live_settings_are_validated(bad):
     with pytest.raises(ValueError, match="live_"):
-        config(None, **bad)
+        config(None, live_acceptance=True, **bad)
 
 
 class _Recorder:
