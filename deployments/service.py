@@ -117,7 +117,7 @@ class PlanProvider:
                 self.seen[name] = f"store:{path}"  # the store's latest is this one: refresh keeps it
             self.keys[name] = (temperature, bucket)
             self._swap(name, ActivePlan(tree, f"live:{path}" if path else "live", bucket))
-        for name, (t, bucket) in self.keys.items():
+        for name, (t, bucket) in list(self.keys.items()):  # request threads may add buckets meanwhile
             if plan_bucket(t, 1) == plan_bucket(temperature, 1) and self.plans[name].bucket != bucket:
                 self._swap(name, self.plans[plan_bucket(temperature, 1)])
 
