@@ -3,6 +3,8 @@ plans, limits. It builds the actors' own small specs (``actors.spec``); actors n
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.placement import ActorResources
@@ -36,6 +38,21 @@ class ServeConfig(BaseModel):
     plan_store: str | None = Field(None, description="Plan store URI; None = built-in plans only.")
     hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
     plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
+    live_acceptance: bool = Field(False, description="Learn the acceptance vector from the verdicts of live traffic "
+                                  "(per temperature bucket) and re-plan when the served plan's vector leaves its "
+                                  "confidence bound; the new plan is served at once and published as a live plan. "
+                                  "Off unless asked for (the shipped config.yaml turns it on), so a server's plans "
+                                  "change only where the operator wants them to.")
+    live_min_samples: int = Field(400, ge=10, description="Trials (inner nodes with >= k children) rank k needs "
+                                  "before its live estimate replaces the plan's p[k].")
+    live_z: float = Field(3.0, gt=0, le=10, description="Width of the confidence bound (Wilson interval), in "
+                          "standard deviations; larger = fewer, later re-plans.")
+    live_half_life: float = Field(20_000.0, gt=0, description="Observations (visited inner nodes) after which one "
+                                  "weighs half: the estimate follows recent traffic.")
+    live_replan_s: float = Field(60.0, gt=0, description="How often to check the live estimate and re-plan (the "
+                                 "rate limit of live re-plans; runs off the request path).")
+    live_max_depth: int = Field(12, ge=1, le=64, description="Deepest tree (levels, root included) a live re-plan "
+                                "may choose when a hardware profile lets it choose (n, d).")
     max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
     max_batch_requests: int = Field(16, ge=1, description="Requests whose trees one forward verifies (and one draft "
                                     "forward grows): continuous batching. 1 = one request per forward.")
@@ -91,6 +108,16 @@ class ServeConfig(BaseModel):
             raise ValueError(f"draft_quantize {self.draft_quantize!r} runs on the CPU only; drop it and use "
                              "dtype bfloat16 or float16 for a GPU draft (or set device: cpu)")
         check_backend(self.tp_backend, self.device_type, self.tp_size)
+        return self
+
+    @model_validator(mode="after")
+    def _live(self):
+        most = self.live_half_life / math.log(2)  # the effective sample size decay lets a rank reach
+        if self.live_acceptance and most < self.live_min_samples:
+            raise ValueError(f"live_half_life {self.live_half_life} keeps at most {most:.0f} effective samples, fewer "
+                             f"than live_min_samples {self.live_min_samples}: no rank could ever be estimated; raise "
+                             f"live_half_life to >= {math.ceil(self.live_min_samples * math.log(2))} or lower "
+                             "live_min_samples")
         return self
 
     @property

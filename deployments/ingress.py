@@ -26,7 +26,7 @@ from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
 from deployments import openai_api as api
 from deployments.config import ServeConfig
 from deployments.metrics import ServiceMetrics
-from deployments.service import PlanProvider, Runner
+from deployments.service import LivePlanner, PlanProvider, Runner
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
 from sequoia_ray.local import encode
@@ -142,6 +142,7 @@ class OpenAIIngress:
         self.runner = Runner(self.cfg.max_concurrent)
         self.active = 0
         self.plans: PlanProvider | None = None
+        self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
         self.metrics = ServiceMetrics()
         key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
         self.expected_auth = f"Bearer {key}".encode() if key else None
@@ -159,7 +160,8 @@ class OpenAIIngress:
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
                 "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()},
-                "plan_store_errors": plans.errors, "plan_store_last_error": plans.last_error}
+                "plan_store_errors": plans.errors, "plan_store_last_error": plans.last_error,
+                "live_acceptance": self.live.summary() if self.live else None}
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "sequoia-ray",
                                             "metadata": meta}]}
 
@@ -260,6 +262,9 @@ class OpenAIIngress:
             if self.plans is None:  # another request may have got here first
                 self.plans = PlanProvider(self.cfg, target["hardware_id"])
                 asyncio.get_running_loop().create_task(self._refresh_plans())
+                if self.cfg.live_acceptance:
+                    self.live = LivePlanner(self.cfg, self.plans)
+                    asyncio.get_running_loop().create_task(self._live_replans())
         return self.plans
 
     async def _target_actors(self) -> dict:
@@ -280,6 +285,18 @@ class OpenAIIngress:
             if self.plans.errors > reported:
                 self.metrics.store_errors.inc(self.plans.errors - reported)
                 reported = self.plans.errors
+
+    async def _live_replans(self) -> None:
+        """Every live_replan_s: re-plan (in a thread: the DP never runs on the request path) where the live
+        estimate has left the served plan's bound, and export the estimate."""
+        while True:
+            await asyncio.sleep(self.cfg.live_replan_s)
+            replanned = []
+            try:
+                replanned = await asyncio.to_thread(self.live.tick)
+            except Exception:  # noqa: BLE001 - re-planning must never kill serving; logged
+                logger.exception("live re-plan failed; keeping the current plans")
+            self.metrics.live(self.live.live, replanned)
 
     async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, speculate: bool = True):
         if self.active >= self.cfg.max_concurrent:
@@ -321,7 +338,8 @@ class OpenAIIngress:
             except Exception as exc:  # noqa: BLE001 - speculation is optional: go on with the target alone
                 logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
-                                  eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"])
+                                  eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
+                                  on_verdict=self.live.observe if self.live else None)
 
     async def _events(self, chunks, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
         model = self.cfg.model_name

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ray.serve import metrics
 
 from sequoia_ray.engine import Stats
+from sequoia_ray.live_acceptance import LiveAcceptance
 
 STEP_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
@@ -28,6 +29,27 @@ class ServiceMetrics:
         self.plan = metrics.Gauge("sequoia_plan_nodes", "Nodes of the plan in use (tags: hardware, source, bucket).",
                                   tag_keys=("hardware", "source", "bucket"))
         self.store_errors = metrics.Counter("sequoia_plan_store_errors", "Plan store reads that failed.")
+        self.live_p = metrics.Gauge("sequoia_live_acceptance", "Live estimate of p[k] per temperature bucket and rank k.",
+                                    tag_keys=("temperature", "rank"))
+        self.live_trials = metrics.Gauge("sequoia_live_trials", "Effective trials (decayed) behind the live p[k].",
+                                         tag_keys=("temperature", "rank"))
+        self.live_samples = metrics.Gauge("sequoia_live_samples", "Inner-node observations since the start.",
+                                          tag_keys=("temperature",))
+        self.live_replans = metrics.Counter("sequoia_live_replans", "Plans re-planned from live acceptance.",
+                                            tag_keys=("temperature",))
+
+    def live(self, live: LiveAcceptance, replanned: list[float]) -> None:
+        """Export the live estimate of every temperature bucket, and count ``replanned``."""
+        for temperature in replanned:
+            self.live_replans.inc(tags={"temperature": f"{temperature:.1f}"})
+        for temperature in live.temperatures():
+            snap, label = live.snapshot(temperature), f"{temperature:.1f}"
+            self.live_samples.set(snap.samples, tags={"temperature": label})
+            for k, (p, tried) in enumerate(zip(snap.p_hat(), snap.tried), start=1):
+                tags = {"temperature": label, "rank": str(k)}
+                self.live_trials.set(float(tried), tags=tags)
+                if tried > 0:
+                    self.live_p.set(float(p), tags=tags)
 
     def finished(self, stats: Stats, first_token_s: float | None) -> None:
         if stats.tokens:  # Ray counters reject inc(0) (an EOS as the first token)

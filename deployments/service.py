@@ -6,7 +6,8 @@ a worker thread (each step blocks on the actors); the async side awaits one chun
 disconnect (task cancellation) lands between steps and closing the generator frees the request's KV state
 on every actor. Plans come from the plan store (latest for this hardware, pair, temperature bucket and batch
 bucket), refreshed in the background; missing or broken store -> the last good plan, the batch-1 plan (for a
-batch bucket with no plan of its own) or the built-in one.
+batch bucket with no plan of its own) or the built-in one. ``LivePlanner`` learns the acceptance vector from
+the verdicts and swaps in (and publishes) a re-planned tree when the served one's vector leaves its bound.
 """
 
 from __future__ import annotations
@@ -15,15 +16,20 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass
 
 from deployments.config import ServeConfig
+from sequoia_ray import live_acceptance
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import Chunk, SpeculativeDecoder
-from sequoia_ray.hardware import batch_bucket
+from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, batch_bucket
+from sequoia_ray.live_acceptance import LiveAcceptance, LiveSettings
 from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, plan_bucket
 from sequoia_ray.tree.builtin import builtin_plan
+from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.tree.plan_file import PlannedTree
+from sequoia_ray.verify import Verdict
 
 logger = logging.getLogger("sequoia_ray.serve")
 _END = object()
@@ -32,7 +38,7 @@ _END = object()
 @dataclass(frozen=True)
 class ActivePlan:
     planned: PlannedTree
-    source: str  # "store:<path>" or "builtin"
+    source: str  # "store:<path>", "builtin", or "live:<path>" / "live" (re-planned here; published or not)
     bucket: int = 1  # the batch bucket the plan was chosen for (1 when a bigger bucket falls back to it)
 
 
@@ -50,6 +56,7 @@ class PlanProvider:
         self.store: PlanStore | None = None
         self.plans: dict[str, ActivePlan] = {}
         self.keys: dict[str, tuple[float, int]] = {}  # folder name -> (temperature, batch bucket)
+        self.seen: dict[str, str] = {}  # folder name -> the store's latest plan when last looked ("store:<path>")
         self.errors, self.last_error = 0, None
 
     def get(self, temperature: float, batch_size: int = 1) -> ActivePlan:
@@ -59,7 +66,10 @@ class PlanProvider:
         name = plan_bucket(temperature, bucket)
         active = self.plans.get(name)
         if active is None:
-            active = self._fetch(temperature, bucket) or self._fallback(temperature, bucket)
+            fetched = self._fetch(temperature, bucket)
+            if fetched is not None:
+                self.seen[name] = fetched.source
+            active = fetched or self._fallback(temperature, bucket)
             self.plans[name], self.keys[name] = active, (temperature, bucket)
             logger.info("plan for %s T=%s batch bucket %d: %s (%d nodes)", self.hardware, temperature, bucket,
                         active.source, active.planned.plan.n)
@@ -71,16 +81,69 @@ class PlanProvider:
         return ActivePlan(builtin_plan(temperature), "builtin")
 
     def refresh(self) -> None:
-        """Every bucket held: its own newer plan if published; a bucket > 1 still without one follows the
-        batch-1 plan (refreshed first)."""
+        """Every bucket held: its own plan if the store has a new one (newer than the one last seen there, so
+        a live plan that could not be published is not undone by the older one); a bucket > 1 still without
+        one follows the batch-1 plan (refreshed first)."""
         for name, (temperature, bucket) in sorted(self.keys.items(), key=lambda kv: kv[1][1]):
             current = self.plans[name]
             fresh = self._fetch(temperature, bucket)
-            if fresh is None and current.bucket != bucket:  # a fallback: follow the batch-1 plan
-                fresh = self.plans[plan_bucket(temperature, 1)]
-            if fresh is not None and fresh.source != current.source:
-                logger.info("new plan for %s: %s", name, fresh.source)
-                self.plans[name] = fresh
+            if fresh is not None and fresh.source != self.seen.get(name):
+                self.seen[name] = fresh.source
+                self._swap(name, fresh)
+            elif fresh is None and current.bucket != bucket:  # a fallback: follow the batch-1 plan
+                self._swap(name, self.plans[plan_bucket(temperature, 1)])
+
+    def _swap(self, name: str, fresh: ActivePlan) -> None:
+        if fresh.source != self.plans[name].source:
+            logger.info("new plan for %s: %s", name, fresh.source)
+            self.plans[name] = fresh
+
+    def current(self, temperature: float) -> dict[int, PlannedTree]:
+        """The plans served at ``temperature`` per batch bucket that has its own (not a fallback)."""
+        out = {}
+        for bucket in BATCH_BUCKETS:
+            active = self.plans.get(plan_bucket(temperature, bucket))
+            if active is not None and active.bucket == bucket:
+                out[bucket] = active.planned
+        return out
+
+    def adopt(self, temperature: float, planned: dict[int, PlannedTree]) -> None:
+        """Serve ``planned`` (a re-plan per batch bucket) from the next step on, publishing each to the store
+        as a live plan; buckets that were following the batch-1 plan follow the new one."""
+        for bucket, tree in sorted(planned.items()):
+            name = plan_bucket(temperature, bucket)
+            path = self._publish(tree, temperature, bucket)
+            if path is not None:
+                self.seen[name] = f"store:{path}"  # the store's latest is this one: refresh keeps it
+            self.keys[name] = (temperature, bucket)
+            self._swap(name, ActivePlan(tree, f"live:{path}" if path else "live", bucket))
+        for name, (t, bucket) in list(self.keys.items()):  # request threads may add buckets meanwhile
+            if plan_bucket(t, 1) == plan_bucket(temperature, 1) and self.plans[name].bucket != bucket:
+                self._swap(name, self.plans[plan_bucket(temperature, 1)])
+
+    def _publish(self, planned: PlannedTree, temperature: float, bucket: int) -> str | None:
+        if not self.cfg.plan_store:
+            return None
+        try:
+            self.store = self.store or PlanStore(self.cfg.plan_store)
+            key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature, bucket)
+            return self.store.publish_plan(planned, key)
+        except Exception as exc:  # noqa: BLE001 - the live plan is served anyway; the store is optional
+            logger.error("could not publish the live plan for T=%s bucket %d: %s: %s", temperature, bucket,
+                         type(exc).__name__, exc)
+            self.errors, self.last_error = self.errors + 1, f"{type(exc).__name__}: {exc}"
+            return None
+
+    def profile(self) -> HardwareProfile | None:
+        """This hardware's profile from the store (None: no store, none published, or unreadable)."""
+        if not self.cfg.plan_store:
+            return None
+        try:
+            self.store = self.store or PlanStore(self.cfg.plan_store)
+            return self.store.fetch_profile(self.hardware)
+        except Exception as exc:  # noqa: BLE001 - without a profile live re-planning keeps each (n, d)
+            logger.debug("no hardware profile for live re-planning (%s: %s)", type(exc).__name__, exc)
+            return None
 
     def _fetch(self, temperature: float, bucket: int) -> ActivePlan | None:
         if not self.cfg.plan_store:
@@ -99,6 +162,49 @@ class PlanProvider:
             self.errors, self.last_error = self.errors + 1, error
             return None
         return ActivePlan(planned, f"store:{path}", bucket)
+
+
+class LivePlanner:
+    """Acceptance learnt from live traffic, Ray-free: ``observe`` is every decoder's ``on_verdict`` (request
+    threads); ``tick`` (the ingress's background loop, every ``live_replan_s``: that is the rate limit, and it
+    keeps the DP off the request path) re-plans each temperature bucket whose served vector has left the
+    estimate's bound, with the hardware profile when the store has one (else each bucket keeps its (n, d)),
+    and hands the new plans to ``PlanProvider.adopt``."""
+
+    def __init__(self, cfg: ServeConfig, plans: PlanProvider) -> None:
+        self.cfg, self.plans = cfg, plans
+        self.live = LiveAcceptance(LiveSettings(cfg.live_min_samples, cfg.live_z, cfg.live_half_life))
+        self.replans: Counter = Counter()  # temperature bucket -> live re-plans
+
+    def observe(self, plan: TreePlan, verdict: Verdict, params: SamplingParams) -> None:
+        self.live.observe(params.temperature, verdict.ranks)
+
+    def tick(self) -> list[float]:
+        """Re-plan where needed; the temperature buckets re-planned."""
+        done, profile = [], None
+        for temperature in self.live.temperatures():
+            current = self.plans.current(temperature)
+            if not current:
+                continue
+            profile = profile or self.plans.profile()
+            fresh = live_acceptance.check(self.live, temperature, current, profile, self.cfg.live_max_depth)
+            if fresh is not None:
+                self.plans.adopt(temperature, fresh)
+                self.replans[temperature] += 1
+                done.append(temperature)
+                logger.info("live re-plan at T=%s: %s", temperature,
+                            {b: (p.plan.n, p.plan.num_levels) for b, p in fresh.items()})
+        return done
+
+    def summary(self) -> dict:
+        """Per temperature bucket: observations, estimate p̂ and effective trials per rank, re-plans."""
+        out = {}
+        for temperature in self.live.temperatures():
+            snap = self.live.snapshot(temperature)
+            out[f"{temperature:.1f}"] = {"samples": snap.samples, "replans": self.replans[temperature],
+                                         "p": [None if x != x else round(float(x), 4) for x in snap.p_hat()],  # None: untried
+                                         "trials": [round(float(x), 1) for x in snap.tried]}
+        return out
 
 
 class Runner:

@@ -135,13 +135,17 @@ class ContextLengthError(PromptError):
 
 class SpeculativeDecoder:
     """``plan``: the tree every step grows, or a function giving each step's tree (a server picks the plan of
-    the current batch size at every step; trees are regrown every step, so they may change size)."""
+    the current batch size at every step; trees are regrown every step, so they may change size).
+    ``on_verdict(plan, verdict, params)``: called after every step with the tree verified and its verdict
+    (e.g. to learn the acceptance vector from live traffic); its failures are logged, never the request's."""
 
     def __init__(self, target: Target, draft: Draft | None, plan: TreePlan | Callable[[], TreePlan], *,
-                 tokenizer=None, eos_ids: tuple[int, ...] = (), max_context: int | None = None) -> None:
+                 tokenizer=None, eos_ids: tuple[int, ...] = (), max_context: int | None = None,
+                 on_verdict: Callable[[TreePlan, Verdict, SamplingParams], None] | None = None) -> None:
         self.target, self.draft = target, draft
         self.plan_for_step = plan if callable(plan) else (lambda: plan)
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
+        self.on_verdict = on_verdict
 
     @property
     def plan(self) -> TreePlan:
@@ -190,7 +194,8 @@ class SpeculativeDecoder:
             stats.steps += 1
             stats.accepted_hist[len(verdict.path) - 1] += 1
             if plan.n > 1:
-                stats.root_rank_hist[plan.rank[verdict.path[1]] if len(verdict.path) > 1 else 0] += 1
+                stats.root_rank_hist[_root_rank(plan, verdict)] += 1
+            self._observe(plan, verdict, params)
             ids, text, reason = stop.feed(verdict.tokens, params.max_tokens)
             stats.tokens = stop.count
             stats.total_s = time.perf_counter() - start
@@ -216,6 +221,14 @@ class SpeculativeDecoder:
         stats.verify_s += t2 - t1
         return verdict, plan
 
+    def _observe(self, plan: TreePlan, verdict: Verdict, params: SamplingParams) -> None:
+        if self.on_verdict is None:
+            return
+        try:
+            self.on_verdict(plan, verdict, params)
+        except Exception as exc:  # noqa: BLE001 - an observer (statistics) must never fail a request
+            logger.warning("on_verdict observer failed (%s: %s); the request goes on", type(exc).__name__, exc)
+
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise PromptError("the prompt is empty (or encodes to no tokens); give at least one token")
@@ -225,6 +238,14 @@ class SpeculativeDecoder:
                 f"{self.max_context} tokens; shorten the prompt or lower max_tokens"
             )
 
+
+
+def _root_rank(plan: TreePlan, verdict: Verdict) -> int:
+    """The accepted root child's rank (0 = none) as the verifier saw the tree (it may not be ``plan``); a
+    verdict without ranks (an older target) falls back to ``plan``'s ranks."""
+    if verdict.ranks:
+        return verdict.ranks[0][1]
+    return plan.rank[verdict.path[1]] if len(verdict.path) > 1 else 0
 
 
 def with_seed(params: SamplingParams) -> SamplingParams:

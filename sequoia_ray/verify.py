@@ -27,6 +27,10 @@ from sequoia_ray.tree.plan import TreePlan
 class Verdict:
     path: list[int]  # node ids from the root (0) to the deepest accepted node
     tokens: list[int]  # the accepted draft tokens then one residual or bonus token: len(path) tokens
+    # (children, accepted rank) per visited inner node, root first: rank is 1-based in draw order, 0 = every
+    # child rejected; the last visited node is absent when it is a leaf (it gives no observation). What live
+    # acceptance estimation learns from, for whatever tree was verified.
+    ranks: tuple[tuple[int, int], ...] = ()
 
 
 def verify_tree(
@@ -55,14 +59,16 @@ def _argmax_per_node(logits: torch.Tensor):  # [n, V] -> (node -> argmax of its 
 
 def _walk(plan: TreePlan, tree_tokens: list[int], step) -> Verdict:
     """From the root, ``step(node, child_tokens) -> (chosen child index | None, token)`` until it stops."""
-    node, path, out = 0, [0], []
+    node, path, out, ranks = 0, [0], [], []
     while True:
         kids = plan.children[node]
         child_tokens = [tree_tokens[c] for c in kids]
         chosen, token = step(node, child_tokens)
+        if kids:
+            ranks.append((len(kids), 0 if chosen is None else chosen + 1))
         if chosen is None:
             out.append(token)
-            return Verdict(path, out)
+            return Verdict(path, out, tuple(ranks))
         node = kids[chosen]
         path.append(node)
         out.append(child_tokens[chosen])

@@ -47,6 +47,8 @@ class Provenance:
     measured_speedup: float | None = None  # the same, run for real (the measured choice)
     candidates: list[dict] | None = None  # every tree measured: n, d, predicted and measured speedup, ...
     overhead: dict | None = None  # the cost model's per-step overhead (hardware.StepOverhead.to_dict())
+    source: str | None = None  # how the plan was made: "live" = re-planned from live traffic; None = profiled
+    live_samples: int | None = None  # inner-node observations behind a live plan's acceptance vector
 
 
 @dataclass(frozen=True)
@@ -154,10 +156,10 @@ def _provenance(obj: Any, bad) -> Provenance:
     temp = obj.get("temperature")
     if temp is not None and (not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0):
         raise bad("provenance.temperature", f"{temp!r} must be a finite number >= 0")
-    for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device"):
+    for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device", "source"):
         if obj.get(key) is not None and not isinstance(obj[key], str):
             raise bad(f"provenance.{key}", f"{obj[key]!r} must be a string")
-    for key, least in (("threads", 0), ("prompts", 0), ("tokens_measured", 0), ("batch", 1)):
+    for key, least in (("threads", 0), ("prompts", 0), ("tokens_measured", 0), ("batch", 1), ("live_samples", 0)):
         v = obj.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
             raise bad(f"provenance.{key}", f"{v!r} must be an integer >= {least}")

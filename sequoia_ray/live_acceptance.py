@@ -1,0 +1,204 @@
+"""The acceptance vector learnt from live traffic, and the re-plan it triggers.
+
+Observations. Every verified tree's walk reports, per visited inner node (root first), its number of
+children w and the rank k accepted (1-based in draw order; 0 = every child rejected): ``Verdict.ranks``.
+The tree may be any tree (a pruned or extended one), not only the plan's.
+
+Estimate. Children are drawn without replacement and verified in rank order, so whether rank k is accepted
+does not depend on how many children come after it: a node with w >= k children is a fair trial for rank k,
+a node with fewer is censored. So, with m[k] = (weighted) inner nodes with >= k children and a[k] = those of
+them that accepted rank k, p̂[k] = a[k] / m[k] is unbiased for trees of any widths. One row (not depth-
+indexed): every visited inner node counts, whatever its depth.
+
+Prior. A rank that has never had ``min_samples`` effective trials is *unsettled* (once settled, a rank keeps
+its estimate even when decay thins its counts). With ``explore`` (default) an unsettled rank is optimistic:
+min(its Wilson upper bound, the previous rank's value) — a rank the served trees never try (a plan 2 wide
+never tries rank 3) would otherwise keep the prior forever, however wrong; the optimistic value makes the
+DP try it, which settles it after ``min_samples`` trials. Without ``explore`` it keeps the prior's p[k] (the
+served plan's vector; 0 beyond its width). Either way unsettled ranks share only the mass 1 - sum(settled p̂),
+in rank order, so they never shift the settled estimates.
+
+Bound. A Wilson score interval at ``z`` (default 3) per rank. The served plan's vector *leaves its bound* when
+some rank with m[k] >= ``min_samples`` has the plan's p[k] outside the interval; then the service re-plans.
+
+Recent traffic: exponential decay. Every inner-node observation first multiplies all counts by
+2 ** (-1 / half_life), so an observation ``half_life`` observations old weighs 1/2, and the effective sample
+size m[k] tops out at about half_life / ln 2. ``samples`` (the raw count since the start) is reported beside
+the effective counts. Thread-safe: many request threads feed one ``LiveAcceptance``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from sequoia_ray.hardware import NO_OVERHEAD, HardwareProfile, StepOverhead, choose_buckets
+from sequoia_ray.plan_store import temperature_bucket
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.dp import solve
+from sequoia_ray.tree.plan_file import PlannedTree
+from sequoia_ray.tree.planning import plan_for
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    min_samples: int = 400  # effective trials a rank needs before its estimate replaces the prior
+    z: float = 3.0  # width of the Wilson interval, in standard deviations
+    half_life: float = 20_000.0  # inner-node observations after which an observation weighs 1/2
+    explore: bool = True  # under-sampled ranks optimistic (upper bound) instead of the prior: see the docstring
+
+    def __post_init__(self) -> None:
+        if self.min_samples < 1:
+            raise ValueError(f"min_samples {self.min_samples} must be >= 1")
+        if not self.z > 0:
+            raise ValueError(f"z {self.z} must be > 0 (e.g. 3)")
+        if self.half_life / math.log(2) < self.min_samples:
+            raise ValueError(f"half_life {self.half_life} keeps at most {self.half_life / math.log(2):.0f} effective "
+                             f"samples < min_samples {self.min_samples}: raise half_life or lower min_samples")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A temperature bucket's counts at one moment (a copy: use it without the lock)."""
+
+    tried: np.ndarray  # [W] float64; m[k-1]: effective inner nodes with >= k children
+    accepted: np.ndarray  # [W] float64; a[k-1]: of those, the ones that accepted rank k
+    settled: np.ndarray  # [W] bool; the rank has had min_samples effective trials at some point
+    samples: int  # inner-node observations since the start (not decayed)
+    settings: LiveSettings
+
+    def p_hat(self) -> np.ndarray:  # [W]; nan where nothing was tried
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.accepted / self.tried
+
+    def interval(self) -> tuple[np.ndarray, np.ndarray]:  # ([W], [W]) Wilson bounds; [0, 1] where untried
+        n, z = np.maximum(self.tried, 1e-12), self.settings.z
+        p = np.clip(np.nan_to_num(self.p_hat()), 0.0, 1.0)
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        return np.clip(centre - half, 0.0, 1.0), np.clip(centre + half, 0.0, 1.0)
+
+    def enough(self) -> np.ndarray:  # [W] bool: ranks whose estimate is used (settled once, kept after decay)
+        return self.settled | (self.tried >= self.settings.min_samples)
+
+    def estimate(self, prior: tuple[float, ...]) -> AcceptanceVector:
+        """p̂ where a rank has enough samples; elsewhere the prior's p[k] (0 beyond its width), or with
+        ``explore`` the optimistic min(Wilson upper bound, the rank before's value); sum <= 1."""
+        width = max(len(prior), len(self.tried))
+        p = np.zeros(width)
+        p[: len(prior)] = prior
+        enough = np.pad(self.enough(), (0, width - len(self.tried)))
+        hat = np.pad(np.nan_to_num(self.p_hat()), (0, width - len(self.tried)))
+        hi = np.pad(self.interval()[1], (0, width - len(self.tried)), constant_values=1.0)
+        p[enough] = hat[enough]
+        left = 1.0 - p[enough].sum()  # what the estimated ranks leave to the others
+        for k in np.flatnonzero(~enough):
+            guess = min(hi[k], p[k - 1] if k else 1.0) if self.settings.explore else p[k]
+            p[k] = max(0.0, min(guess, left))
+            left -= p[k]
+        total = p.sum()
+        return AcceptanceVector.from_p(list(p / total if total > 1 else p))
+
+    def departs(self, plan_p: tuple[float, ...]) -> bool:
+        """True when ``plan_p`` lies outside the interval at some rank with enough samples."""
+        lo, hi = self.interval()
+        p = np.zeros(len(self.tried))
+        p[: min(len(plan_p), len(p))] = plan_p[: len(p)]
+        out = (p < lo) | (p > hi)
+        return bool(np.any(out & (self.tried >= self.settings.min_samples)))
+
+
+class _Counts:
+    def __init__(self, settings: LiveSettings) -> None:
+        self.settings, self.samples = settings, 0
+        self.tried, self.accepted = np.zeros(0), np.zeros(0)  # [W], grown on demand
+        self.settled = np.zeros(0, dtype=bool)  # [W]
+        self.keep = 2.0 ** (-1.0 / settings.half_life)
+
+    def add(self, children: int, rank: int) -> None:
+        if children > len(self.tried):
+            grow = children - len(self.tried)
+            self.tried, self.accepted = np.pad(self.tried, (0, grow)), np.pad(self.accepted, (0, grow))
+            self.settled = np.pad(self.settled, (0, grow))
+        self.tried *= self.keep
+        self.accepted *= self.keep
+        self.tried[:children] += 1.0
+        if rank:
+            self.accepted[rank - 1] += 1.0
+        self.samples += 1
+
+    def snapshot(self) -> Snapshot:
+        self.settled |= self.tried >= self.settings.min_samples
+        return Snapshot(self.tried.copy(), self.accepted.copy(), self.settled.copy(), self.samples, self.settings)
+
+
+class LiveAcceptance:
+    """Rank counts per temperature bucket (``t0.0``, ``t0.6``: the plan store's rounding), fed by verdicts."""
+
+    def __init__(self, settings: LiveSettings = LiveSettings()) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._counts: dict[str, _Counts] = {}
+
+    def observe(self, temperature: float, ranks: Iterable[tuple[int, int]]) -> None:
+        """``ranks``: a verdict's (children, accepted rank) per visited inner node."""
+        ranks = list(ranks)
+        for children, rank in ranks:
+            if not 0 <= rank <= children or children < 1:
+                raise ValueError(f"observation (children {children}, rank {rank}) needs 0 <= rank <= children, "
+                                 "children >= 1; pass Verdict.ranks")
+        if not ranks:
+            return
+        name = temperature_bucket(temperature)
+        with self._lock:
+            counts = self._counts.setdefault(name, _Counts(self.settings))
+            for children, rank in ranks:
+                counts.add(children, rank)
+
+    def snapshot(self, temperature: float) -> Snapshot | None:
+        with self._lock:
+            counts = self._counts.get(temperature_bucket(temperature))
+            return None if counts is None else counts.snapshot()
+
+    def temperatures(self) -> list[float]:
+        """The temperature buckets observed so far, as temperatures (``t0.6`` -> 0.6)."""
+        with self._lock:
+            return sorted(float(name[1:]) for name in self._counts)
+
+
+# ---- re-planning -------------------------------------------------------------------------------------
+def replan(acceptance: AcceptanceVector, current: dict[int, PlannedTree], profile: HardwareProfile | None, *,
+           samples: int, max_depth: int) -> dict[int, PlannedTree]:
+    """New plans for ``acceptance``, per batch bucket. With a hardware ``profile``: the DP over the profiled
+    budgets and ``max_depth`` levels, and the cost model's (n, d) per bucket the profile has (with the step
+    overhead recorded in the current plans, if any). Without: each current bucket keeps its (n, d) budget and
+    only the tree's shape is re-solved. Provenance: the current plan's, ``source="live"``, ``live_samples``."""
+    base = current[min(current)].provenance
+    prov = replace(base, source="live", live_samples=samples, measured_speedup=None, candidates=None,
+                   prompts=None, tokens_measured=None, predicted_speedup=None)
+    if profile is None:
+        return {b: plan_for(acceptance, p.budget, p.max_depth, prov)[0] for b, p in current.items()}
+    table = solve(acceptance, max(profile.t), max_depth)
+    overhead = StepOverhead.from_dict(base.overhead) if base.overhead else NO_OVERHEAD
+    out = {}
+    for bucket, (best, _) in choose_buckets(table, profile, tuple(profile.t), overhead).items():
+        out[bucket] = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d),
+                                  replace(prov, predicted_speedup=best.predicted_speedup))
+    return out
+
+
+def check(live: LiveAcceptance, temperature: float, current: dict[int, PlannedTree],
+          profile: HardwareProfile | None, max_depth: int) -> dict[int, PlannedTree] | None:
+    """The re-planned buckets when the served plan's vector (the smallest bucket's, root row) has left the
+    live estimate's bound at ``temperature``, else None."""
+    snap = live.snapshot(temperature)
+    if snap is None or not current:
+        return None
+    prior = current[min(current)].acceptance.row(0)
+    if not snap.departs(prior):
+        return None
+    return replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth)

@@ -1,0 +1,135 @@
+"""The serving glue of live acceptance, without Ray: PlanProvider serves a live re-plan without a restart,
+publishes it as a live plan, keeps it across refreshes; LivePlanner feeds and ticks; the metrics export it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deployments.config import ServeConfig
+from deployments.metrics import ServiceMetrics
+from deployments.service import LivePlanner, PlanProvider
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.plan_store import PlanKey, PlanStore
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.builtin import builtin_plan
+from sequoia_ray.tree.dp import solve
+from sequoia_ray.verify import Verdict
+from tests.unit.test_live_acceptance import P_TRUE, walk
+
+HW = "cpu-test-2c"
+KEY = PlanKey(HW, "tiny-draft", "tiny-target", 0.0)
+
+
+def config(store: str | None, **kw) -> ServeConfig:
+    return ServeConfig(draft="tiny-draft", target="tiny-target", plan_store=store, **kw)
+
+
+def feed(planner: LivePlanner, plans: PlanProvider, verdicts: int, seed: int = 0) -> None:
+    """Requests at T=0 whose draft follows P_TRUE, on whatever tree is served now (as the ingress does)."""
+    rng, params = np.random.default_rng(seed), SamplingParams(seed=1)
+    for _ in range(verdicts):
+        plan = plans.get(0.0).planned.plan
+        planner.observe(plan, Verdict([0], [1], tuple(walk(plan, P_TRUE, rng))), params)
+
+
+def want(budget: int = 16, depth: int = 6):
+    return solve(AcceptanceVector.from_p(P_TRUE), budget, depth).tree(budget, depth)
+
+
+def test_a_live_plan_is_served_published_and_kept_until_the_store_has_a_newer_one(tmp_path):
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(builtin_plan(0.0), KEY)  # the profiled plan, built from the wrong vector
+    plans = PlanProvider(config(str(tmp_path)), HW)
+    planner = LivePlanner(config(str(tmp_path)), plans)
+    start = plans.get(0.0)
+    assert start.source.startswith("store:") and plans.get(0.0, 2).bucket == 1  # bucket 2 follows batch 1
+    assert planner.tick() == []  # nothing observed yet
+    for _ in range(30):  # 30 checks of 200 verdicts (the ingress: one check per live_replan_s)
+        feed(planner, plans, 200)
+        planner.tick()
+    served = plans.get(0.0)
+    assert served.source.startswith("live:/") and served.planned.plan == want()
+    assert plans.get(0.0, 2).planned.plan == want()  # the follower moved with it, at once
+    published, path = store.fetch_plan(KEY)
+    assert served.source == f"live:{path}" and published.plan == want()
+    assert published.provenance.source == "live" and published.provenance.live_samples >= 400
+    plans.refresh()
+    assert plans.get(0.0) is served  # the store's latest is the live plan: nothing to swap
+    newer = store.publish_plan(builtin_plan(0.0, budget=8), KEY)  # e.g. tuning published a new plan
+    plans.refresh()
+    assert plans.get(0.0).source == f"store:{newer}"
+    summary = planner.summary()["0.0"]
+    assert summary["samples"] > 10_000 and summary["replans"] >= 1 and abs(summary["p"][0] - 0.6) < 0.03
+
+
+def test_without_a_store_the_live_plan_is_served_and_refresh_keeps_it():
+    plans = PlanProvider(config(None), HW)
+    planner = LivePlanner(config(None), plans)
+    assert plans.get(0.0).source == "builtin"
+    feed(planner, plans, 2_000)
+    assert planner.tick() == [0.0]
+    plans.refresh()
+    assert plans.get(0.0).source == "live" and plans.get(0.0).planned.provenance.source == "live"
+
+
+def test_a_store_that_cannot_take_the_live_plan_still_serves_it(tmp_path):
+    store = PlanStore(str(tmp_path / "store"))
+    store.publish_plan(builtin_plan(0.0), KEY)
+    plans = PlanProvider(config(str(tmp_path / "store")), HW)
+    planner = LivePlanner(config(str(tmp_path / "store")), plans)
+    plans.get(0.0)
+    (tmp_path / "store").rename(tmp_path / "gone")
+    (tmp_path / "store").write_text("not a folder")  # publishing fails
+    feed(planner, plans, 2_000)
+    assert planner.tick() == [0.0]
+    assert plans.get(0.0).source == "live" and plans.errors >= 1
+    plans.refresh()  # the store is unreadable: the live plan stays
+    assert plans.get(0.0).source == "live"
+
+
+def test_traffic_that_matches_the_plan_never_re_plans():
+    plans = PlanProvider(config(None), HW)
+    planner = LivePlanner(config(None), plans)
+    p_plan = plans.get(0.0).planned.acceptance.rows[0]
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        for _ in range(300):
+            plan = plans.get(0.0).planned.plan
+            planner.observe(plan, Verdict([0], [1], tuple(walk(plan, p_plan, rng))), SamplingParams())
+        assert planner.tick() == []
+    assert plans.get(0.0).source == "builtin"
+
+
+@pytest.mark.parametrize("bad", [dict(live_min_samples=1_000, live_half_life=500), dict(live_replan_s=0),
+                                 dict(live_z=-1)])
+def test_live_settings_are_validated(bad):
+    with pytest.raises(ValueError, match="live_"):
+        config(None, live_acceptance=True, **bad)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls = []
+
+    def set(self, value, tags=None):
+        self.calls.append((value, tags))
+
+    def inc(self, value=1, tags=None):
+        self.calls.append((value, tags))
+
+
+def test_the_estimate_is_exported_as_metrics():
+    plans = PlanProvider(config(None), HW)
+    planner = LivePlanner(config(None), plans)
+    planner.observe(None, Verdict([0, 1], [1, 2], ((2, 1), (1, 0))), SamplingParams(temperature=0.6))
+    metrics = ServiceMetrics()
+    for name in ("live_p", "live_trials", "live_samples", "live_replans"):
+        setattr(metrics, name, _Recorder())
+    metrics.live(planner.live, [0.6])
+    assert metrics.live_replans.calls == [(1, {"temperature": "0.6"})]
+    assert metrics.live_samples.calls == [(2, {"temperature": "0.6"})]
+    assert metrics.live_trials.calls == [(pytest.approx(2.0, rel=1e-4), {"temperature": "0.6", "rank": "1"}),
+                                         (pytest.approx(1.0, rel=1e-4), {"temperature": "0.6", "rank": "2"})]
+    assert metrics.live_p.calls == [(pytest.approx(0.5, rel=1e-3), {"temperature": "0.6", "rank": "1"}),
+                                    (0.0, {"temperature": "0.6", "rank": "2"})]  # decay: ~, not ==

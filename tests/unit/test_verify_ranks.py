@@ -1,0 +1,106 @@
+"""Verdict.ranks: (children, accepted rank) per visited inner node of the tree verified, root first."""
+
+from __future__ import annotations
+
+import torch
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftTree
+from sequoia_ray.engine import SpeculativeDecoder
+from sequoia_ray.sampling import SparseDist
+from sequoia_ray.tree.plan import first_levels, from_nested, k_ary
+from sequoia_ray.verify import Verdict, verify_tree
+
+VOCAB = 32
+# root: children 1, 2, 3 (ranks 1..3); node 1: children 4, 5; node 3: child 6
+PLAN = from_nested([[[], []], [], [[]]])
+TOKENS = torch.tensor([10 + i for i in range(PLAN.n)])  # node i carries token 10 + i
+
+
+def greedy_logits(argmax: dict[int, int]) -> torch.Tensor:  # [n, V]
+    logits = torch.zeros(PLAN.n, VOCAB)
+    for node, token in argmax.items():
+        logits[node, token] = 5.0
+    return logits
+
+
+def greedy(argmax: dict[int, int]) -> Verdict:
+    return verify_tree(PLAN, DraftTree(TOKENS, {}), greedy_logits(argmax), SamplingParams(),
+                       torch.Generator().manual_seed(0))
+
+
+def test_a_rejection_below_an_accepted_rank_three():
+    verdict = greedy({0: 13, 3: 30})  # root accepts node 3 (rank 3); node 3's child (token 16) is rejected
+    assert verdict.path == [0, 3] and verdict.tokens == [13, 30]
+    assert verdict.ranks == ((3, 3), (1, 0))
+
+
+def test_an_accepted_leaf_gives_no_observation():
+    verdict = greedy({0: 11, 1: 15, 5: 20})  # rank 1, then rank 2 (node 5, a leaf), then the bonus token
+    assert verdict.path == [0, 1, 5] and verdict.tokens == [11, 15, 20]
+    assert verdict.ranks == ((3, 1), (2, 2))
+
+
+def test_a_rejected_root_and_the_default():
+    assert greedy({0: 31}).ranks == ((3, 0),)
+    assert Verdict([0], [5]).ranks == ()  # other code constructing a Verdict still works
+
+
+def test_sampled_ranks_follow_the_path_on_random_trees():
+    plan = k_ary(3, 3)
+    gen = torch.Generator().manual_seed(1)
+    for seed in range(40):
+        tokens = torch.randint(0, VOCAB, (plan.n,), generator=gen)
+        dists = {}
+        for node, kids in enumerate(plan.children):
+            if kids:  # children drawn without replacement: distinct tokens, D uniform over a superset
+                picks = torch.randperm(VOCAB, generator=gen)[: len(kids) + 2]
+                tokens[list(kids)] = picks[: len(kids)]
+                dists[node] = SparseDist(picks, torch.full((len(picks),), 1.0 / len(picks)))
+        logits = torch.randn(plan.n, VOCAB, generator=gen) * 2
+        verdict = verify_tree(plan, DraftTree(tokens, dists), logits, SamplingParams(temperature=1.0, seed=seed),
+                              torch.Generator().manual_seed(seed))
+        path = verdict.path
+        inner = [node for node in path if plan.children[node]]
+        assert len(verdict.ranks) == len(inner)
+        for i, (children, rank) in enumerate(verdict.ranks):
+            assert children == len(plan.children[path[i]])
+            assert rank == (plan.rank[path[i + 1]] if i + 1 < len(path) else 0)
+
+
+class _Fake:
+    """A draft and a target in one: every step grows PLAN; the target answers a fixed verdict."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+
+    def start(self, *args) -> None: ...
+    def finish(self, *args) -> None: ...
+
+    def grow(self, request_id, plan, commits=()) -> DraftTree:
+        return DraftTree(TOKENS[: plan.n], {})
+
+    def verify(self, request_id, plan, draft) -> Verdict:
+        return self.verdict
+
+
+def test_the_engine_counts_the_verified_trees_rank_and_tells_the_observer():
+    # the verifier saw a tree whose accepted root child has rank 2 (node 1 is rank 1 in the engine's plan)
+    fake, seen = _Fake(Verdict([0, 1], [11, 7], ((4, 2), (2, 0)))), []
+    decoder = SpeculativeDecoder(fake, fake, PLAN, on_verdict=lambda plan, v, params: seen.append((plan, v, params)))
+    out = decoder.generate([1, 2], SamplingParams(max_tokens=6, seed=3))
+    assert out.stats.steps == 3 and out.stats.root_rank_hist == {2: 3}
+    assert [v.ranks for _, v, _ in seen] == [((4, 2), (2, 0))] * 3
+    # the tree verified: the last step's is cut to the 2 tokens left (its first 2 levels)
+    assert [plan for plan, _, _ in seen] == [PLAN, PLAN, first_levels(PLAN, 2)]
+    assert all(params.seed == 3 for _, _, params in seen)
+
+
+def test_a_failing_observer_never_fails_the_request():
+    fake = _Fake(Verdict([0], [7], ((3, 0),)))
+
+    def broken(*_):
+        raise RuntimeError("metrics down")
+
+    out = SpeculativeDecoder(fake, fake, PLAN, on_verdict=broken).generate([1], SamplingParams(max_tokens=2, seed=0))
+    assert out.token_ids == [7, 7]
