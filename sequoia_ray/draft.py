@@ -14,17 +14,19 @@ Dynamic trees (``DraftWorker(..., dynamic=DynamicTrees(threshold, extend))``, EA
 as prior and budget). A node's *path probability* v is the product of the draft's probabilities of the tokens
 on its path (D at the request's temperature; greedy: the draft's softmax at T = 1) — the draft's estimate that
 the target accepts the whole path, i.e. the node's expected gain in tokens. At a node with k planned children
-the draft draws the k tokens in draw order and keeps the children 1..m where m is the first i for which
-``v · E_i < threshold`` (minus one), with E_i = E[D(s_i) | s_1..s_{i-1}] the expected D-probability of the
-i-th draw given the earlier ones (greedy: E_i is the i-th top probability itself — nothing is random). A
-node whose v is below the threshold is not forwarded (E_i <= 1, so it could keep no child), so its whole
-planned subtree goes. Beyond the plan's depth, at each level the one node of the deepest level with the
+the draft draws the k tokens in draw order and keeps children while ``v · E_i >= threshold`` (it stops at the
+first i below), with E_i = E[D(s_i) | s_1..s_{i-1}] the expected D-probability of the i-th draw given the
+earlier ones, so v · E_i is the child's expected path probability before it is drawn (greedy: E_i is the
+i-th top probability itself — nothing is random). A node whose v is below the threshold is not forwarded
+(E_i <= 1, so it could keep no child), so its whole planned subtree goes. A draft level costs a forward
+whatever its width: with ``level_threshold`` the tree stops at a level whose nodes to forward are worth less
+together (their children's path probabilities sum to at most theirs). Beyond the plan's depth, at each level the one node of the deepest level with the
 largest v (a leaf of the plan's last level, then the extension chain) gets one more child, drawn the same
 way, when ``v · E_1 >= extend_threshold``, for at most ``extend`` extra levels. Cap: every grown node but
 the extension chain is a distinct plan node, so the tree has at most ``plan.n + extend`` nodes and
 ``plan.num_levels + extend`` levels. The grown tree is sent with its own ``TreePlan`` (``DraftTree.plan``,
-breadth-first, children in draw order) and the target verifies that plan. With ``dynamic=None`` (or a
-threshold of 0 and no extension) the tree is the plan's, draw for draw.
+breadth-first, children in draw order) and the target verifies that plan. With ``dynamic=None`` (or
+thresholds of 0 and no extension) the tree is the plan's, draw for draw.
 
 Why pruning keeps the verifier exact (sampled, T > 0). At a node, the verifier's output after i - 1
 rejected children is distributed as the residual R_i whatever happens next, provided that, whenever the
@@ -32,8 +34,9 @@ i-th child is verified, it is distributed as D_i (D without s_1..s_{i-1}) given 
 stopping emits a draw from R_i, and going on accepts s_i with probability min(1, R_i/D_i)(s_i) or falls to
 R_{i+1} = norm(max(R_i - D_i, 0)), which mixes back to R_i (the rejection-sampling lemma; by induction from
 the last child). Keeping child i is decided from v (the path's tokens, drawn at the ancestors), E_i (a
-function of s_1..s_{i-1} and D) and, for the extension, the path probabilities of the other nodes of the
-level (independent of this node's draws) — never from s_i or a later draw. So the decision is a stopping
+function of s_1..s_{i-1} and D) and, for the extension and the level rule, the path probabilities of the
+other nodes of the level (drawn with other noise, before this node's children) — never from s_i or a later
+draw. So the decision is a stopping
 time of the draw sequence and conditioning on it leaves s_i ~ D_i: the kept children are a prefix of the
 without-replacement sequence whose length is decided before each draw is looked at. The k tokens are drawn
 at once (Gumbel-top-k gives them in draw order, and the same noise as a static tree); the discarded tail
@@ -77,6 +80,7 @@ class DynamicTrees:
     threshold: float  # expected tokens a tree node must be worth: G(n, d) * delta / S (``from_cost_model``)
     extend: int = 0  # extra levels beyond the plan's depth (one node each)
     extend_threshold: float | None = None  # worth a node one extra draft level needs (None: ``threshold``)
+    level_threshold: float = 0.0  # worth a level's inner nodes need together for the next draft forward
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -85,6 +89,8 @@ class DynamicTrees:
             raise ValueError(f"extend {self.extend} must be >= 0 (0: never grow beyond the plan's depth)")
         if self.extend_threshold is not None and not self.extend_threshold >= 0:
             raise ValueError(f"extend_threshold {self.extend_threshold} must be >= 0, or None for threshold")
+        if not self.level_threshold >= 0:
+            raise ValueError(f"level_threshold {self.level_threshold} must be >= 0 (0: no level is skipped)")
 
     @property
     def extend_bound(self) -> float:
@@ -95,12 +101,13 @@ class DynamicTrees:
                         level_cost: float = 0.0, extend: int = 0) -> DynamicTrees:
         """Thresholds from the cost model, every cost in target-step units: a node worth g expected tokens
         raises throughput G / S iff g > G * delta / S, with G = ``expected_tokens`` (the plan's G(n, d)),
-        S = ``step_cost`` (t(n) + d * c), delta = ``token_cost`` (t(n + 1) - t(n) plus its share of a draft
-        level); a node on a new level beyond the plan also pays ``level_cost`` (c, one draft forward)."""
+        S = ``step_cost`` (t(n) + d * c), delta = ``token_cost`` (t(n + 1) - t(n)); a draft level costs
+        ``level_cost`` (c, one draft forward): the next level is grown only when the nodes it would draw
+        from are worth G * c / S together, and a node on a new level beyond the plan pays delta + c."""
         if step_cost <= 0:
             raise ValueError(f"step_cost {step_cost} must be > 0 (t(n) + d * c in target steps)")
         per_cost = expected_tokens / step_cost
-        return cls(per_cost * token_cost, extend, per_cost * (token_cost + level_cost))
+        return cls(per_cost * token_cost, extend, per_cost * (token_cost + level_cost), per_cost * level_cost)
 
 
 @dataclass(frozen=True)
@@ -268,7 +275,7 @@ class DraftWorker(RequestTable):
 
     @staticmethod
     def _is_static(rule: DynamicTrees) -> bool:
-        return rule.threshold == 0 and rule.extend == 0
+        return rule.threshold == 0 and rule.extend == 0 and rule.level_threshold == 0
 
     def _forward(self, segments: dict[int, Segment], *, last_only: bool) -> dict[int, torch.Tensor]:
         """One draft forward over ``segments``; their logits ([q, V], or [1, V] at the last token)."""
@@ -383,6 +390,8 @@ class DraftWorker(RequestTable):
             best = max(deepest, key=g.worth.__getitem__)
             if g.worth[best] >= rule.extend_bound:
                 inner.append(best)
+        if sum(g.worth[c] for c in inner) < rule.level_threshold:  # the next level's children are worth less
+            return []
         return sorted(inner)
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int], at: int | None = None) -> None:

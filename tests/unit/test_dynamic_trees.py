@@ -122,10 +122,28 @@ def test_a_high_threshold_keeps_the_root_alone_and_the_target_still_verifies(mod
 def test_thresholds_from_the_cost_model_and_bad_values():
     rule = DynamicTrees.from_cost_model(expected_tokens=3.0, step_cost=2.0, token_cost=0.02, level_cost=0.5, extend=2)
     assert rule.threshold == pytest.approx(0.03) and rule.extend_bound == pytest.approx(0.78) and rule.extend == 2
+    assert rule.level_threshold == pytest.approx(0.75)
     assert DynamicTrees(0.1).extend_bound == 0.1
     for bad in (dict(threshold=-0.1), dict(threshold=float("nan")), dict(threshold=0.1, extend=-1),
-                dict(threshold=0.1, extend_threshold=-1.0)):
+                dict(threshold=0.1, extend_threshold=-1.0), dict(threshold=0.1, level_threshold=-1.0)):
         with pytest.raises(ValueError, match="must be >= 0"):
             DynamicTrees(**bad)
     with pytest.raises(ValueError, match="step_cost"):
         DynamicTrees.from_cost_model(3.0, 0.0, 0.02)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_level_rule_stops_where_the_level_is_worth_less_than_a_draft_forward(models, temperature):
+    """With level_threshold L the tree stops at the first level whose inner nodes' path probabilities sum
+    below L: cut trees are the unbounded rule's trees truncated at that level (same draws, same ids)."""
+    _, draft = models
+    free, cut = DynamicTrees(0.001), DynamicTrees(0.001, level_threshold=0.3)
+    unbounded = grow_all(draft, k_ary(2, 4), temperature, free, batch=True)
+    stopped = grow_all(draft, k_ary(2, 4), temperature, cut, batch=True)
+    shorter = 0
+    for rid in PROMPTS:
+        full, short = unbounded[rid].plan, stopped[rid].plan
+        assert short.parents == full.parents[: short.n]
+        assert torch.equal(stopped[rid].tokens, unbounded[rid].tokens[: short.n])
+        shorter += short.num_levels < full.num_levels
+    assert shorter, "the level rule must cut some tree for the test to bite"
