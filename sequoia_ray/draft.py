@@ -20,9 +20,10 @@ earlier ones, so v · E_i is the child's expected path probability before it is 
 i-th top probability itself — nothing is random). A node whose v is below the threshold is not forwarded
 (E_i <= 1, so it could keep no child), so its whole planned subtree goes. A draft level costs a forward
 whatever its width: with ``level_threshold`` the tree stops at a level whose nodes to forward are worth less
-together (their children's path probabilities sum to at most theirs). Beyond the plan's depth, at each level the one node of the deepest level with the
-largest v (a leaf of the plan's last level, then the extension chain) gets one more child, drawn the same
-way, when ``v · E_1 >= extend_threshold``, for at most ``extend`` extra levels. Cap: every grown node but
+together (their children's path probabilities sum to at most theirs). Beyond the plan's depth, at each
+level the one node of the deepest level with the largest v (a leaf of the plan's last level, then the
+extension chain) gets one more child, drawn the same way, when ``v · E_1 >= extend_threshold``, for at most
+``extend`` extra levels. Cap: every grown node but
 the extension chain is a distinct plan node, so the tree has at most ``plan.n + extend`` nodes and
 ``plan.num_levels + extend`` levels. The grown tree is sent with its own ``TreePlan`` (``DraftTree.plan``,
 breadth-first, children in draw order) and the target verifies that plan. With ``dynamic=None`` (or

@@ -30,6 +30,8 @@ def next_probs(model, tokens: list[int], temperature: float = 1.0) -> torch.Tens
 # from the 13-node plan, 1 kept 5 nodes / 3 levels, 107 kept 5 nodes and 92 kept 6 nodes, both 4 levels
 # (one extended); from its first 2 levels (4 nodes), 93 trees kept 3 nodes / 3 levels, 107 kept 4 nodes / 4 levels.
 DYNAMIC = DynamicTrees(0.15, extend=2, extend_threshold=0.2)
+# The level rule on top: every first tree from the 13-node plan stops at 3 levels (107 with 4 nodes, 93 with 5).
+LEVELS = DynamicTrees(0.15, extend=2, extend_threshold=0.2, level_threshold=0.6)
 
 
 def two_tokens(target, draft, prompt, n: int, batch: int, dynamic: DynamicTrees | None = None):
@@ -64,13 +66,13 @@ def two_tokens(target, draft, prompt, n: int, batch: int, dynamic: DynamicTrees 
             dw.finish(rid)
 
 
-@pytest.mark.parametrize("dynamic", [None, DYNAMIC], ids=["static", "dynamic"])
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch,dynamic", [(1, None), (8, None), (1, DYNAMIC), (8, DYNAMIC), (8, LEVELS)],
+                         ids=["1-static", "8-static", "1-dynamic", "8-dynamic", "8-levels"])
 def test_first_two_tokens_follow_the_target_exactly(batch, dynamic):
     """N = 3000 requests (seeds 0..2999) at T = 1 with a 13-node tree (static, or pruned and extended by
-    ``DYNAMIC``), one at a time or 8 per forward; for each of the 64 cells of the joint law of (token 1,
-    token 2), |frequency - exact target probability| <= 5 SE + 0.004 (SE = sqrt(p (1 - p) / N)); a 5-sigma
-    bound per cell keeps the false-failure chance below ~1e-4."""
+    ``DYNAMIC``, or also cut by the level rule), one at a time or 8 per forward; for each of the 64 cells of
+    the joint law of (token 1, token 2), |frequency - exact target probability| <= 5 SE + 0.004
+    (SE = sqrt(p (1 - p) / N)); a 5-sigma bound per cell keeps the false-failure chance below ~1e-4."""
     target = sharpen(tiny_model("qwen2", seed=11, vocab=V), 25.0)
     draft = noisy_copy(target, scale=0.6, seed=12)
     prompt = [1, 5, 2]
