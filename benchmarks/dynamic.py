@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dynamic.py [--real] [--limit 3] [--max-tokens 48]
         [--temperatures 0,0.6] [--thresholds 0.03,0.1] [--levels 0.25,0.5] [--extend 2]
-        [--budget 16] [--depth 6] [--dtype bfloat16]
+        [--repeats 1] [--budget 16] [--depth 6] [--dtype bfloat16]
 
 Default: the tiny pair (``LocalPair.tiny``: random weights, the draft is the target's first layers; a
 minute). ``--real``: the default real pair of benchmarks/e2e.py. The plan is the built-in DP tree (budget n,
@@ -13,7 +13,8 @@ bursts; interleaving spreads them over every configuration): the static plan; pr
 worth less than a draft forward), then also extended (``--extend`` levels at most, a path extends when its
 next node is worth node + level threshold). Per prompt: tokens/step,
 tree nodes/step (root included, the trees actually verified), draft levels/step, tokens/s (wall time of the
-whole generation); the table shows medians over prompts and the total tokens/s. JSON:
+whole generation); the table shows medians over prompts (and repeats: every other repeat runs the
+configurations in reverse order) and the total tokens/s. JSON:
 benchmarks/results/dynamic[-real].json.
 """
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--thresholds", default="0.03,0.1", help="node thresholds (expected tokens a node must be worth)")
     ap.add_argument("--levels", default="0.25,0.5", help="level thresholds (worth a draft forward must have)")
     ap.add_argument("--extend", type=int, default=2, help="extra levels beyond the plan (0: no extension)")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (odd passes in reverse order)")
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--out", type=Path)
@@ -123,10 +125,12 @@ def main(argv: list[str] | None = None) -> None:
         for name, dynamic in configs:  # warm-up: first-call kernel selection is not part of any config's time
             run_prompt(pair, plan, dynamic, prompts[0][:8], SamplingParams(max_tokens=4, temperature=temperature))
         runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
-        for i, prompt in enumerate(prompts):  # configurations interleaved: a burst of load hits them all alike
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i, ignore_eos=True)
-            for name, dynamic in configs:
-                runs[name].append(run_prompt(pair, plan, dynamic, prompt, params))
+        for repeat in range(args.repeats):  # every other repeat in reverse order: no configuration always goes first
+            order = configs if repeat % 2 == 0 else configs[::-1]
+            for i, prompt in enumerate(prompts):  # configurations interleaved: a burst of load hits them all alike
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i, ignore_eos=True)
+                for name, dynamic in order:
+                    runs[name].append(run_prompt(pair, plan, dynamic, prompt, params))
         for name, dynamic in configs:
             rows.append(summarise(name, temperature, runs[name]))
             record["runs"].append({"T": temperature, "config": name, "dynamic": dynamic and vars(dynamic),
