@@ -9,6 +9,41 @@ top ``support`` tokens, for the verifier. ``commit`` keeps only the accepted pat
 Devices: the tree is grown on the draft model's device, with the request's generator on that device; ``grow``
 returns it as host tensors (``DraftTree.to("cpu")``), which is what crosses to the target (a Ray actor sends
 host tensors), and the target places it on its own device on arrival.
+
+Dynamic trees (``DraftWorker(..., dynamic=DynamicTrees(threshold, extend))``, EAGLE-2's idea with the DP's plan
+as prior and budget). A node's *path probability* v is the product of the draft's probabilities of the tokens
+on its path (D at the request's temperature; greedy: the draft's softmax at T = 1) — the draft's estimate that
+the target accepts the whole path, i.e. the node's expected gain in tokens. At a node with k planned children
+the draft draws the k tokens in draw order and keeps children while ``v · E_i >= threshold`` (it stops at the
+first i below), with E_i = E[D(s_i) | s_1..s_{i-1}] the expected D-probability of the i-th draw given the
+earlier ones, so v · E_i is the child's expected path probability before it is drawn (greedy: E_i is the
+i-th top probability itself — nothing is random). A node whose v is below the threshold is not forwarded
+(E_i <= 1, so it could keep no child), so its whole planned subtree goes. A draft level costs a forward
+whatever its width: with ``level_threshold`` the tree stops at a level whose nodes to forward are worth less
+together (their children's path probabilities sum to at most theirs). Beyond the plan's depth, at each
+level the one node of the deepest level with the largest v (a leaf of the plan's last level, then the
+extension chain) gets one more child, drawn the same way, when ``v · E_1 >= extend_threshold``, for at most
+``extend`` extra levels. Cap: every grown node but
+the extension chain is a distinct plan node, so the tree has at most ``plan.n + extend`` nodes and
+``plan.num_levels + extend`` levels. The grown tree is sent with its own ``TreePlan`` (``DraftTree.plan``,
+breadth-first, children in draw order) and the target verifies that plan. With ``dynamic=None`` (or
+thresholds of 0 and no extension) the tree is the plan's, draw for draw.
+
+Why pruning keeps the verifier exact (sampled, T > 0). At a node, the verifier's output after i - 1
+rejected children is distributed as the residual R_i whatever happens next, provided that, whenever the
+i-th child is verified, it is distributed as D_i (D without s_1..s_{i-1}) given everything before it: then
+stopping emits a draw from R_i, and going on accepts s_i with probability min(1, R_i/D_i)(s_i) or falls to
+R_{i+1} = norm(max(R_i - D_i, 0)), which mixes back to R_i (the rejection-sampling lemma; by induction from
+the last child). Keeping child i is decided from v (the path's tokens, drawn at the ancestors), E_i (a
+function of s_1..s_{i-1} and D) and, for the extension and the level rule, the path probabilities of the
+other nodes of the level (drawn with other noise, before this node's children) — never from s_i or a later
+draw. So the decision is a stopping
+time of the draw sequence and conditioning on it leaves s_i ~ D_i: the kept children are a prefix of the
+without-replacement sequence whose length is decided before each draw is looked at. The k tokens are drawn
+at once (Gumbel-top-k gives them in draw order, and the same noise as a static tree); the discarded tail
+s_{m+1..k} is never read by any decision. Deciding on the drawn token itself (keep s_i iff v · D(s_i) >=
+threshold) would NOT be exact: the kept s_i would follow D_i restricted to the likely tokens, not D_i. The
+greedy verifier accepts argmax P wherever it is in any tree, so greedy output is the target's for any shape.
 """
 
 from __future__ import annotations
@@ -16,17 +51,64 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sequoia_ray.batching import NOT_YET
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.request_state import RequestState, RequestTable
-from sequoia_ray.sampling import SparseDist, draw_without_replacement, target_probs, truncate
+from sequoia_ray.sampling import (
+    SparseDist,
+    draw_without_replacement,
+    expected_draw_probability,
+    probabilities_of,
+    target_probs,
+    truncate,
+)
 from sequoia_ray.tree.plan import TreePlan
 
 DEFAULT_SUPPORT = 64
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DynamicTrees:
+    """Trees that adapt inside a request (see the module docstring): a child is drawn while its expected path
+    probability is >= ``threshold``; a confident path grows up to ``extend`` levels beyond the plan when its
+    next node's expected path probability is >= ``extend_threshold`` (None: ``threshold``)."""
+
+    threshold: float  # expected tokens a tree node must be worth: G(n, d) * delta / S (``from_cost_model``)
+    extend: int = 0  # extra levels beyond the plan's depth (one node each)
+    extend_threshold: float | None = None  # worth a node one extra draft level needs (None: ``threshold``)
+    level_threshold: float = 0.0  # worth a level's inner nodes need together for the next draft forward
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ValueError(f"threshold {self.threshold} must be >= 0 (0 keeps every planned node)")
+        if self.extend < 0:
+            raise ValueError(f"extend {self.extend} must be >= 0 (0: never grow beyond the plan's depth)")
+        if self.extend_threshold is not None and not self.extend_threshold >= 0:
+            raise ValueError(f"extend_threshold {self.extend_threshold} must be >= 0, or None for threshold")
+        if not self.level_threshold >= 0:
+            raise ValueError(f"level_threshold {self.level_threshold} must be >= 0 (0: no level is skipped)")
+
+    @property
+    def extend_bound(self) -> float:
+        return self.threshold if self.extend_threshold is None else self.extend_threshold
+
+    @classmethod
+    def from_cost_model(cls, expected_tokens: float, step_cost: float, token_cost: float,
+                        level_cost: float = 0.0, extend: int = 0) -> DynamicTrees:
+        """Thresholds from the cost model, every cost in target-step units: a node worth g expected tokens
+        raises throughput G / S iff g > G * delta / S, with G = ``expected_tokens`` (the plan's G(n, d)),
+        S = ``step_cost`` (t(n) + d * c), delta = ``token_cost`` (t(n + 1) - t(n)); a draft level costs
+        ``level_cost`` (c, one draft forward): the next level is grown only when the nodes it would draw
+        from are worth G * c / S together, and a node on a new level beyond the plan pays delta + c."""
+        if step_cost <= 0:
+            raise ValueError(f"step_cost {step_cost} must be > 0 (t(n) + d * c in target steps)")
+        per_cost = expected_tokens / step_cost
+        return cls(per_cost * token_cost, extend, per_cost * (token_cost + level_cost), per_cost * level_cost)
 
 
 @dataclass(frozen=True)
@@ -35,18 +117,19 @@ class DraftTree:
 
     tokens: torch.Tensor  # [n] int64; tokens[0] is the root (the last committed token)
     dists: dict[int, SparseDist]  # node id -> D its children were drawn from (empty when greedy)
+    plan: TreePlan | None = None  # the tree actually grown (a dynamic tree); None: the plan it was asked for
 
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree on ``device``: every node's D is packed into one tensor of tokens and one of
         probabilities, so crossing devices costs one transfer each, not two per inner node."""
         if not self.dists:
-            return DraftTree(self.tokens.to(device), {})
+            return DraftTree(self.tokens.to(device), {}, self.plan)
         nodes = list(self.dists)
         sizes = [len(self.dists[node].tokens) for node in nodes]
         tokens = torch.cat([self.dists[node].tokens for node in nodes]).to(device)  # [sum K] int64
         probs = torch.cat([self.dists[node].probs for node in nodes]).to(device)  # [sum K] float
         dists = {node: SparseDist(t, p) for node, t, p in zip(nodes, tokens.split(sizes), probs.split(sizes))}
-        return DraftTree(self.tokens.to(device), dists)
+        return DraftTree(self.tokens.to(device), dists, self.plan)
 
 
 @dataclass
@@ -59,17 +142,22 @@ class _Request(RequestState):
 
 @dataclass
 class _Growth:
-    """One request's tree while the batch grows it, level by level."""
+    """One request's tree while the batch grows it, level by level. Static: the plan's nodes, ids and mask
+    from the start. Dynamic: the grown tree so far (``parents``, ``depth``, ``mask`` grow with it)."""
 
     req: _Request
-    plan: TreePlan
-    tokens: torch.Tensor  # [n] int64 on the draft's device; tokens[0] is the root
-    mask: torch.Tensor | None  # [n, n] bool ancestor mask (None: a prefill chunk)
-    depth: torch.Tensor | None  # [n] int64
+    plan: TreePlan  # the plan: a static tree's shape; a dynamic tree's prior and budget
+    tokens: torch.Tensor  # [cap] int64 on the draft's device; tokens[i] is node i's token, tokens[0] the root
+    mask: np.ndarray | None  # [cap, cap] bool ancestor mask on the host (None: a prefill chunk)
+    depth: list[int] = field(default_factory=lambda: [0])  # node -> depth
     dists: dict[int, SparseDist] = field(default_factory=dict)
     forwarded: list[int] = field(default_factory=lambda: [0])  # tree nodes in the cache, in slot order
     inner: list[int] = field(default_factory=lambda: [0])  # nodes whose logits we hold (children to draw)
     prefill_only: bool = False  # this step forwards a chunk of the prompt only
+    rule: DynamicTrees | None = None  # None: the plan's tree as it is
+    parents: list[int] = field(default_factory=lambda: [-1])  # dynamic: the grown tree (breadth-first)
+    source: list[int] = field(default_factory=lambda: [0])  # dynamic: grown node -> plan node (-1: extension)
+    worth: list[float] = field(default_factory=lambda: [1.0])  # dynamic: path probability of every node
 
 
 class DraftWorker(RequestTable):
@@ -86,9 +174,10 @@ class DraftWorker(RequestTable):
     state_type = _Request
 
     def __init__(self, model, *, support: int = DEFAULT_SUPPORT, layout: str = "flat",
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, dynamic: DynamicTrees | None = None) -> None:
         super().__init__(model)
         self.support, self.layout = support, layout
+        self.dynamic = dynamic  # None: every tree is its plan (see the module docstring)
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
         self.vocab = model.config.vocab_size
         self.embedded = model.get_input_embeddings().num_embeddings  # token ids it can read
@@ -108,7 +197,8 @@ class DraftWorker(RequestTable):
         req, plan = self.get(request_id), args[0]
         unsent = sum(len(tokens) for _, tokens, at in (args[1] if len(args) > 1 else ()) if at >= len(req.committed))
         pending = len(req.committed) + unsent - req.cached
-        return self.prefill_chunk if self._chunked(pending) else pending + plan.n
+        extra = self.dynamic.extend if self.dynamic is not None else 0
+        return self.prefill_chunk if self._chunked(pending) else pending + plan.n + extra
 
     def _chunked(self, pending: int) -> bool:
         return self.prefill_chunk is not None and pending > self.prefill_chunk
@@ -166,14 +256,27 @@ class DraftWorker(RequestTable):
         if self._chunked(len(pending)):
             chunk = torch.tensor(pending[: self.prefill_chunk], device=device)
             segment = Segment(req.session, chunk, torch.arange(req.cached, req.cached + len(chunk), device=device))
-            return _Growth(req, plan, tokens=chunk, mask=None, depth=None, prefill_only=True), segment
+            return _Growth(req, plan, tokens=chunk, mask=None, prefill_only=True), segment
         req.base = len(req.committed) - 1
         segment = Segment(req.session, torch.tensor(pending, device=device),
                           torch.arange(req.cached, req.base + 1, device=device))
-        tokens = torch.zeros(plan.n, dtype=torch.long, device=device)
+        return self._new_growth(req, plan), segment
+
+    def _new_growth(self, req: _Request, plan: TreePlan) -> _Growth:
+        """Static: the plan's tree. Dynamic: the root alone, room for ``plan.n + extend`` nodes."""
+        rule = self.dynamic if self.dynamic is not None and not self._is_static(self.dynamic) else None
+        cap = plan.n + (rule.extend if rule is not None else 0)
+        tokens = torch.zeros(cap, dtype=torch.long, device=self.device)
         tokens[0] = req.committed[-1]
-        mask = torch.from_numpy(plan.ancestor_mask()).to(device)  # [n, n] bool
-        return _Growth(req, plan, tokens, mask, torch.tensor(plan.depth, device=device)), segment
+        if rule is None:
+            return _Growth(req, plan, tokens, plan.ancestor_mask(), depth=list(plan.depth))
+        mask = np.zeros((cap, cap), dtype=bool)  # [cap, cap]; rows filled as nodes are grown
+        mask[0, 0] = True
+        return _Growth(req, plan, tokens, mask, rule=rule)
+
+    @staticmethod
+    def _is_static(rule: DynamicTrees) -> bool:
+        return rule.threshold == 0 and rule.extend == 0 and rule.level_threshold == 0
 
     def _forward(self, segments: dict[int, Segment], *, last_only: bool) -> dict[int, torch.Tensor]:
         """One draft forward over ``segments``; their logits ([q, V], or [1, V] at the last token)."""
@@ -187,22 +290,29 @@ class DraftWorker(RequestTable):
 
     def _next_level(self, g: _Growth, logits: torch.Tensor) -> Segment | None:
         """Draw the children of ``g.inner``; the segment forwarding the next inner level (None: the tree is done)."""
-        self._draw_children(g.req, g.plan, g.inner, logits, g.tokens, g.dists)
-        # Only nodes with children are forwarded: a leaf's logits and K/V are never needed.
-        g.inner = [c for node in g.inner for c in g.plan.children[node] if g.plan.children[c]]
+        if g.rule is None:
+            self._draw_children(g.req, g.plan, g.inner, logits, g.tokens, g.dists)
+            # Only nodes with children are forwarded: a leaf's logits and K/V are never needed.
+            g.inner = [c for node in g.inner for c in g.plan.children[node] if g.plan.children[c]]
+        else:
+            g.inner = self._grow_level(g, logits)
         if not g.inner:
             return None
         device = g.tokens.device
         idx = torch.tensor(g.inner, device=device)
-        cols = torch.tensor(g.forwarded + g.inner, device=device)
+        mask = torch.from_numpy(g.mask[np.ix_(g.inner, g.forwarded + g.inner)]).to(device)  # [q, kv] bool
+        positions = g.req.base + torch.tensor([g.depth[i] for i in g.inner], dtype=torch.long, device=device)
         g.forwarded += g.inner
-        return Segment(g.req.session, g.tokens[idx], g.req.base + g.depth[idx], g.mask[idx][:, cols], g.req.base)
+        return Segment(g.req.session, g.tokens[idx], positions, mask, g.req.base)
 
     @staticmethod
     def _finish_growth(g: _Growth) -> DraftTree:
         g.req.forwarded = {node: slot for slot, node in enumerate(g.forwarded)}
         g.req.grown = True
-        return DraftTree(g.tokens, g.dists).to("cpu")
+        if g.rule is None:
+            return DraftTree(g.tokens, g.dists).to("cpu")
+        n = len(g.parents)
+        return DraftTree(g.tokens[:n], g.dists, TreePlan(tuple(g.parents))).to("cpu")
 
     def _draw_children(self, req: _Request, plan: TreePlan, nodes, logits, tokens, dists) -> None:
         for row, node in enumerate(nodes):
@@ -216,6 +326,74 @@ class DraftWorker(RequestTable):
                 dists[node] = truncate(probs, self.support)
                 drawn = draw_without_replacement(dists[node], len(kids), self.vocab, req.generator)
             tokens[torch.tensor(kids, device=tokens.device)] = drawn
+
+    # ---- dynamic trees (see the module docstring) ----------------------------------------------------
+    def _grow_level(self, g: _Growth, logits: torch.Tensor) -> list[int]:  # logits: [len(g.inner), V]
+        """Draw each inner node's planned children, keep the prefix worth its cost; the next level's inner nodes."""
+        wanted = [self._wanted(g, node) for node in g.inner]
+        drawn = [self._draw_dynamic(g, node, logits[row], k) for (row, node), (k, _) in zip(enumerate(g.inner), wanted)]
+        host = torch.cat([torch.stack(d[1:]) for d in drawn], dim=1).tolist() if drawn else [[], []]  # one sync
+        new, at = [], 0
+        for node, (k, bound), (tokens, _, _) in zip(g.inner, wanted, drawn):
+            value, expected = host[0][at : at + k], host[1][at : at + k]
+            at += k
+            kept = _kept_prefix([g.worth[node] * e for e in expected], bound)
+            new += self._add_children(g, node, tokens[:kept], value[:kept])
+            if kept == 0:
+                g.dists.pop(node, None)
+        return self._inner_after(g, new)
+
+    def _wanted(self, g: _Growth, node: int) -> tuple[int, float]:
+        """(children to draw, expected path probability each must reach) at ``node``: its planned children,
+        or one child beyond the plan (an extension)."""
+        src = g.source[node]
+        if src >= 0 and g.plan.children[src]:
+            return len(g.plan.children[src]), g.rule.threshold
+        return 1, g.rule.extend_bound
+
+    def _draw_dynamic(self, g: _Growth, node: int, logits: torch.Tensor, k: int):  # logits: [V]
+        """(tokens [k], the draft's probability of each [k], E_i [k]) at ``node``, in draw order."""
+        req = g.req
+        if req.params.greedy:  # the top-k, as a static tree; their probabilities are known before keeping any
+            tokens = torch.topk(logits, k).indices
+            value = torch.softmax(logits.float(), dim=-1)[tokens].double()  # the draft's confidence at T = 1
+            return tokens, value, value
+        probs = target_probs(logits, req.params.temperature, req.params.top_p)
+        g.dists[node] = dist = truncate(probs, self.support)
+        tokens = draw_without_replacement(dist, k, self.vocab, req.generator)
+        return tokens, probabilities_of(dist, tokens), expected_draw_probability(dist, tokens)
+
+    @staticmethod
+    def _add_children(g: _Growth, node: int, tokens: torch.Tensor, value: list[float]) -> list[int]:
+        """Append ``node``'s kept children (breadth-first ids); their ids."""
+        src = g.source[node]
+        planned = g.plan.children[src] if src >= 0 else ()
+        ids = list(range(len(g.parents), len(g.parents) + len(value)))
+        for i, (child, v) in enumerate(zip(ids, value)):
+            g.parents.append(node)
+            g.depth.append(g.depth[node] + 1)
+            g.source.append(planned[i] if i < len(planned) else -1)
+            g.worth.append(g.worth[node] * v)
+            g.mask[child] = g.mask[node]
+            g.mask[child, child] = True
+        if ids:
+            g.tokens[ids[0] : ids[-1] + 1] = tokens
+        return ids
+
+    @staticmethod
+    def _inner_after(g: _Growth, new: list[int]) -> list[int]:
+        """The new nodes to forward: planned inner nodes worth the threshold, and the most probable node of the
+        deepest level when it may grow one level beyond the plan (at most ``extend`` levels)."""
+        rule, last = g.rule, g.plan.num_levels - 1
+        inner = [c for c in new if g.source[c] >= 0 and g.plan.children[g.source[c]] and g.worth[c] >= rule.threshold]
+        deepest = [c for c in new if last <= g.depth[c] < last + rule.extend]
+        if deepest:
+            best = max(deepest, key=g.worth.__getitem__)
+            if g.worth[best] >= rule.extend_bound:
+                inner.append(best)
+        if sum(g.worth[c] for c in inner) < rule.level_threshold:  # the next level's children are worth less
+            return []
+        return sorted(inner)
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int], at: int | None = None) -> None:
         """The verifier kept ``path`` (node ids from the root) and appended ``new_tokens`` to the request's
@@ -239,3 +417,11 @@ class DraftWorker(RequestTable):
                            req.base + torch.tensor(kept, dtype=torch.long, device=device)])
         req.session.keep(slots)
         req.cached = req.base + len(kept)
+
+
+def _kept_prefix(values: list[float], bound: float) -> int:
+    """How many leading ``values`` are >= ``bound`` (drawing stops at the first one below)."""
+    for i, v in enumerate(values):
+        if v < bound:
+            return i
+    return len(values)

@@ -81,6 +81,24 @@ def draw_without_replacement(dist: SparseDist, k: int, vocab: int, generator: to
     return torch.cat([drawn, rest[: k - len(drawn)]])
 
 
+def probabilities_of(dist: SparseDist, tokens: torch.Tensor) -> torch.Tensor:  # tokens [k] -> [k] float64
+    """D's probability of each token (0 outside D's support: a token drawn by the uniform fallback)."""
+    match = dist.tokens[None, :] == tokens[:, None]  # [k, K]
+    return (match.double() * dist.probs.double()[None, :]).sum(-1)
+
+
+def expected_draw_probability(dist: SparseDist, drawn: torch.Tensor) -> torch.Tensor:  # drawn [k] -> [k] float64
+    """E_i = E[D(s_i) | s_1..s_{i-1}]: the D-probability the i-th draw without replacement has on average,
+    given the draws before it (``drawn`` in draw order) — sum of D(x)^2 / sum of D(x) over the undrawn x.
+    Entry i reads only ``drawn[:i]``; it is 0 once D's support is exhausted (the uniform fallback)."""
+    d = probabilities_of(dist, drawn)  # [k]
+    probs = dist.probs.double()
+    left = probs.sum() - (torch.cumsum(d, 0) - d)  # [k] D mass not drawn before draw i
+    left_sq = (probs * probs).sum() - (torch.cumsum(d * d, 0) - d * d)
+    inside = torch.arange(len(drawn), device=d.device) < len(dist.tokens)  # draw i still comes from D
+    return torch.where(inside, left_sq.clamp(min=0) / left.clamp(min=1e-300), torch.zeros_like(d))
+
+
 @dataclass(frozen=True)
 class NodeStep:
     accept_prob: float  # min(1, R[s] / D[s]) for this child

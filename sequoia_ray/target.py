@@ -3,7 +3,9 @@
 Per request the target caches every committed token but the newest (the next tree's root). A verify
 forwards the uncached committed tokens (the first call: the prompt, i.e. prefill) and the tree in ONE pass,
 walks the tree with the request's own generator, keeps the accepted path's K/V and returns the verdict —
-only token ids cross back, never logits. A root-only plan is plain target decoding.
+only token ids cross back, never logits. A root-only plan is plain target decoding. The tree verified is the
+one the draft grew: a dynamic tree (``DraftTree.plan``) replaces the plan sent, and the verdict's path is in
+its node ids; the verifier is exact for any tree shape.
 
 Batching: ``verify_batch`` verifies several requests' trees in ONE forward (``models.batch_forward``): each
 request keeps its own context, positions, tree mask, generator, verdict and compaction, so a batched
@@ -73,7 +75,7 @@ class TargetWorker(RequestTable):
 
     def tokens_of(self, method: str, request_id: str, args: tuple) -> int:
         """Tokens ``verify`` would forward now for this call (the batcher's token budget)."""
-        req, plan = self.get(request_id), args[0]
+        req, plan = self.get(request_id), _grown(args[0], args[1] if len(args) > 1 else None)
         pending = len(req.committed) - 1 - req.session.length
         if self.prefill_chunk is not None and pending > self.prefill_chunk:
             return self.prefill_chunk
@@ -119,7 +121,7 @@ class TargetWorker(RequestTable):
         return out
 
     def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree) -> _Prepared:
-        req, device = self.get(request_id), self.device
+        req, device, plan = self.get(request_id), self.device, _grown(plan, draft)
         if draft.tokens.shape != (plan.n,):
             raise ValueError(f"draft tree has {draft.tokens.shape[0]} tokens, plan {plan.n}")
         if int(draft.tokens[0]) != req.committed[-1]:
@@ -150,6 +152,11 @@ class TargetWorker(RequestTable):
             return exc
         p.req.committed.extend(verdict.tokens)
         return verdict
+
+
+def _grown(plan: TreePlan, draft) -> TreePlan:
+    """The tree to verify: the one the draft grew (a dynamic tree carries its own plan), else the plan sent."""
+    return getattr(draft, "plan", None) or plan
 
 
 def _prefill_then_tree(n_pending: int, tree: torch.Tensor) -> torch.Tensor:  # -> [p + n, p + n] bool

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.draft import DraftWorker
+from sequoia_ray.draft import DraftWorker, DynamicTrees
 from sequoia_ray.engine import ContextLengthError, SpeculativeDecoder
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import chain, from_nested, k_ary, specinfer
@@ -51,6 +51,47 @@ def test_greedy_is_token_for_token_the_target(models, plan_name, which):
         assert got.stats.tokens == 30
     if which == "good" and PLANS[plan_name].num_levels > 2:
         assert got.stats.tokens_per_step > 1.5  # the noisy copy is accepted most of the time
+
+
+DYNAMIC = {  # the tiny draft's top probabilities are ~0.1-0.6, so these prune often and extend sometimes
+    "pruned": DynamicTrees(0.03),
+    "extended": DynamicTrees(0.02, extend=3, extend_threshold=0.005),
+    "levels": DynamicTrees(0.002, extend=2, extend_threshold=0.003, level_threshold=0.1),
+}
+
+
+class RecordingDraft(DraftWorker):
+    """Keeps (plan asked, tree grown) of every grow."""
+
+    def __init__(self, model, **kw) -> None:
+        super().__init__(model, **kw)
+        self.shapes = []
+
+    def grow(self, request_id, plan, commits=()):
+        tree = super().grow(request_id, plan, commits)
+        self.shapes.append((plan, tree.plan or plan))
+        return tree
+
+
+@pytest.mark.parametrize("rule", list(DYNAMIC))
+@pytest.mark.parametrize("plan_name", ["binary3", "specinfer", "deep-ragged"])
+@pytest.mark.parametrize("which", ["good", "bad"])
+def test_greedy_dynamic_trees_are_token_for_token_the_target(models, plan_name, which, rule):
+    """Pruned and extended trees (their own shapes, verified as sent) give the target's greedy tokens; the
+    trees really were pruned (and, with a good draft, extended) and stay within plan.n + extend nodes."""
+    target, good, bad = models
+    dynamic = DYNAMIC[rule]
+    draft = RecordingDraft(good if which == "good" else bad, dynamic=dynamic)
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS[plan_name])
+    for seed in range(4):
+        prompt = [(seed * 13 + i * 7) % 97 for i in range(3 + seed)]
+        got = spec.generate(prompt, SamplingParams(max_tokens=30, seed=seed))
+        assert got.token_ids == target_greedy(target, prompt, 30), (plan_name, which, rule, seed)
+    shapes = draft.shapes
+    assert all(t.n <= p.n + dynamic.extend and t.num_levels <= p.num_levels + dynamic.extend for p, t in shapes)
+    assert any(t.n < p.n for p, t in shapes), "no tree was pruned: the test would not bite"
+    if rule != "pruned" and which == "good":
+        assert any(t.num_levels > p.num_levels for p, t in shapes), "no tree was extended"
 
 
 @pytest.mark.parametrize("cut", [1, 4, 7, 13])
@@ -139,15 +180,17 @@ def test_requests_are_freed(models):
     assert not t.requests and not d.requests
 
 
+@pytest.mark.parametrize("rule", [None, "extended"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_draft_cache_after_commits_equals_a_fresh_forward(models, temperature):
-    """A wrong draft cache would only lower acceptance (output stays right), so check it directly."""
+def test_draft_cache_after_commits_equals_a_fresh_forward(models, temperature, rule):
+    """A wrong draft cache would only lower acceptance (output stays right), so check it directly (also
+    after dynamic trees, whose node ids are the grown tree's)."""
     import torch
 
     from tests.unit.test_tree_forward import plain_logits
 
     target, good, _ = models
-    t, d = TargetWorker(target), DraftWorker(good)
+    t, d = TargetWorker(target), DraftWorker(good, dynamic=DYNAMIC.get(rule))
     params = SamplingParams(max_tokens=100, temperature=temperature)
     plan = from_nested([[[[[]]], [[]]], [[]], []])
     t.start("r", [5, 6, 7], params, 1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.draft import DraftWorker
+from sequoia_ray.draft import DraftWorker, DynamicTrees
 from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.sampling import node_steps
 from sequoia_ray.target import TargetWorker
@@ -26,17 +26,26 @@ def next_probs(model, tokens: list[int], temperature: float = 1.0) -> torch.Tens
         return torch.softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1].double() / temperature, -1)
 
 
-def two_tokens(target, draft, prompt, n: int, batch: int):
-    """(token 1, token 2, steps) of ``n`` requests (seeds 0..n-1) at T = 1 with a 13-node tree: one request at a
-    time through the engine (batch 1), or ``batch`` requests per draft and target forward (the batched path)."""
+# Prunes and extends often on this pair (draft 0.99 sure of a token the target gives 0.30): of 200 first trees
+# from the 13-node plan, 1 kept 5 nodes / 3 levels, 107 kept 5 nodes and 92 kept 6 nodes, both 4 levels
+# (one extended); from its first 2 levels (4 nodes), 93 trees kept 3 nodes / 3 levels, 107 kept 4 nodes / 4 levels.
+DYNAMIC = DynamicTrees(0.15, extend=2, extend_threshold=0.2)
+# The level rule on top: every first tree from the 13-node plan stops at 3 levels (107 with 4 nodes, 93 with 5).
+LEVELS = DynamicTrees(0.15, extend=2, extend_threshold=0.2, level_threshold=0.6)
+
+
+def two_tokens(target, draft, prompt, n: int, batch: int, dynamic: DynamicTrees | None = None):
+    """(token 1, token 2, steps) of ``n`` requests (seeds 0..n-1) at T = 1 with a 13-node tree (or the trees
+    ``dynamic`` grows from it): one request at a time through the engine (batch 1), or ``batch`` requests per
+    draft and target forward (the batched path)."""
     plan, params = k_ary(3, 2), SamplingParams(max_tokens=2, temperature=1.0, ignore_eos=True)
     if batch == 1:
-        spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), plan)
+        spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft, dynamic=dynamic), plan)
         for seed in range(n):
             out = spec.generate(prompt, params.model_copy(update={"seed": seed}))
             yield out.token_ids[0], out.token_ids[1], out.stats.steps
         return
-    tw, dw = TargetWorker(target), DraftWorker(draft)
+    tw, dw = TargetWorker(target), DraftWorker(draft, dynamic=dynamic)
     for lo in range(0, n, batch):
         rids = [str(s) for s in range(lo, min(n, lo + batch))]
         for rid in rids:
@@ -57,12 +66,13 @@ def two_tokens(target, draft, prompt, n: int, batch: int):
             dw.finish(rid)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_first_two_tokens_follow_the_target_exactly(batch):
-    """N = 3000 requests (seeds 0..2999) at T = 1 with a 13-node tree, one at a time or 8 per forward; for
-    each of the 64 cells of the joint law of (token 1, token 2), |frequency - exact target probability|
-    <= 5 SE + 0.004 (SE = sqrt(p (1 - p) / N)); a 5-sigma bound per cell keeps the false-failure chance
-    below ~1e-4."""
+@pytest.mark.parametrize("batch,dynamic", [(1, None), (8, None), (1, DYNAMIC), (8, DYNAMIC), (8, LEVELS)],
+                         ids=["1-static", "8-static", "1-dynamic", "8-dynamic", "8-levels"])
+def test_first_two_tokens_follow_the_target_exactly(batch, dynamic):
+    """N = 3000 requests (seeds 0..2999) at T = 1 with a 13-node tree (static, or pruned and extended by
+    ``DYNAMIC``, or also cut by the level rule), one at a time or 8 per forward; for each of the 64 cells of
+    the joint law of (token 1, token 2), |frequency - exact target probability| <= 5 SE + 0.004
+    (SE = sqrt(p (1 - p) / N)); a 5-sigma bound per cell keeps the false-failure chance below ~1e-4."""
     target = sharpen(tiny_model("qwen2", seed=11, vocab=V), 25.0)
     draft = noisy_copy(target, scale=0.6, seed=12)
     prompt = [1, 5, 2]
@@ -73,7 +83,7 @@ def test_first_two_tokens_follow_the_target_exactly(batch):
     n = 3000
     counts = torch.zeros(V, V)
     two_in_one_step = 0
-    for first, second, steps in two_tokens(target, draft, prompt, n, batch):
+    for first, second, steps in two_tokens(target, draft, prompt, n, batch, dynamic):
         counts[first, second] += 1
         two_in_one_step += steps == 1
     freq = counts / n

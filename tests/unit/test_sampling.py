@@ -113,3 +113,88 @@ def test_extreme_but_valid_parameters_stay_finite():
     assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=2.2e-309).greedy
     assert not SamplingParams(temperature=1e-4).greedy
     assert torch.isfinite(target_probs(logits, 1e-4)).all()
+
+
+# ---- dynamic trees: children kept while a stopping rule says so (sequoia_ray.draft) ----------------------
+def stopped_output_distribution(p: torch.Tensor, q: torch.Tensor, k: int, kept) -> torch.Tensor:
+    """Exact distribution of a node's output when only the first ``kept(order)`` of the k draws are sent
+    (the verifier sees those children, then emits the residual), over every draw order of length k."""
+    out = torch.zeros_like(p)
+    for order in itertools.permutations(range(len(p)), k):
+        w = draw_order_probability(q, order)
+        if w == 0:
+            continue
+        m = kept(order)
+        reach, last = 1.0, p
+        for s, step in zip(order[:m], node_steps(p, q, list(order[:m]))):
+            out[s] += w * reach * step.accept_prob
+            reach *= 1 - step.accept_prob
+            last = step.residual_after
+        out += w * reach * last
+    return out
+
+
+def expected_rule(q: torch.Tensor, worth: float, threshold: float):
+    """The draft's rule: keep child i while worth * E[D(s_i) | s_1..s_{i-1}] >= threshold (the code's E_i)."""
+    from sequoia_ray.draft import _kept_prefix
+    from sequoia_ray.sampling import expected_draw_probability
+
+    dist = truncate(q, len(q))
+
+    def kept(order):
+        expected = expected_draw_probability(dist, torch.tensor(order)).tolist()
+        return _kept_prefix([worth * e for e in expected], threshold)
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("v,k,q_zeros", [(4, 3, 0), (5, 3, 0), (5, 4, 2), (6, 4, 0), (5, 4, 3)])
+def test_pruned_children_keep_the_verifier_exact(seed, v, k, q_zeros):
+    """Children kept while the expected path probability of the next draw stays >= threshold (a prefix decided
+    before each draw is read): the node's output law is P to 1e-12, over every draw order. The threshold is at
+    most the median of the rule's later values, so different draw orders stop at different lengths (checked)."""
+    from sequoia_ray.sampling import expected_draw_probability
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    p = random_dist(gen, v, zeros=seed % 2)
+    q = random_dist(gen, v, zeros=q_zeros)
+    worth = 0.5 + 0.5 * float(torch.rand((), generator=gen))
+    orders = [o for o in itertools.permutations(range(v), k) if draw_order_probability(q, o) > 0]
+    values = sorted({round(x, 12) for o in orders
+                     for x in expected_draw_probability(truncate(q, v), torch.tensor(o))[1:].tolist() if x > 0})
+    first = float(expected_draw_probability(truncate(q, v), torch.tensor(orders[0]))[0])  # the same for every order
+    threshold = worth * min(first, values[len(values) // 2])  # the first child is kept, later ones vary
+    kept = expected_rule(q, worth, threshold)
+    assert len({kept(o) for o in orders}) > 1, "the rule must stop at different lengths for the test to bite"
+    torch.testing.assert_close(stopped_output_distribution(p, q, k, kept), p, atol=1e-12, rtol=0)
+
+
+def test_a_rule_that_reads_the_drawn_token_is_not_exact():
+    """The control: keeping child i iff D(s_i) >= threshold (deciding on the draw itself, then dropping it)
+    biases the output — the enumeration above has the power to see it."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+
+    def reads_the_draw(order):
+        return _first_below([float(q[s]) for s in order], 0.25)
+    out = stopped_output_distribution(p, q, 3, reads_the_draw)
+    assert float((out - p).abs().max()) > 1e-3
+
+
+def _first_below(values: list[float], bound: float) -> int:
+    return next((i for i, x in enumerate(values) if x < bound), len(values))
+
+
+def test_expected_draw_probability_is_the_mean_of_the_next_draw():
+    """E_i against its definition, by enumeration: sum over the next token x of D_i(x) * D(x)."""
+    from sequoia_ray.sampling import expected_draw_probability
+
+    q = torch.tensor([0.5, 0.0, 0.3, 0.2], dtype=torch.float64)
+    dist = truncate(q, 4)
+    for order in itertools.permutations(range(4), 4):
+        got = expected_draw_probability(dist, torch.tensor(order)).tolist()
+        for i in range(4):
+            rest = [t for t in range(4) if t not in order[:i]]
+            mass = sum(float(q[t]) for t in rest)
+            want = sum(float(q[t]) ** 2 for t in rest) / mass if i < 3 else 0.0  # the 4th draw is uniform fallback
+            assert got[i] == pytest.approx(want, abs=1e-12), (order, i)
