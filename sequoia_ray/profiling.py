@@ -87,6 +87,8 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
                    time_target=pair.time_target, context=min(cfg.context, 32) if cfg.smoke_test else cfg.context,
                    dtype=cfg.dtype, batches=BATCH_BUCKETS)
     check_noise(prof, math.inf if cfg.smoke_test else cfg.max_noise)  # tiny models: sub-ms timings, all noise
+    if cfg.smoke_test:  # one tree against the target alone, one round: seconds
+        cfg = cfg.model_copy(update={"candidates": min(cfg.candidates, 1), "measure_rounds": 1})
     profile_key = store.publish_profile(prof)
     tokens = 12 if cfg.smoke_test else cfg.validate_tokens
     results, grids = [], {}
