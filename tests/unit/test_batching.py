@@ -18,19 +18,16 @@ from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.models.batch_forward import LAYOUTS
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import chain, from_nested, k_ary
-from tests.tiny import noisy_copy, sharpen, tiny_model
+from tests.tiny import agreeing_pair, ragged_prompts
 
 PLAN = from_nested([[[[]], []], [[]], []])  # 7 nodes, 4 levels, ragged
 
 
 @pytest.fixture(scope="module")
 def models():
-    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
-    return target, noisy_copy(target, scale=0.03, seed=1)
+    return agreeing_pair()
 
 
-def _prompts(k: int) -> list[list[int]]:
-    return [[(r * 13 + i * 7) % 97 for i in range(2 + 3 * r)] for r in range(k)]  # lengths 2, 5, 8, ...
 
 
 def _alone(target, draft, plan, prompt, params):
@@ -74,7 +71,7 @@ def test_greedy_in_a_batch_of_8_is_the_target_alone(models, layout):
     target, draft = models
     pair = _Pair(target, draft, layout=layout)
     pair.with_steps = True
-    prompts = _prompts(8)
+    prompts = ragged_prompts(8)
     params = [SamplingParams(max_tokens=12 + 3 * r, seed=r) for r in range(8)]  # ragged lengths: some finish first
     try:
         got = pair.run(PLAN, list(zip(prompts, params)))
@@ -91,7 +88,7 @@ def test_greedy_in_a_batch_of_8_is_the_target_alone(models, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_sampled_seed_gives_the_same_tokens_at_batch_1_and_in_a_batch_of_8(models, layout):
     target, draft = models
-    prompts = _prompts(8)
+    prompts = ragged_prompts(8)
     params = [SamplingParams(max_tokens=16, temperature=t, top_p=tp, seed=100 + r)
               for r, (t, tp) in enumerate([(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.5, 0.8)] * 2)]
     pair = _Pair(target, draft, layout=layout)
@@ -108,7 +105,7 @@ def test_one_request_per_forward_when_max_batch_requests_is_1(models):
     target, draft = models
     pair = _Pair(target, draft, BatchLimits(max_batch_requests=1))
     try:
-        pair.run(PLAN, [(p, SamplingParams(max_tokens=6)) for p in _prompts(4)])
+        pair.run(PLAN, [(p, SamplingParams(max_tokens=6)) for p in ragged_prompts(4)])
     finally:
         pair.close()
     assert set(pair.target_batcher.batch_sizes) == {1} and set(pair.draft_batcher.batch_sizes) == {1}
@@ -116,7 +113,7 @@ def test_one_request_per_forward_when_max_batch_requests_is_1(models):
 
 def _started(target, draft, n, params=SamplingParams(max_tokens=50)):
     tw, dw = TargetWorker(target), DraftWorker(draft)
-    for r, prompt in enumerate(_prompts(n)):
+    for r, prompt in enumerate(ragged_prompts(n)):
         tw.start(str(r), prompt, params, seed=r)
         dw.start(str(r), prompt, params, seed=r)
     return tw, dw
@@ -170,7 +167,7 @@ def test_a_forward_that_fails_as_a_whole_is_retried_request_by_request(models, m
 @pytest.mark.parametrize("chunk", [1, 3, 4])
 def test_a_long_prompt_prefilled_in_chunks_gives_the_same_tokens(models, chunk):
     target, draft = models
-    prompt = _prompts(4)[3]  # 11 tokens
+    prompt = ragged_prompts(4)[3]  # 11 tokens
     for params in (SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=1.0, seed=3)):
         spec = SpeculativeDecoder(TargetWorker(target, prefill_chunk=chunk), DraftWorker(draft, prefill_chunk=chunk),
                                   PLAN)
@@ -266,7 +263,7 @@ def test_a_request_that_stops_calling_never_stalls_the_others(models):
     try:
         idle = pair.decoder(PLAN).stream([1, 2, 3], SamplingParams(max_tokens=40))
         next(idle)  # one chunk read, then the client goes quiet with its request open
-        got = pair.run(PLAN, [(p, SamplingParams(max_tokens=10)) for p in _prompts(3)])
+        got = pair.run(PLAN, [(p, SamplingParams(max_tokens=10)) for p in ragged_prompts(3)])
         assert [len(ids) for ids in got] == [10, 10, 10]
         idle.close()
     finally:
@@ -339,7 +336,7 @@ def test_a_request_whose_solo_retry_fails_too_fails_alone(models, monkeypatch):
     out = tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)])
     assert isinstance(out[1], RuntimeError)
     assert [out[0], out[2]] == [ref_t.verify(r, PLAN, ref_d.grow(r, PLAN)) for r in ("0", "2")]
-    assert poisoned.length == 0 and tw.requests["1"].committed == _prompts(3)[1]  # nothing of the step kept
+    assert poisoned.length == 0 and tw.requests["1"].committed == ragged_prompts(3)[1]  # nothing of the step kept
 
 
 def test_a_tp_rank_never_retries_alone(models, monkeypatch):
@@ -430,7 +427,7 @@ def test_the_plan_may_change_at_every_step_even_to_root_only(models):
         return plans[len(asked) % len(plans)]
 
     spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), plan_for_step)
-    for prompt in _prompts(3):
+    for prompt in ragged_prompts(3):
         params = SamplingParams(max_tokens=30)
         out = spec.generate(prompt, params)
         assert out.token_ids == _alone(target, None, chain(0), prompt, params)

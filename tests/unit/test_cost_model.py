@@ -15,7 +15,7 @@ from sequoia_ray.overhead import fit_linear, measure_overhead
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan import chain, from_nested
-from tests.tiny import noisy_copy, sharpen, tiny_model
+from tests.tiny import agreeing_pair
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -104,8 +104,7 @@ def test_noise_round_trips_and_a_missing_noise_loads_as_nan(tmp_path):
 
 @pytest.fixture(scope="module")
 def models():
-    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
-    return target, noisy_copy(target, scale=0.03, seed=1)
+    return agreeing_pair()
 
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46]]

@@ -12,15 +12,14 @@ from sequoia_ray.draft import DraftWorker, DynamicTrees, _kept_prefix
 from sequoia_ray.sampling import expected_draw_probability, target_probs, truncate
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import TreePlan, k_ary, specinfer
-from tests.tiny import noisy_copy, sharpen, tiny_model
+from tests.tiny import agreeing_pair
 
 PROMPTS = {"a": [3, 1, 4, 1, 5], "b": [2, 7, 1], "c": [9, 9, 8, 2, 6, 5]}
 
 
 @pytest.fixture(scope="module")
 def models():
-    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
-    return target, noisy_copy(target, scale=0.03, seed=1)
+    return agreeing_pair()
 
 
 def grow_all(draft_model, plan, temperature, dynamic, *, batch: bool):

@@ -12,19 +12,16 @@ from sequoia_ray.engine import ROOT_ONLY, SpeculativeDecoder
 from sequoia_ray.lockstep import run_lockstep
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import from_nested
-from tests.tiny import noisy_copy, sharpen, tiny_model
+from tests.tiny import agreeing_pair, ragged_prompts
 
 PLAN = from_nested([[[[]], []], [[]], []])  # 7 nodes, 4 levels, ragged
 
 
 @pytest.fixture(scope="module")
 def models():
-    target = sharpen(tiny_model("qwen2", seed=0), 12.0)
-    return target, noisy_copy(target, scale=0.03, seed=1)
+    return agreeing_pair()
 
 
-def _prompts(k: int) -> list[list[int]]:
-    return [[(r * 13 + i * 7) % 97 for i in range(2 + 3 * r)] for r in range(k)]
 
 
 def _alone(target, prompt, max_tokens):
@@ -36,7 +33,7 @@ def _alone(target, prompt, max_tokens):
 @pytest.mark.parametrize("plan", [PLAN, ROOT_ONLY], ids=["tree", "root-only"])
 def test_greedy_lockstep_equals_the_target_alone(models, batch, plan):
     target, draft = models
-    prompts = _prompts(batch)
+    prompts = ragged_prompts(batch)
     run = run_lockstep(TargetWorker(target), DraftWorker(draft), prompts, plan,
                        SamplingParams(max_tokens=13, temperature=0.0))
     assert run.outputs == tuple(tuple(_alone(target, p, 13)) for p in prompts)
@@ -50,7 +47,7 @@ def test_greedy_lockstep_equals_the_target_alone(models, batch, plan):
 
 def test_a_sampled_seed_gives_the_same_tokens_in_a_batch_as_alone(models):
     target, draft = models
-    prompts = _prompts(3)
+    prompts = ragged_prompts(3)
     params = SamplingParams(max_tokens=10, temperature=0.8)
     batched = run_lockstep(TargetWorker(target), DraftWorker(draft), prompts, PLAN, params, seed=5)
     alone = [run_lockstep(TargetWorker(target), DraftWorker(draft), [p], PLAN, params, seed=5 + i).outputs[0]
@@ -60,7 +57,7 @@ def test_a_sampled_seed_gives_the_same_tokens_in_a_batch_as_alone(models):
 
 def test_full_steps_are_the_steps_holding_every_request(models):
     target, draft = models
-    run = run_lockstep(TargetWorker(target), DraftWorker(draft), _prompts(3), PLAN,
+    run = run_lockstep(TargetWorker(target), DraftWorker(draft), ragged_prompts(3), PLAN,
                        SamplingParams(max_tokens=9, temperature=0.0))
     full = run.full_steps()
     assert full and len(full) == sum(1 for b in run.batch if b == 3)
