@@ -76,13 +76,12 @@ class _Runs:
     def __init__(self, target_model, draft_model, plan: TreePlan, work: list[list[list[int]]],
                  params: SamplingParams) -> None:
         self.run = functools.partial(run_lockstep, plan=plan, params=params)
-        self.target_model, self.draft_model, self.plan, self.work = target_model, draft_model, plan, work
+        self.target_model, self.draft_model, self.work = target_model, draft_model, work
         self.done: list[LockstepRun] = []
 
     def next(self) -> float:
         r = len(self.done)
-        draft = DraftWorker(self.draft_model) if self.plan.n > 1 else None
-        self.done.append(self.run(TargetWorker(self.target_model), draft, self.work[r], seed=r))
+        self.done.append(self.run(TargetWorker(self.target_model), DraftWorker(self.draft_model), self.work[r], seed=r))
         return self.done[-1].seconds
 
     @property

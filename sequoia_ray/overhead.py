@@ -59,8 +59,7 @@ def fit_linear(by_batch: dict[int, float]) -> tuple[float, float]:
 
 
 def _median_step(target_model, draft_model, prompts, plan: TreePlan, params: SamplingParams) -> float:
-    draft = DraftWorker(draft_model) if plan.n > 1 else None
-    run = run_lockstep(TargetWorker(target_model), draft, prompts, plan, params)
+    run = run_lockstep(TargetWorker(target_model), DraftWorker(draft_model), prompts, plan, params)
     full = run.full_steps()
     if not full:
         raise ValueError(f"max_tokens {params.max_tokens} gave no timed step; measure with more tokens")
