@@ -41,6 +41,17 @@ class Draft(Protocol):
     def finish(self, request_id: str) -> None: ...
 
 
+class StepPolicy(Protocol):
+    """One request's say in its trees (``SpeculativeDecoder(policy=...)`` makes one per request): ``plan`` turns
+    the step's plan (the batch bucket's) into the tree this step grows — itself, another tree, or ``ROOT_ONLY``
+    (the target alone for this step); ``observe`` sees each step's tree, verdict and ``seconds``, the wall time
+    since the previous step's verdict (the request's whole step cycle: draft, verify, and its time away).
+    Deciding the tree from earlier verdicts never touches exactness: the verifier is exact for any tree."""
+
+    def plan(self, base: TreePlan) -> TreePlan: ...
+    def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None: ...
+
+
 class Target(Protocol):
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None: ...
     def verify(self, request_id: str, plan: TreePlan, draft: DraftTree) -> Verdict: ...
@@ -137,15 +148,18 @@ class SpeculativeDecoder:
     """``plan``: the tree every step grows, or a function giving each step's tree (a server picks the plan of
     the current batch size at every step; trees are regrown every step, so they may change size).
     ``on_verdict(plan, verdict, params)``: called after every step with the tree verified and its verdict
-    (e.g. to learn the acceptance vector from live traffic); its failures are logged, never the request's."""
+    (e.g. to learn the acceptance vector from live traffic); its failures are logged, never the request's.
+    ``policy(params)``: a ``StepPolicy`` per request, which may change each step's tree (a failing policy is
+    logged and the step keeps the plan)."""
 
     def __init__(self, target: Target, draft: Draft | None, plan: TreePlan | Callable[[], TreePlan], *,
                  tokenizer=None, eos_ids: tuple[int, ...] = (), max_context: int | None = None,
-                 on_verdict: Callable[[TreePlan, Verdict, SamplingParams], None] | None = None) -> None:
+                 on_verdict: Callable[[TreePlan, Verdict, SamplingParams], None] | None = None,
+                 policy: Callable[[SamplingParams], StepPolicy] | None = None) -> None:
         self.target, self.draft = target, draft
         self.plan_for_step = plan if callable(plan) else (lambda: plan)
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
-        self.on_verdict = on_verdict
+        self.on_verdict, self.policy = on_verdict, policy
 
     @property
     def plan(self) -> TreePlan:
@@ -181,9 +195,10 @@ class SpeculativeDecoder:
         commits: list[tuple[list[int], list[int], int]] = []  # verdicts the draft has not been sent yet
         stats = Stats()
         stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
-        start = time.perf_counter()
+        policy = _Policy(self.policy, params)
+        start = last = time.perf_counter()
         while True:
-            planned = self.plan_for_step()
+            planned = policy.plan(self.plan_for_step())
             stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
             plan = first_levels(planned, params.max_tokens - stats.tokens) if draft.alive else ROOT_ONLY
             verdict, plan = self._step(rid, plan, stats, last_token, draft, commits)
@@ -196,6 +211,9 @@ class SpeculativeDecoder:
             if plan.n > 1:
                 stats.root_rank_hist[_root_rank(plan, verdict)] += 1
             self._observe(plan, verdict, params)
+            now = time.perf_counter()
+            policy.observe(plan, verdict, now - last)
+            last = now
             ids, text, reason = stop.feed(verdict.tokens, params.max_tokens)
             stats.tokens = stop.count
             stats.total_s = time.perf_counter() - start
@@ -238,6 +256,32 @@ class SpeculativeDecoder:
                 f"{self.max_context} tokens; shorten the prompt or lower max_tokens"
             )
 
+
+
+class _Policy:
+    """A request's ``StepPolicy`` (or none), guarded: a policy failure is logged once and the policy dropped
+    (the request goes on with the plan), never the request's failure."""
+
+    def __init__(self, factory: Callable[[SamplingParams], StepPolicy] | None, params: SamplingParams) -> None:
+        self.policy = self._guard(lambda: factory(params)) if factory is not None else None
+
+    def plan(self, base: TreePlan) -> TreePlan:
+        if self.policy is None:
+            return base
+        chosen = self._guard(lambda: self.policy.plan(base))
+        return base if chosen is None else chosen
+
+    def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
+        if self.policy is not None:
+            self._guard(lambda: self.policy.observe(plan, verdict, seconds))
+
+    def _guard(self, call):
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - choosing trees is an optimisation, never a request failure
+            logger.warning("step policy failed (%s: %s); the request goes on with the plan", type(exc).__name__, exc)
+            self.policy = None
+            return None
 
 
 def _root_rank(plan: TreePlan, verdict: Verdict) -> int:

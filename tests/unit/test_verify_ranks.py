@@ -104,3 +104,65 @@ def test_a_failing_observer_never_fails_the_request():
 
     out = SpeculativeDecoder(fake, fake, PLAN, on_verdict=broken).generate([1], SamplingParams(max_tokens=2, seed=0))
     assert out.token_ids == [7, 7]
+
+
+class _Counting(_Fake):
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict)
+        self.grown: list[int] = []
+        self.verified: list[int] = []
+
+    def grow(self, request_id, plan, commits=()) -> DraftTree:
+        self.grown.append(plan.n)
+        return super().grow(request_id, plan, commits)
+
+    def verify(self, request_id, plan, draft) -> Verdict:
+        self.verified.append(plan.n)
+        return self.verdict if plan.n > 1 else Verdict([0], [self.verdict.tokens[-1]], ((1, 0),))
+
+
+class _EveryOther:
+    """A step policy: the plan on even steps, the target alone (root-only) on odd ones; records what it saw."""
+
+    def __init__(self, params) -> None:
+        self.params, self.steps, self.seen = params, 0, []
+
+    def plan(self, base):
+        from sequoia_ray.engine import ROOT_ONLY
+
+        self.steps += 1
+        return base if self.steps % 2 else ROOT_ONLY
+
+    def observe(self, plan, verdict, seconds) -> None:
+        self.seen.append((plan.n, len(verdict.tokens), seconds))
+
+
+def test_a_step_policy_picks_each_steps_tree_and_sees_its_verdict_and_time():
+    fake, made = _Counting(Verdict([0, 1], [11, 7], ((3, 1), (2, 0)))), []
+
+    def factory(params):
+        made.append(_EveryOther(params))
+        return made[-1]
+
+    out = SpeculativeDecoder(fake, fake, PLAN, policy=factory).generate([1], SamplingParams(max_tokens=7, seed=5))
+    assert len(made) == 1 and made[0].params.seed == 5  # one policy per request, with its parameters
+    # steps: tree (2 tokens), root-only (1), tree (2), root-only (1), tree cut to the 1 token left
+    assert fake.verified == [PLAN.n, 1, PLAN.n, 1, 1] and fake.grown == [PLAN.n, PLAN.n]
+    assert [(n, k) for n, k, _ in made[0].seen] == [(PLAN.n, 2), (1, 1), (PLAN.n, 2), (1, 1), (1, 1)]
+    assert all(s >= 0 for _, _, s in made[0].seen)
+    assert out.token_ids == [11, 7, 7, 11, 7, 7, 7]
+
+
+def test_a_failing_step_policy_is_dropped_and_the_request_keeps_the_plan():
+    fake = _Counting(Verdict([0, 1], [11, 7], ((3, 1), (2, 0))))
+
+    class Broken:
+        def plan(self, base):
+            raise RuntimeError("policy bug")
+
+        def observe(self, *_):
+            raise AssertionError("a dropped policy is not called again")
+
+    out = SpeculativeDecoder(fake, fake, PLAN, policy=lambda params: Broken()).generate(
+        [1], SamplingParams(max_tokens=4, seed=0))
+    assert out.token_ids == [11, 7, 11, 7] and fake.grown == [PLAN.n, PLAN.n]
