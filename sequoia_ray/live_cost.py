@@ -1,0 +1,163 @@
+"""Which pays at the batch size running now, the tree or the target alone: measured on live steps.
+
+The cost model (``hardware.choose``) predicts a step's time from the forwards it profiled and the overhead it
+measured in process. Serving adds costs no in-process profile sees: the Serve proxy, the ingress's event loop,
+actor calls under contention from every other request. Measured on a 2-core CPU with the real pair, the
+overhead-aware plan for 8 clients (n = 2, d = 2) ran at 0.77x the target alone. No prediction alone can
+promise that speculating is never slower than not, so the service measures both.
+
+Per key (temperature bucket, batch bucket), steps run in *phases*. A served phase runs the arm that measured
+faster (at first: the tree) for ``probe_every`` rounds. A probe phase then runs the other arm for
+``probe_rounds`` rounds, and the next served phase runs whichever is now faster. A round is as many steps as
+there are requests in flight, so every request steps about once per round. The first round of a phase is not
+measured: steps in flight straddle the switch, and a draft catching up on tokens it missed is slow once.
+
+The measure is a request's tokens per second of its whole step cycle (``seconds`` from the engine: from the
+previous verdict to this one, so Serve's costs are in), summed over the last ``window`` measured steps of an
+arm (tokens / seconds of the sums, not a mean of ratios). A request's first step (its prefill) is not
+measured. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps
+(3.8% with the defaults) run the slower arm.
+
+The target alone is a root-only tree, verified like any other: choosing it never touches exactness.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.engine import ROOT_ONLY, StepPolicy
+from sequoia_ray.hardware import batch_bucket
+from sequoia_ray.plan_store import temperature_bucket
+from sequoia_ray.tree.plan import TreePlan
+from sequoia_ray.verify import Verdict
+
+TREE, ALONE = "tree", "alone"
+ARMS = (TREE, ALONE)
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    probe_every: int = 100  # rounds of the faster arm between two probes of the other one
+    probe_rounds: int = 3  # measured rounds of a probe (one more, not measured, lets the switch settle)
+    window: int = 256  # measured steps kept per arm and key (the most recent)
+    min_steps: int = 3  # measured steps an arm needs before its rate counts
+
+    def __post_init__(self) -> None:
+        for name in ("probe_every", "probe_rounds", "window", "min_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+
+
+@dataclass
+class _Key:
+    """One key's state: the phase running and the measured steps per arm."""
+
+    arm: str = TREE
+    probing: bool = True  # the first phase measures the tree, the second the target alone
+    phase: int = 0  # phase id: a step's sample counts only if its phase is still running when it ends
+    steps: int = 0  # steps begun in this phase
+    length: int = 0  # steps this phase lasts
+    settle: int = 0  # its first steps, not measured
+    samples: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(tokens, seconds)]
+
+    def rate(self, arm: str, min_steps: int) -> float | None:
+        got = self.samples.get(arm, ())
+        if len(got) < min_steps:
+            return None
+        seconds = sum(s for _, s in got)
+        return sum(t for t, _ in got) / seconds if seconds > 0 else None
+
+
+class StepRates:
+    """The arm to serve per (temperature bucket, batch bucket), from live steps (see the module docstring).
+    Thread-safe: every request thread calls ``begin`` and ``record``."""
+
+    def __init__(self, settings: CostSettings = CostSettings()) -> None:
+        self.settings = settings
+        self._keys: dict[tuple[str, int], _Key] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, key: tuple[str, int], batch: int) -> tuple[str, int, bool]:
+        """A step begins under ``key`` with ``batch`` requests in flight: (arm, phase id, measured?)."""
+        with self._lock:
+            state = self._keys.get(key)
+            if state is None:
+                state = self._keys[key] = _Key()
+                self._start(state, batch)
+            if state.steps >= state.length:
+                self._next(state, batch)
+            state.steps += 1
+            return state.arm, state.phase, state.steps > state.settle
+
+    def record(self, key: tuple[str, int], arm: str, phase: int, tokens: int, seconds: float) -> None:
+        """A measured step's tokens and cycle seconds; dropped if its phase has ended meanwhile."""
+        with self._lock:
+            state = self._keys.get(key)
+            if state is None or state.phase != phase or seconds <= 0:
+                return
+            state.samples.setdefault(arm, deque(maxlen=self.settings.window)).append((tokens, seconds))
+
+    def best(self, state: _Key) -> str:
+        """The faster arm (the tree until the target alone measured faster)."""
+        tree, alone = (state.rate(arm, self.settings.min_steps) for arm in ARMS)
+        return ALONE if tree is not None and alone is not None and alone > tree else TREE
+
+    def _start(self, state: _Key, batch: int) -> None:
+        rounds = self.settings.probe_rounds if state.probing else self.settings.probe_every
+        state.phase, state.steps = state.phase + 1, 0
+        state.settle = max(1, batch)
+        state.length = state.settle + rounds * max(1, batch)
+
+    def _next(self, state: _Key, batch: int) -> None:
+        best = self.best(state)
+        missing = next((a for a in ARMS if state.rate(a, self.settings.min_steps) is None), None)
+        if missing is not None:  # an arm not measured enough yet (the first phases): measure it
+            state.arm, state.probing = missing, True
+        elif state.probing or state.arm != best:  # a probe ended: serve the faster arm
+            state.arm, state.probing = best, False
+        else:  # a served phase ended: probe the other arm
+            state.arm, state.probing = (ALONE if best == TREE else TREE), True
+        self._start(state, batch)
+
+    def summary(self) -> dict[str, dict]:
+        """Per key ``t0.0-b8``: the arm served, and each arm's measured tokens/s per request and steps."""
+        with self._lock:
+            out = {}
+            for (temperature, bucket), state in sorted(self._keys.items()):
+                rates = {arm: state.rate(arm, 1) for arm in ARMS}
+                out[f"{temperature}-b{bucket}"] = {
+                    "serving": state.arm if not state.probing else self.best(state),
+                    "tok_s": {a: None if r is None else round(r, 3) for a, r in rates.items()},
+                    "steps": {a: len(state.samples.get(a, ())) for a in ARMS}}
+            return out
+
+    def policy(self, params: SamplingParams, batch: Callable[[], int] = lambda: 1,
+               inner: StepPolicy | None = None) -> StepPolicy:
+        """A request's step policy: the tree (``inner``'s, if given) or the target alone, as measured."""
+        return _RequestArm(self, temperature_bucket(params.temperature), batch, inner)
+
+
+class _RequestArm:
+    def __init__(self, rates: StepRates, temperature: str, batch: Callable[[], int], inner: StepPolicy | None) -> None:
+        self.rates, self.temperature, self.batch, self.inner = rates, temperature, batch, inner
+        self.step, self.key, self.arm, self.phase, self.measured = 0, None, TREE, 0, False
+
+    def plan(self, base: TreePlan) -> TreePlan:
+        batch = max(1, self.batch())
+        self.key = (self.temperature, batch_bucket(batch))
+        self.arm, self.phase, self.measured = self.rates.begin(self.key, batch)
+        self.step += 1
+        if self.arm == ALONE:
+            return ROOT_ONLY
+        return self.inner.plan(base) if self.inner is not None else base
+
+    def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
+        # not the first step (the prefill), nor a tree cut to the root (the request's last token)
+        if self.measured and self.step > 1 and (self.arm == ALONE or plan.n > 1):
+            self.rates.record(self.key, self.arm, self.phase, len(verdict.tokens), seconds)
+        if self.inner is not None:
+            self.inner.observe(plan, verdict, seconds)

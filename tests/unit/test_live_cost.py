@@ -1,0 +1,116 @@
+"""StepRates: the tree or the target alone per (temperature, batch bucket), measured on live steps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftTree, DraftWorker
+from sequoia_ray.engine import ROOT_ONLY, SpeculativeDecoder
+from sequoia_ray.live_cost import ALONE, TREE, CostSettings, StepRates
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.plan import k_ary
+from sequoia_ray.verify import Verdict
+from tests.tiny import agreeing_pair
+
+SETTINGS = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2)
+
+
+def drive(rates: StepRates, key, batch: int, rounds: int, rate: dict[str, float]) -> list[str]:
+    """``rounds`` rounds of ``batch`` interleaved requests, each step taking 1 / rate[arm] s for one token;
+    the arm of every step."""
+    arms, pending = [], []
+    for _ in range(rounds):
+        for _ in range(batch):
+            arm, phase, measured = rates.begin(key, batch)
+            arms.append(arm)
+            pending.append((arm, phase, measured))
+        for arm, phase, measured in pending:  # the round's steps end after all of them began
+            if measured:
+                rates.record(key, arm, phase, 1, 1.0 / rate[arm])
+        pending.clear()
+    return arms
+
+
+@pytest.mark.parametrize("batch, faster", [(1, TREE), (8, ALONE)])
+def test_the_faster_arm_serves_and_the_other_is_probed_rarely(batch, faster):
+    rates = StepRates(SETTINGS)
+    speed = {TREE: 3.0, ALONE: 2.0} if faster == TREE else {TREE: 0.77, ALONE: 1.0}
+    arms = drive(rates, ("t0.0", batch), batch, 300, speed)
+    first = (1 + SETTINGS.probe_rounds) * batch * 2  # the tree's phase, then the target alone's
+    assert arms[:first] == [TREE] * (first // 2) + [ALONE] * (first // 2)
+    share = arms[first:].count(faster) / len(arms[first:])
+    bound = 1 - (1 + SETTINGS.probe_rounds) / (SETTINGS.probe_every + 1 + SETTINGS.probe_rounds)
+    assert bound - 0.02 <= share < 1  # the other arm is still probed, no more than the stated share
+    assert rates.summary()[f"t0.0-b{batch}"]["serving"] == faster
+
+
+def test_keys_learn_apart_and_follow_a_change():
+    rates = StepRates(SETTINGS)
+    drive(rates, ("t0.0", 1), 1, 200, {TREE: 3.0, ALONE: 2.0})
+    drive(rates, ("t0.0", 8), 8, 200, {TREE: 0.7, ALONE: 1.0})
+    summary = rates.summary()
+    assert summary["t0.0-b1"]["serving"] == TREE and summary["t0.0-b8"]["serving"] == ALONE
+    # the machine changes (the draft got cheaper): the window forgets and the next probes find it
+    arms = drive(rates, ("t0.0", 8), 8, 400, {TREE: 1.5, ALONE: 1.0})
+    last = arms[-8 * 2 * SETTINGS.probe_every:]  # two served phases' worth: at most two probes of the other
+    assert last.count(TREE) >= len(last) - 2 * (1 + SETTINGS.probe_rounds) * 8
+
+
+def test_a_step_that_ends_after_its_phase_is_not_measured():
+    rates = StepRates(CostSettings(probe_every=1, probe_rounds=1, window=8, min_steps=1))
+    key = ("t0.0", 1)
+    arm, phase, measured = rates.begin(key, 1)  # the settle step of the first phase
+    assert (arm, measured) == (TREE, False)
+    arm, phase, measured = rates.begin(key, 1)
+    assert measured
+    rates.begin(key, 1)  # the phase ends: the next one (the target alone) starts
+    rates.record(key, arm, phase, 5, 1.0)
+    assert rates.summary()["t0.0-b1"]["steps"] == {TREE: 0, ALONE: 0}
+
+
+@pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"window": 0}, {"min_steps": 0}])
+def test_settings_are_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        CostSettings(**bad)
+
+
+class _Timed:
+    """Draft and target in one: a tree step takes 20 ms for 2 tokens, a root-only step 2 ms for 1."""
+
+    def start(self, *args) -> None: ...
+    def finish(self, *args) -> None: ...
+
+    def grow(self, request_id, plan, commits=()) -> DraftTree:
+        import torch
+
+        return DraftTree(torch.arange(plan.n), {})
+
+    def verify(self, request_id, plan, draft) -> Verdict:
+        time.sleep(0.02 if plan.n > 1 else 0.002)
+        return Verdict([0, 1], [4, 5], ((3, 1),)) if plan.n > 1 else Verdict([0], [6], ())
+
+
+def test_the_engine_measures_cycles_and_moves_to_the_target_alone_when_it_is_faster():
+    rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=32, min_steps=2)), _Timed()
+    decoder = SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy)
+    out = decoder.generate([1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
+    summary = rates.summary()["t0.0-b1"]
+    assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > 2 * summary["tok_s"][TREE]
+    steps_alone = out.token_ids.count(6)  # a step of the target alone gives token 6, a tree step 4, 5
+    steps_tree = (len(out.token_ids) - steps_alone) // 2
+    assert steps_alone > 2 * steps_tree, (steps_alone, steps_tree)
+
+
+def test_greedy_text_is_the_target_alones_whatever_the_arms():
+    target, draft = agreeing_pair()
+    params = SamplingParams(max_tokens=40, seed=0)
+    alone = SpeculativeDecoder(TargetWorker(target), None, ROOT_ONLY).generate([3, 1, 4, 1, 5], params)
+    rates = StepRates(CostSettings(probe_every=2, probe_rounds=1, window=4, min_steps=1))  # switches often
+    mixed = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), k_ary(2, 3), policy=rates.policy)
+    out = mixed.generate([3, 1, 4, 1, 5], params)
+    assert out.token_ids == alone.token_ids
+    steps = rates.summary()["t0.0-b1"]["steps"]
+    assert steps[TREE] > 0 and steps[ALONE] > 0  # both arms ran
