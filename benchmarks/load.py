@@ -316,6 +316,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, help="prefill long prompts this many tokens per step")
     ap.add_argument("--threads", type=int, help="torch threads per model actor (default: num_cpus)")
     ap.add_argument("--batch-wait-ms", type=float, help="how long a forward may wait for the previous one's requests")
+    ap.add_argument("--live-cost", action="store_true", help="serve the tree or the target alone per batch size, "
+                    "whichever measures faster on live steps (ServeConfig.live_cost)")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (requests in flight finish)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -332,6 +334,8 @@ def main() -> int:
     cfg.update({k: v for k, v in (("plan_store", args.plan_store), ("batch_layout", args.batch_layout),
                                   ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
                                   ("batch_wait_ms", args.batch_wait_ms)) if v is not None})
+    if args.live_cost:
+        cfg["live_cost"] = True
     prompts = load_prompts(HERE / "prompts.jsonl")
     if args.modes:
         return run_sweep(args, cfg, prompts, counts)

@@ -53,6 +53,13 @@ class ServeConfig(BaseModel):
                                  "rate limit of live re-plans; runs off the request path).")
     live_max_depth: int = Field(12, ge=1, le=64, description="Deepest tree (levels, root included) a live re-plan "
                                 "may choose when a hardware profile lets it choose (n, d).")
+    live_cost: bool = Field(False, description="Measure each request's step cycle with the tree and with the target "
+                            "alone per temperature and batch bucket (probing the slower one rarely) and serve the "
+                            "faster: speculation is dropped at batch sizes where it measures slower through Serve. "
+                            "Off unless asked for (the shipped config.yaml turns it on).")
+    live_cost_probe_every: int = Field(100, ge=1, description="Rounds (one step per request in flight) of the faster "
+                                       "arm between two probes of the other.")
+    live_cost_probe_rounds: int = Field(3, ge=1, description="Measured rounds of a probe (one more settles the switch).")
     max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
     max_batch_requests: int = Field(16, ge=1, description="Requests whose trees one forward verifies (and one draft "
                                     "forward grows): continuous batching. 1 = one request per forward.")

@@ -7,6 +7,7 @@ or ``generate_stream(request)`` (``handle.options(stream=True)``) with the same 
 
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -29,6 +30,7 @@ from deployments.metrics import ServiceMetrics
 from deployments.service import LivePlanner, PlanProvider, Runner
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
+from sequoia_ray.live_cost import CostSettings, StepRates
 from sequoia_ray.local import encode
 
 logger = logging.getLogger("sequoia_ray.serve")
@@ -143,6 +145,8 @@ class OpenAIIngress:
         self.active = 0
         self.plans: PlanProvider | None = None
         self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
+        self.rates = StepRates(CostSettings(self.cfg.live_cost_probe_every, self.cfg.live_cost_probe_rounds)
+                               ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
         key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
         self.expected_auth = f"Bearer {key}".encode() if key else None
@@ -161,7 +165,8 @@ class OpenAIIngress:
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
                 "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()},
                 "plan_store_errors": plans.errors, "plan_store_last_error": plans.last_error,
-                "live_acceptance": self.live.summary() if self.live else None}
+                "live_acceptance": self.live.summary() if self.live else None,
+                "step_rates": self.rates.summary() if self.rates else None}
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "sequoia-ray",
                                             "metadata": meta}]}
 
@@ -282,6 +287,8 @@ class OpenAIIngress:
                 await asyncio.to_thread(self.plans.refresh)
             except Exception:  # noqa: BLE001 - a refresh must never kill serving; logged
                 logger.exception("plan refresh failed; keeping the current plans")
+            if self.rates is not None:
+                self.metrics.step_rates(self.rates.summary())
             if self.plans.errors > reported:
                 self.metrics.store_errors.inc(self.plans.errors - reported)
                 reported = self.plans.errors
@@ -337,9 +344,12 @@ class OpenAIIngress:
                 draft = ActorDraft(await asyncio.wait_for(self.draft_deployment.actors.remote(), timeout), timeout)
             except Exception as exc:  # noqa: BLE001 - speculation is optional: go on with the target alone
                 logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
+        policy = None
+        if draft is not None and self.rates is not None:
+            policy = functools.partial(self.rates.policy, batch=lambda: self.active)
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
                                   eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
-                                  on_verdict=self.live.observe if self.live else None)
+                                  on_verdict=self.live.observe if self.live else None, policy=policy)
 
     async def _events(self, chunks, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
         model = self.cfg.model_name

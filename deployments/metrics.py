@@ -37,6 +37,22 @@ class ServiceMetrics:
                                           tag_keys=("temperature",))
         self.live_replans = metrics.Counter("sequoia_live_replans", "Plans re-planned from live acceptance.",
                                             tag_keys=("temperature",))
+        self.step_rate = metrics.Gauge("sequoia_step_rate", "Measured tokens/s per request with the tree or the target "
+                                       "alone (arm), per temperature and batch bucket.",
+                                       tag_keys=("temperature", "batch", "arm"))
+        self.speculating = metrics.Gauge("sequoia_speculating", "1 where the tree measures faster than the target "
+                                         "alone and is served, per temperature and batch bucket.",
+                                         tag_keys=("temperature", "batch"))
+
+    def step_rates(self, summary: dict[str, dict]) -> None:
+        """Export ``StepRates.summary()``: per key, each arm's measured tokens/s per request and the arm served."""
+        for key, entry in summary.items():
+            temperature, batch = key.split("-b")
+            tags = {"temperature": temperature[1:], "batch": batch}
+            self.speculating.set(1.0 if entry["serving"] == "tree" else 0.0, tags=tags)
+            for arm, rate in entry["tok_s"].items():
+                if rate is not None:
+                    self.step_rate.set(rate, tags=tags | {"arm": arm})
 
     def live(self, live: LiveAcceptance, replanned: list[float]) -> None:
         """Export the live estimate of every temperature bucket, and count ``replanned``."""

@@ -21,9 +21,12 @@ pytestmark = pytest.mark.integration
 
 def test_served_verdicts_feed_the_estimate_and_a_live_plan_is_served(store_dir, local):
     """The store's plan was made for p = (0.4, 0.3, 0.2); the tiny pair accepts rank 1 ~85% of the time
-    (measured in-process: p̂ = (0.86, 0.065) over 840 nodes), so a few requests' verdicts leave the bound."""
+    (measured in-process: p̂ = (0.86, 0.065) over 840 nodes), so a few requests' verdicts leave the bound.
+    The step rates (``live_cost``) run too, probing the target alone every other round: both arms get measured
+    through Serve and the texts stay the target's."""
     app = {**BASE, "plan_store": str(store_dir), "live_acceptance": True, "live_min_samples": 30,
-           "live_replan_s": 1.0, "live_half_life": 1000.0, "hardware_id": "test-live-hw"}
+           "live_replan_s": 1.0, "live_half_life": 1000.0, "hardware_id": "test-live-hw",
+           "live_cost": True, "live_cost_probe_every": 1, "live_cost_probe_rounds": 1}
     key = PlanKey("test-live-hw", "tiny-draft", "tiny-target", 0.0)
     wrong = plan_for(AcceptanceVector.from_p([0.4, 0.3, 0.2]), 12, 4)[0]
     first = PlanStore(str(store_dir)).publish_plan(wrong, key)
@@ -31,6 +34,7 @@ def test_served_verdicts_feed_the_estimate_and_a_live_plan_is_served(store_dir, 
         url = f"{url}/live"
         meta = requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["metadata"]
         assert meta["plan_source"] == f"store:{first}" and meta["live_acceptance"] == {}, meta
+        assert meta["step_rates"] == {}
         deadline = time.time() + 180
         while time.time() < deadline and not meta["plan_source"].startswith("live"):
             complete(url, "the live traffic", max_tokens=48)
@@ -40,6 +44,8 @@ def test_served_verdicts_feed_the_estimate_and_a_live_plan_is_served(store_dir, 
         assert live["samples"] >= 30 and live["replans"] >= 1 and live["p"][0] > 0.6
         planned, path = PlanStore(str(store_dir)).fetch_plan(key)
         assert path != first and planned.provenance.source == "live" and planned.provenance.live_samples >= 30
+        rates = meta["step_rates"]["t0.0-b1"]
+        assert rates["steps"]["tree"] > 0 and rates["steps"]["alone"] > 0 and rates["tok_s"]["tree"] > 0, rates
         body = complete(url, "after the re-plan", max_tokens=24)  # greedy under the live plan: the target's
         alone = local.decoder(planned.plan, speculate=False).generate(local.encode("after the re-plan", chat=False),
                                                                       SamplingParams(max_tokens=24))

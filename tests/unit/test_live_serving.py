@@ -133,3 +133,20 @@ def test_the_estimate_is_exported_as_metrics():
                                          (pytest.approx(1.0, rel=1e-4), {"temperature": "0.6", "rank": "2"})]
     assert metrics.live_p.calls == [(pytest.approx(0.5, rel=1e-3), {"temperature": "0.6", "rank": "1"}),
                                     (0.0, {"temperature": "0.6", "rank": "2"})]  # decay: ~, not ==
+
+
+def test_the_step_rates_are_exported_as_metrics():
+    from sequoia_ray.live_cost import CostSettings, StepRates
+
+    rates = StepRates(CostSettings(probe_every=1, probe_rounds=1, window=8, min_steps=1))
+    key = ("t0.6", 4)
+    for tokens, seconds in ((3, 1.0), (3, 1.0), (1, 0.25), (1, 0.25)):  # one phase per pair of steps (batch 1)
+        arm, phase, measured = rates.begin(key, 1)
+        if measured:
+            rates.record(key, arm, phase, tokens, seconds)
+    metrics = ServiceMetrics()
+    metrics.step_rate, metrics.speculating = _Recorder(), _Recorder()
+    metrics.step_rates(rates.summary())
+    tags = {"temperature": "0.6", "batch": "4"}
+    assert metrics.speculating.calls == [(0.0, tags)]  # the target alone: 4 tok/s against the tree's 3
+    assert metrics.step_rate.calls == [(3.0, tags | {"arm": "tree"}), (4.0, tags | {"arm": "alone"})]
