@@ -35,26 +35,26 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def two_cpu_cluster(tmp_path_factory):
     """``ray start --head --num-cpus=2``: the logical CPUs of this 2-core machine, whatever runs the test.
-    Yields the cluster address and the dashboard URL (Serve's REST API)."""
+    Yields the cluster address, the dashboard URL (Serve's REST API) and the HTTP port every ``serve run``
+    here uses (Serve's proxy keeps the port of the first run on a cluster)."""
     port, dash = free_port(), free_port()
     start = [str(BIN / "ray"), "start", "--head", "--num-cpus=2", f"--port={port}", "--dashboard-host=127.0.0.1",
              f"--dashboard-port={dash}", "--include-dashboard=true", "--disable-usage-stats"]
     subprocess.run(start, check=True, env=ENV, cwd=tmp_path_factory.mktemp("ray"), capture_output=True, timeout=180)
     try:
-        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
+        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", free_port()
     finally:
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=ENV, capture_output=True, timeout=120)
 
 
-def shipped_config(tmp_path: Path, **overrides) -> tuple[Path, int]:
-    """deployments/config.yaml as shipped, on a free HTTP port and a temporary plan store, with overrides."""
+def shipped_config(tmp_path: Path, port: int, **overrides) -> Path:
+    """deployments/config.yaml as shipped, on HTTP ``port`` and a temporary plan store, with overrides."""
     spec = yaml.safe_load((REPO / "deployments" / "config.yaml").read_text())
-    port = free_port()
     spec["http_options"]["port"] = port
     spec["applications"][0]["args"].update(plan_store=str(tmp_path / "plans"), **overrides)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(spec))
-    return path, port
+    return path
 
 
 @contextlib.contextmanager
@@ -101,16 +101,29 @@ def models_up(url: str) -> bool:
         return False
 
 
+def test_unplaceable_config_fails_fast_naming_the_resource(tmp_path, two_cpu_cluster):
+    """Before, such an app stayed DEPLOYING for ever (replicas "waiting to be scheduled"); now the build
+    fails at once and Serve reports DEPLOY_FAILED with the reason."""
+    address, dashboard, port = two_cpu_cluster  # first in this file: a failed deploy is fast on a fresh cluster
+    config = shipped_config(tmp_path, port, num_cpus=3, **TINY)
+    with serve_run(address, dashboard, config):
+        status = wait_until(lambda: (s := app_status(dashboard)).get("status") == "DEPLOY_FAILED" and s, 180,
+                            "DEPLOY_FAILED")
+    message = status.get("message", "")
+    assert "needs 3 CPU on one node" in message and "largest node has 2" in message, message
+    assert "lower num_cpus" in message, message
+
+
 @pytest.mark.slow
 def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
     """Exactly the shipped config (the real pair, bf16 target, int8 draft) on 2 CPUs; the resources alone
     are checked fast in tests/unit/test_capacity.py."""
-    address, dashboard = two_cpu_cluster
-    config, port = shipped_config(tmp_path)
+    address, dashboard, port = two_cpu_cluster
+    config = shipped_config(tmp_path, port)
     url = f"http://127.0.0.1:{port}"
-    # First in this file: Serve's proxy keeps the HTTP port of the first serve run on a cluster (a failed
-    # deploy may leave Serve up), so the run that must answer on its own port goes first. Only a failure
-    # with another message than one already shown is this config's.
+    # After the failed deploy above: the same HTTP port (Serve's proxy keeps the first run's), and only a
+    # failure with another message than the one already shown is this config's. (The other order waited
+    # ~60 s for the real pair's replicas to go before the failing build.)
     stale = app_status(dashboard).get("message") if failed(dashboard) else None
 
     def failed_here() -> bool:
@@ -125,16 +138,3 @@ def test_shipped_config_comes_up_on_two_cpus(tmp_path, two_cpu_cluster):
         r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
-
-
-def test_unplaceable_config_fails_fast_naming_the_resource(tmp_path, two_cpu_cluster):
-    """Before, such an app stayed DEPLOYING for ever (replicas "waiting to be scheduled"); now the build
-    fails at once and Serve reports DEPLOY_FAILED with the reason."""
-    address, dashboard = two_cpu_cluster
-    config, _ = shipped_config(tmp_path, num_cpus=3, **TINY)
-    with serve_run(address, dashboard, config):
-        status = wait_until(lambda: (s := app_status(dashboard)).get("status") == "DEPLOY_FAILED" and s, 180,
-                            "DEPLOY_FAILED")
-    message = status.get("message", "")
-    assert "needs 3 CPU on one node" in message and "largest node has 2" in message, message
-    assert "lower num_cpus" in message, message
