@@ -11,7 +11,8 @@ batch-1 plan per temperature. Then, on the same benchmark prompts (benchmarks/pr
 in one run per temperature: the target alone; assisted generation with the same draft (its default schedule
 and num_assistant_tokens 3, 5, 8, constant); every fixed Sequoia plan of the hindsight grid (the DP's tree for
 the served acceptance vector at n in --grid-n, d in --grid-d); the built-in plan; the served plan (and the cost
-model's own pick when the measured choice published another). tokens/s = total tokens / total wall time
+model's own pick when the measured choice published another); ADAPTIVE: the served plan with a tree per
+request (``RequestTrees``: each request's own p̂[1] picks the cost model's tree for its tilted vector). tokens/s = total tokens / total wall time
 (prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
 (the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
 beside its measured one. Writes benchmarks/results/e2e.json.
@@ -35,11 +36,12 @@ from common import print_table, write_json  # noqa: E402
 
 from sequoia_ray.config import ProfileJobConfig, SamplingParams  # noqa: E402
 from sequoia_ray.devices import DEVICE_CHOICES, synchronize  # noqa: E402
-from sequoia_ray.hardware import accelerator_name, hardware_id  # noqa: E402
+from sequoia_ray.hardware import HardwareProfile, accelerator_name, hardware_id  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.plan_store import PlanKey, PlanStore  # noqa: E402
 from sequoia_ray.profiling import Serving, TrialResult, format_results, run_bounded  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
+from sequoia_ray.request_trees import RequestTrees  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
 from sequoia_ray.tree.plan import chain  # noqa: E402
@@ -48,8 +50,9 @@ from sequoia_ray.tree.plan_file import PlannedTree  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def run_ours(pair: LocalPair, plan, prompts, *, temperature: float, max_tokens: int, speculate: bool = True):
-    decoder = pair.decoder(plan, speculate=speculate)
+def run_ours(pair: LocalPair, plan, prompts, *, temperature: float, max_tokens: int, speculate: bool = True,
+             policy=None):
+    decoder = pair.decoder(plan, speculate=speculate, policy=policy)
     tokens = steps = 0
     seconds = 0.0
     for i, prompt in enumerate(prompts):
@@ -85,8 +88,10 @@ def _hardware(pair: LocalPair) -> str:
     return hardware_id(accelerator_name(pair.target.model.device))
 
 
-def served_plans(pair: LocalPair, args, temperatures: list[float]) -> dict[float, tuple[TrialResult, PlannedTree]]:
-    """What the main job would serve on this machine: its bounded profile, run here into a scratch store."""
+def served_plans(pair: LocalPair, args, temperatures: list[float]
+                 ) -> tuple[dict[float, tuple[TrialResult, PlannedTree]], HardwareProfile]:
+    """What the main job would serve on this machine: its bounded profile, run here into a scratch store;
+    the batch-1 plan per temperature and the profile."""
     job = ProfileJobConfig(storage=args.plan_store or tempfile.mkdtemp(prefix="e2e-plans-"), temperatures=tuple(temperatures),
                            dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device)
     hardware = _hardware(pair)
@@ -96,7 +101,7 @@ def served_plans(pair: LocalPair, args, temperatures: list[float]) -> dict[float
     for r in (r for r in results if r.batch == 1):
         planned, _ = store.fetch_plan(PlanKey(hardware, "default-draft", "default-target", r.temperature))
         out[r.temperature] = (r, planned)
-    return out
+    return out, store.fetch_profile(hardware)
 
 
 def assisted_configs(pair: LocalPair, temperature: float, max_tokens: int) -> list[tuple[str, object]]:
@@ -111,16 +116,20 @@ def assisted_configs(pair: LocalPair, temperature: float, max_tokens: int) -> li
     return [("assisted default", run)] + [(f"assisted k={k}", functools.partial(run, k=k)) for k in (3, 5, 8)]
 
 
-def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, planned: PlannedTree, args
-                 ) -> list[tuple[str, object]]:
+def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, planned: PlannedTree, args,
+                 profile: HardwareProfile) -> list[tuple[str, object]]:
     table = solve(planned.acceptance, 64, max(args.grid_d + [planned.max_depth or 1, result.model_d]))
     plans = [(f"grid n={n} d={d}", table.tree(n, d)) for n in args.grid_n for d in args.grid_d]
     plans.append((f"built-in n={builtin_plan(temperature).budget}", builtin_plan(temperature).plan))
     if (result.model_n, result.model_d) != (result.n, result.d) and result.model_n:
         plans.append((f"model pick n={result.model_n} d={result.model_d}", table.tree(result.model_n, result.model_d)))
     plans.append((f"SERVED n={result.n} d={result.d}", planned.plan))
-    return [(name, functools.partial(run_ours, pair, plan, temperature=temperature, max_tokens=args.max_tokens))
-            for name, plan in plans]
+    configs = [(name, functools.partial(run_ours, pair, plan, temperature=temperature, max_tokens=args.max_tokens))
+               for name, plan in plans]
+    family = RequestTrees(planned, profile, max_depth=max(args.grid_d))  # the served plan, a tree per request
+    configs.append((f"ADAPTIVE from n={result.n} d={result.d}", functools.partial(
+        run_ours, pair, planned.plan, temperature=temperature, max_tokens=args.max_tokens, policy=family.policy)))
+    return configs
 
 
 def ratios(rows: list[dict]) -> None:
@@ -158,7 +167,7 @@ def main() -> None:
     for p in load_prompts(HERE / "prompts.jsonl"):
         if len(by_kind[p.kind]) < args.limit:
             by_kind[p.kind].append(pair.encode(p.text, chat=p.chat))
-    served = served_plans(pair, args, temperatures)
+    served, profile = served_plans(pair, args, temperatures)
 
     rows, record = [], {"args": vars(args) | {"out": str(args.out)}, "results": []}
     for temperature in temperatures:
@@ -166,7 +175,7 @@ def main() -> None:
         configs = [("target alone", functools.partial(run_ours, pair, chain(0), temperature=temperature,
                                                       max_tokens=args.max_tokens, speculate=False))]
         configs += assisted_configs(pair, temperature, args.max_tokens)
-        configs += plan_configs(pair, temperature, result, planned, args)
+        configs += plan_configs(pair, temperature, result, planned, args, profile)
         rows += run_configs(configs, by_kind, temperature)
         record["results"].append({"temperature": temperature, "served": asdict(result),
                                   "provenance": vars(planned.provenance), "acceptance": planned.acceptance.to_dict()})
@@ -175,7 +184,8 @@ def main() -> None:
     print_table(rows, ["T", "kind", "config", "tok/s", "x target", "x assisted", "x best fixed", "tok/step", "tokens"])
     summary = summarize(rows, served)
     print()
-    print_table(summary, ["T", "kind", "served", "x target", "x assisted", "x best fixed", "best fixed", "predicted"])
+    print_table(summary, ["T", "kind", "served", "x target", "x assisted", "x best fixed", "best fixed", "predicted",
+                          "adaptive x target", "adaptive x assisted", "adaptive x best fixed"])
     record["rows"], record["summary"] = rows, summary
     write_json("e2e", record, args.out)
 
@@ -201,10 +211,13 @@ def summarize(rows: list[dict], served) -> list[dict]:
     for (temperature, kind) in sorted({(r["T"], r["kind"]) for r in rows}):
         sub = [r for r in rows if (r["T"], r["kind"]) == (temperature, kind)]
         mine = next(r for r in sub if r["config"].startswith("SERVED"))
+        adaptive = next(r for r in sub if r["config"].startswith("ADAPTIVE"))
         best = max((r for r in sub if r["config"].startswith("grid")), key=lambda r: r["tok/s"])
         out.append({"T": temperature, "kind": kind, "served": mine["config"][7:], "x target": mine["x target"],
                     "x assisted": mine["x assisted"], "x best fixed": mine["x best fixed"], "best fixed": best["config"][5:],
-                    "predicted": served[temperature][0].predicted_speedup})
+                    "predicted": served[temperature][0].predicted_speedup,
+                    "adaptive x target": adaptive["x target"], "adaptive x assisted": adaptive["x assisted"],
+                    "adaptive x best fixed": adaptive["x best fixed"]})
     return out
 
 

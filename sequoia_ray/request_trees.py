@@ -1,0 +1,99 @@
+"""A tree per request: each request's own acceptance picks its tree from a family the cost model solved.
+
+Why. One plan per temperature bucket serves every request. But code and prose differ: at T = 0 with the
+default pair, p[1] is 0.945 on code and 0.64 on prose. So the best fixed tree differs too: n = 16, d = 12 on
+code against n = 8, d = 6 on prose (``benchmarks/e2e.py``). The pooled plan is n = 8, d = 4, and it reached
+0.70x / 0.75x of those. A request shows which kind it is after a few steps.
+
+How. Per request, p̂[1] = (w·p[1] + a) / (w + m): the served vector's p[1] as a prior worth ``prior_weight``
+trials, plus the request's own trials. m counts the visited inner nodes (every one is a fair trial for rank
+1, whatever its width, see ``live_acceptance``) and a those that accepted rank 1. The request's vector is
+the served one *tilted* to p[1] = q: p'[1] = q, and every other rank and the reject mass are scaled by
+(1 - q) / (1 - p[1]). So what happens after rank 1 is rejected keeps the served vector's law. q is p̂[1]
+rounded to a ``grid`` step. For each (q, batch bucket) the tree is what the cost model picks for the
+tilted vector at that batch size: the DP (``solve``), then ``hardware.choose`` with the profile, its budgets
+and the served plan's overhead. It is solved once, on first use (~5 ms here), and cached. Until a request
+has ``min_trials`` trials of its own, and without a profile, it gets the served plan.
+
+Exactness. A step's tree is a function of the request's earlier verdicts only, and the verifier is exact
+for any tree. So the output is the target's (greedy) or has the target's law (sampled), as with any plan.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.engine import StepPolicy
+from sequoia_ray.hardware import NO_OVERHEAD, HardwareProfile, StepOverhead, batch_bucket, choose
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.dp import solve
+from sequoia_ray.tree.plan import TreePlan
+from sequoia_ray.tree.plan_file import PlannedTree
+from sequoia_ray.verify import Verdict
+
+
+def tilt(p: tuple[float, ...], q: float) -> AcceptanceVector:
+    """``p`` with p[1] moved to ``q``: the other ranks and the reject mass scaled by (1 - q) / (1 - p[1])."""
+    if not 0.0 <= q < 1.0:
+        raise ValueError(f"q {q} must be in [0, 1)")
+    rest = 1.0 - p[0]
+    others = tuple(x * (1.0 - q) / rest for x in p[1:]) if rest > 0 else (0.0,) * (len(p) - 1)
+    return AcceptanceVector.from_p((q, *others), max(0.0, 1.0 - q - sum(others)))
+
+
+class RequestTrees:
+    """The family of trees for one temperature bucket's served plan (see the module docstring)."""
+
+    def __init__(self, planned: PlannedTree, profile: HardwareProfile | None, *, max_depth: int = 12,
+                 grid: float = 0.05, prior_weight: float = 4.0, min_trials: int = 4) -> None:
+        if not 0 < grid <= 0.5:
+            raise ValueError(f"grid {grid} must be in (0, 0.5]")
+        if prior_weight < 0 or min_trials < 0:
+            raise ValueError(f"prior_weight {prior_weight} and min_trials {min_trials} must be >= 0")
+        self.planned, self.profile, self.max_depth = planned, profile, max_depth
+        self.grid, self.prior_weight, self.min_trials = grid, prior_weight, min_trials
+        self.p = planned.acceptance.row(0)
+        overhead = planned.provenance.overhead
+        self.overhead = StepOverhead.from_dict(overhead) if overhead else NO_OVERHEAD
+        self._trees: dict[tuple[int, int], TreePlan] = {}
+        self._lock = threading.Lock()
+
+    def level(self, accepted: float, trials: float) -> int:
+        """The grid step of p̂[1] (an int: q = level * grid) for ``accepted`` of ``trials`` rank-1 trials."""
+        q = (self.prior_weight * self.p[0] + accepted) / (self.prior_weight + trials)
+        top = int(round((1.0 - self.grid / 2) / self.grid))  # the largest step below 1
+        return min(top, max(0, int(round(q / self.grid))))
+
+    def tree(self, level: int, batch: int) -> TreePlan:
+        """The cost model's tree for p[1] = level * grid at ``batch`` requests per step (cached)."""
+        key = (level, batch_bucket(batch, self.profile.buckets()))
+        with self._lock:
+            found = self._trees.get(key)
+            if found is None:
+                vector = tilt(self.p, level * self.grid)
+                table = solve(vector, max(self.profile.t), self.max_depth)
+                best, _ = choose(table, self.profile, tuple(self.profile.t), key[1], self.overhead)
+                found = self._trees[key] = best.plan
+            return found
+
+    def policy(self, params: SamplingParams, batch: Callable[[], int] = lambda: 1) -> StepPolicy:
+        """A request's step policy (``SpeculativeDecoder(policy=...)``)."""
+        return _RequestTree(self, batch)
+
+
+class _RequestTree:
+    def __init__(self, trees: RequestTrees, batch: Callable[[], int]) -> None:
+        self.trees, self.batch = trees, batch
+        self.accepted = self.trials = 0
+
+    def plan(self, base: TreePlan) -> TreePlan:
+        if self.trees.profile is None or self.trials < self.trees.min_trials or base.n <= 1:
+            return base  # not enough of its own yet; or no cost model; or the target alone was chosen
+        return self.trees.tree(self.trees.level(self.accepted, self.trials), max(1, self.batch()))
+
+    def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
+        for _children, rank in verdict.ranks:
+            self.trials += 1
+            self.accepted += rank == 1

@@ -1,0 +1,100 @@
+"""RequestTrees: each request's own p̂[1] picks its tree from the family the cost model solves."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.engine import ROOT_ONLY, SpeculativeDecoder
+from sequoia_ray.hardware import HardwareProfile
+from sequoia_ray.request_trees import RequestTrees, tilt
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.planning import plan_for
+from sequoia_ray.verify import Verdict
+from tests.tiny import agreeing_pair
+
+SIZES = (1, 2, 4, 8, 16, 32)
+P = (0.7, 0.1, 0.05)
+
+
+def profile() -> HardwareProfile:
+    """t(n) = 1 + 0.01·(n - 1), a draft level 0.05 of a target step: depth is cheap, so acceptance decides."""
+    t = {n: 1 + 0.01 * (n - 1) for n in SIZES}
+    return HardwareProfile("test-hw", t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32")
+
+
+def trees(prof=profile(), **kw) -> RequestTrees:
+    planned, _ = plan_for(AcceptanceVector.from_p(P), 8, 4)
+    return RequestTrees(planned, prof, **kw)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.3, 0.7, 0.95])
+def test_tilt_moves_rank_one_and_keeps_the_law_after_it(q):
+    v = tilt(P, q)
+    assert v.rows[0][0] == pytest.approx(q)
+    assert sum(v.rows[0]) + v.reject[0] == pytest.approx(1.0)
+    rest = [x / (1 - q) for x in (*v.rows[0][1:], v.reject[0])]  # the law after rank 1 is rejected
+    assert rest == pytest.approx([x / (1 - P[0]) for x in (*P[1:], 1 - sum(P))])
+    assert tilt((1.0, 0.0), 0.4).rows[0] == (0.4, 0.0)
+
+
+def test_the_estimate_starts_at_the_served_p1_and_follows_the_request():
+    family = trees(grid=0.05, prior_weight=4)
+    assert family.level(0, 0) * 0.05 == pytest.approx(0.7)
+    assert family.level(40, 40) * 0.05 == pytest.approx(0.95)  # (2.8 + 40) / 44 = 0.97 -> capped below 1
+    assert family.level(0, 40) == 1  # 2.8 / 44 = 0.064 -> 0.05
+    with pytest.raises(ValueError, match="grid"):
+        trees(grid=0.0)
+
+
+def feed(policy, rank: int, steps: int) -> None:
+    for _ in range(steps):
+        policy.observe(None, Verdict([0], [1], ((3, rank), (2, rank))), 0.1)
+
+
+def test_a_confident_request_gets_a_deeper_tree_and_an_unsure_one_a_shallower():
+    family = trees(min_trials=4)
+    base = family.planned.plan
+    sure, unsure = family.policy(SamplingParams()), family.policy(SamplingParams())
+    feed(sure, 1, 1)
+    assert sure.plan(base) is base  # 2 trials < min_trials: the served plan
+    feed(sure, 1, 20)
+    feed(unsure, 0, 20)
+    deep, shallow = sure.plan(base), unsure.plan(base)
+    assert deep.num_levels > base.num_levels > shallow.num_levels
+    assert unsure.plan(ROOT_ONLY) is ROOT_ONLY  # the target alone, when chosen, stays
+    assert deep == family.tree(family.level(42, 42), 1)  # cached: one tree per (level, bucket)
+
+
+def test_without_a_profile_every_request_keeps_the_served_plan():
+    family = trees(prof=None)
+    policy = family.policy(SamplingParams())
+    feed(policy, 1, 20)
+    assert policy.plan(family.planned.plan) is family.planned.plan
+
+
+def test_concurrent_requests_share_one_solve_per_level():
+    family, out = trees(), []
+    threads = [threading.Thread(target=lambda: out.append(family.tree(15, 1))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 8 and all(plan is out[0] for plan in out) and len(family._trees) == 1
+
+
+def test_greedy_text_is_the_target_alones_with_per_request_trees():
+    target, draft = agreeing_pair()
+    params, prompt = SamplingParams(max_tokens=40, seed=0), [3, 1, 4, 1, 5]
+    alone = SpeculativeDecoder(TargetWorker(target), None, ROOT_ONLY).generate(prompt, params)
+    family = trees(min_trials=1)
+    seen = []
+    original = family.tree
+    family.tree = lambda level, batch: seen.append(level) or original(level, batch)
+    out = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), family.planned.plan,
+                             policy=family.policy).generate(prompt, params)
+    assert out.token_ids == alone.token_ids and seen  # the family's trees were used
