@@ -60,6 +60,10 @@ class ServeConfig(BaseModel):
     live_cost_probe_every: int = Field(100, ge=1, description="Rounds (one step per request in flight) of the faster "
                                        "arm between two probes of the other.")
     live_cost_probe_rounds: int = Field(3, ge=1, description="Measured rounds of a probe (one more settles the switch).")
+    request_trees: bool = Field(False, description="A tree per request: after a few steps each request's own "
+                                "acceptance picks the cost model's tree for it (deeper for predictable text, "
+                                "shallower for unsure), from the served plan's vector tilted to its p[1] and the "
+                                "store's hardware profile (without one, the served plan).")
     max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
     max_batch_requests: int = Field(16, ge=1, description="Requests whose trees one forward verifies (and one draft "
                                     "forward grows): continuous batching. 1 = one request per forward.")

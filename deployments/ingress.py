@@ -7,7 +7,6 @@ or ``generate_stream(request)`` (``handle.options(stream=True)``) with the same 
 
 
 import asyncio
-import functools
 import hmac
 import json
 import logging
@@ -27,7 +26,7 @@ from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
 from deployments import openai_api as api
 from deployments.config import ServeConfig
 from deployments.metrics import ServiceMetrics
-from deployments.service import LivePlanner, PlanProvider, Runner
+from deployments.service import LivePlanner, PlanProvider, Runner, TreeFamilies
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
 from sequoia_ray.live_cost import CostSettings, StepRates
@@ -145,6 +144,7 @@ class OpenAIIngress:
         self.active = 0
         self.plans: PlanProvider | None = None
         self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
+        self.families: TreeFamilies | None = None  # a tree per request (cfg.request_trees)
         self.rates = StepRates(CostSettings(self.cfg.live_cost_probe_every, self.cfg.live_cost_probe_rounds)
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
@@ -267,6 +267,8 @@ class OpenAIIngress:
             if self.plans is None:  # another request may have got here first
                 self.plans = PlanProvider(self.cfg, target["hardware_id"])
                 asyncio.get_running_loop().create_task(self._refresh_plans())
+                if self.cfg.request_trees:
+                    self.families = TreeFamilies(self.plans, self.cfg.live_max_depth)
                 if self.cfg.live_acceptance:
                     self.live = LivePlanner(self.cfg, self.plans)
                     asyncio.get_running_loop().create_task(self._live_replans())
@@ -317,7 +319,9 @@ class OpenAIIngress:
             active = await asyncio.to_thread(plans.get, params.temperature, self.active)  # a first fetch may be slow
             self.metrics.plan.set(active.planned.plan.n, tags={"hardware": plans.hardware, "source": active.source,
                                                                "bucket": f"{params.temperature:.1f}"})
-            decoder = await self._decoder(lambda: plans.get(params.temperature, self.active).planned.plan, speculate)
+            family = await asyncio.to_thread(self.families.get, params.temperature) if self.families else None
+            decoder = await self._decoder(lambda: plans.get(params.temperature, self.active).planned.plan, speculate,
+                                          family)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
@@ -333,9 +337,10 @@ class OpenAIIngress:
             self.active -= 1
             self.metrics.active.set(self.active)
 
-    async def _decoder(self, plan, speculate: bool) -> SpeculativeDecoder:
+    async def _decoder(self, plan, speculate: bool, family=None) -> SpeculativeDecoder:
         """``plan``: each step's tree — the plan of the batch-size bucket of the requests in flight here now
-        (trees are regrown every step, so a request's tree follows the batch as it grows and shrinks)."""
+        (trees are regrown every step, so a request's tree follows the batch as it grows and shrinks).
+        ``family``: the request's tree from its own acceptance (``RequestTrees``) instead of the plan's."""
         timeout = self.cfg.step_timeout_s
         target = await self._target_actors()
         draft = None
@@ -344,12 +349,23 @@ class OpenAIIngress:
                 draft = ActorDraft(await asyncio.wait_for(self.draft_deployment.actors.remote(), timeout), timeout)
             except Exception as exc:  # noqa: BLE001 - speculation is optional: go on with the target alone
                 logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
-        policy = None
-        if draft is not None and self.rates is not None:
-            policy = functools.partial(self.rates.policy, batch=lambda: self.active)
+        policy = self._policy(family) if draft is not None else None
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
                                   eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
                                   on_verdict=self.live.observe if self.live else None, policy=policy)
+
+    def _policy(self, family):
+        """Each request's step policy: its own tree (``family``), inside the measured choice between the tree
+        and the target alone (``self.rates``); None when neither is on."""
+        if family is None and self.rates is None:
+            return None
+
+        def policy(params: SamplingParams):
+            batch = lambda: self.active  # noqa: E731
+            inner = family.policy(params, batch) if family is not None else None
+            return self.rates.policy(params, batch, inner) if self.rates is not None else inner
+
+        return policy
 
     async def _events(self, chunks, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
         model = self.cfg.model_name

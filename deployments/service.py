@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
@@ -26,6 +27,7 @@ from sequoia_ray.engine import Chunk, SpeculativeDecoder
 from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, batch_bucket
 from sequoia_ray.live_acceptance import LiveAcceptance, LiveSettings
 from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, plan_bucket
+from sequoia_ray.request_trees import RequestTrees
 from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.tree.plan_file import PlannedTree
@@ -205,6 +207,27 @@ class LivePlanner:
                                          "p": [None if x != x else round(float(x), 4) for x in snap.p_hat()],  # None: untried
                                          "trials": [round(float(x), 1) for x in snap.tried]}
         return out
+
+
+class TreeFamilies:
+    """Per temperature bucket, the ``RequestTrees`` of the batch-1 plan served now (a tree per request from
+    its own acceptance), rebuilt when that plan changes. The profile is read from the store when a family is
+    built (a plan change), never per request; without one every request keeps the served plan."""
+
+    def __init__(self, plans: PlanProvider, max_depth: int) -> None:
+        self.plans, self.max_depth = plans, max_depth
+        self.families: dict[str, tuple[str, RequestTrees]] = {}  # bucket name -> (plan source, family)
+        self.lock = threading.Lock()
+
+    def get(self, temperature: float) -> RequestTrees:
+        active = self.plans.get(temperature, 1)
+        name = plan_bucket(temperature, 1)
+        with self.lock:
+            found = self.families.get(name)
+            if found is None or found[0] != active.source:
+                found = self.families[name] = (active.source, RequestTrees(active.planned, self.plans.profile(),
+                                                                           max_depth=self.max_depth))
+            return found[1]
 
 
 class Runner:

@@ -150,3 +150,22 @@ def test_the_step_rates_are_exported_as_metrics():
     tags = {"temperature": "0.6", "batch": "4"}
     assert metrics.speculating.calls == [(0.0, tags)]  # the target alone: 4 tok/s against the tree's 3
     assert metrics.step_rate.calls == [(3.0, tags | {"arm": "tree"}), (4.0, tags | {"arm": "alone"})]
+
+
+def test_tree_families_follow_the_served_plan_and_read_the_profile_once_per_plan(tmp_path):
+    from deployments.service import TreeFamilies
+    from sequoia_ray.hardware import HardwareProfile
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(builtin_plan(0.0), KEY)
+    plans = PlanProvider(config(str(tmp_path)), HW)
+    families = TreeFamilies(plans, 8)
+    first = families.get(0.0)
+    assert first.profile is None and first.planned is plans.get(0.0).planned  # no profile: the served plan
+    assert families.get(0.0) is first  # cached while the plan stays
+    t = {n: 1 + 0.01 * (n - 1) for n in (1, 2, 4, 8, 16)}
+    store.publish_profile(HardwareProfile(HW, t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32"))
+    store.publish_plan(builtin_plan(0.0, budget=8), KEY)  # a new plan: the family is rebuilt, with the profile
+    plans.refresh()
+    second = families.get(0.0)
+    assert second is not first and second.profile is not None and second.planned.plan == plans.get(0.0).planned.plan
