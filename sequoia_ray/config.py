@@ -3,6 +3,8 @@ The serving configuration lives with the Serve app (``deployments/config.py``)."
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
@@ -73,6 +75,8 @@ class ProfileJobConfig(BaseModel):
                              "the repeats) exceeds this fraction; raise it on a shared machine.")
     dtype: str = Field("bfloat16", description="Model dtype on this hardware: float32 | bfloat16 | float16.")
     draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
+    linears: Literal["auto", "packed", "aten"] = Field("auto", description="Linear layers on weights packed once for "
+                                                       "oneDNN (CPU): auto = bf16 models, packed = also fp32, aten = never.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size of the target (part of the hardware id).")
     hardware: tuple[str, ...] = Field((), description="Accelerator types to profile; default: every type in the cluster.")
     smoke_test: bool = Field(False, description="Tiny random models and small sizes: seconds, for CI.")

@@ -18,10 +18,13 @@ class LocalPair:
 
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *, dtype: str = "float32",
-             draft_quantize: str | None = None, progress: bool = True, device: str = "auto") -> LocalPair:
-        """Both models on ``device`` (``auto | cpu | cuda``, see ``sequoia_ray.devices``)."""
-        t = load_model(target, dtype=dtype, progress=progress, device=device)
-        d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device) if draft else None
+             draft_quantize: str | None = None, progress: bool = True, device: str = "auto",
+             linears: str = "auto") -> LocalPair:
+        """Both models on ``device`` (``auto | cpu | cuda``, see ``sequoia_ray.devices``); ``linears``: see
+        ``sequoia_ray.models.packed_linear``."""
+        t = load_model(target, dtype=dtype, progress=progress, device=device, linears=linears)
+        d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device,
+                       linears=linears) if draft else None
         if d is not None:
             check_same_vocab(t, d)
         return cls(t, d)

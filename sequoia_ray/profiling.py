@@ -66,7 +66,7 @@ def load_pair(cfg: ProfileJobConfig, *, progress: bool = True) -> LocalPair:
     if cfg.smoke_test:
         return LocalPair.tiny(device=cfg.device)
     return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize,
-                          device=cfg.device, progress=progress)
+                          device=cfg.device, progress=progress, linears=cfg.linears)
 
 
 def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None, calls=None
@@ -177,12 +177,23 @@ def _provenance(cfg: ProfileJobConfig, pair, picked: Picked, batch: int, *, prom
                 **extra) -> Provenance:
     measured = picked.measured
     return Provenance(
-        dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=str(pair.draft.model.device), prompts=prompts,
+        dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=str(pair.draft.model.device),
+        linears=_linears(pair, cfg), prompts=prompts,
         tokens_measured=tokens, batch=batch if batch > 1 else None,
         predicted_speedup=_positive(picked.choice.predicted_speedup),
         measured_speedup=_positive(measured.measured_speedup) if measured else None,
         candidates=[m.to_dict() for m in picked.candidates] or None,
         overhead=picked.overhead.to_dict() if picked.overhead else None, **extra)
+
+
+def _linears(pair, cfg: ProfileJobConfig) -> str:
+    """The target's Linear kernels as run: counted in process; a rank group reports its configured mode."""
+    from sequoia_ray.models.packed_linear import packed_count
+
+    model = target_model(pair)
+    if model is None:
+        return cfg.linears
+    return "packed" if packed_count(model) else "aten"
 
 
 def _positive(x: float) -> float | None:

@@ -69,11 +69,15 @@ def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
 
 
 def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
-               progress: bool = True, tp_plan: str | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+               progress: bool = True, tp_plan: str | None = None, device: str | torch.device = "cpu",
+               linears: str = "auto") -> LoadedModel:
     """Load onto ``device`` (``auto | cpu | cuda`` or a torch device; see ``sequoia_ray.devices``).
     ``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel);
-    transformers then places each shard on the rank's device (``LOCAL_RANK``)."""
+    transformers then places each shard on the rank's device (``LOCAL_RANK``). ``linears``: ``auto | packed |
+    aten``, whether the Linear layers run on weights packed once for oneDNN (``models.packed_linear``); an
+    int8 model (its layers are quantised, not ``nn.Linear``) and tensor-parallel shards stay unpacked."""
     from sequoia_ray.devices import resolve_device
+    from sequoia_ray.models.packed_linear import check_mode, pack_linears
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -83,6 +87,7 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
                          "use dtype bfloat16 or float16 for a GPU draft")
     if quantize is not None and quantize != "int8":
         raise ValueError(f"quantize {quantize!r} is not supported; use 'int8' or leave it unset")
+    check_mode(linears)
     logger.info("loading %s on %s ...", source, device)
     start = time.perf_counter()
     with progress_bars(progress):
@@ -95,6 +100,10 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
                            "set LOCAL_RANK and the backend (nccl for GPUs, gloo for CPUs) to match")
     if quantize == "int8":
         model = quantize_int8(model)
+    elif tp_plan:
+        logger.info("linear layers not packed: tensor-parallel shards keep transformers' hooks")
+    else:
+        pack_linears(model, linears)
     logger.info("loading %s on %s ... done in %.1f s", source, model.device, time.perf_counter() - start)
     eos = eos_ids(tokenizer, getattr(model, "generation_config", None))
     return LoadedModel(model, tokenizer, eos, source, model.config.max_position_embeddings)

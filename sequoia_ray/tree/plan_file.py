@@ -38,6 +38,7 @@ class Provenance:
     dtype: str | None = None  # float32 | bfloat16 | float16
     draft_quantize: str | None = None  # e.g. int8; None = not quantised (or not recorded)
     device: str | None = None  # where the models ran (e.g. cpu, cuda:0)
+    linears: str | None = None  # packed | aten: the target's Linear kernels (sequoia_ray.models.packed_linear)
     threads: int | None = None  # the target's torch threads
     time_budget_s: float | None = None  # a bounded profile's time budget; None = unbounded
     prompts: int | None = None  # prompts the acceptance vector was measured on
@@ -156,7 +157,7 @@ def _provenance(obj: Any, bad) -> Provenance:
     temp = obj.get("temperature")
     if temp is not None and (not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0):
         raise bad("provenance.temperature", f"{temp!r} must be a finite number >= 0")
-    for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device", "source"):
+    for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device", "linears", "source"):
         if obj.get(key) is not None and not isinstance(obj[key], str):
             raise bad(f"provenance.{key}", f"{obj[key]!r} must be a string")
     for key, least in (("threads", 0), ("prompts", 0), ("tokens_measured", 0), ("batch", 1), ("live_samples", 0)):
