@@ -102,3 +102,14 @@ def test_loading_and_timing_on_cuda():
     assert loaded.model.device == CUDA
     times = time_forward(loaded.model, (1, 4, 16), context=32, repeats=2)
     assert all(t > 0 for t in times.values())
+
+
+def test_a_cuda_model_keeps_its_linear_layers():
+    """oneDNN packing is a CPU kernel: ``auto`` leaves a bf16 model on the GPU as it is, ``packed`` refuses it."""
+    from sequoia_ray.models.packed_linear import pack_linears
+
+    model = tiny_model("qwen2", seed=0).to(CUDA, torch.bfloat16)
+    assert pack_linears(model, "auto") == 0
+    assert all(m.weight.is_cuda for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with pytest.raises(ValueError, match="the model is on cuda"):
+        pack_linears(model, "packed")
