@@ -54,6 +54,9 @@ class RequestTrees:
             raise ValueError(f"prior_weight {prior_weight} and min_trials {min_trials} must be >= 0")
         self.planned, self.profile, self.max_depth = planned, profile, max_depth
         self.grid, self.prior_weight, self.min_trials = grid, prior_weight, min_trials
+        self._top = int(1.0 / grid)  # the largest step whose q = step * grid is below 1 (tilt needs q < 1)
+        while self._top * grid >= 1.0:
+            self._top -= 1
         self.p = planned.acceptance.row(0)
         overhead = planned.provenance.overhead
         self.overhead = StepOverhead.from_dict(overhead) if overhead else NO_OVERHEAD
@@ -63,8 +66,7 @@ class RequestTrees:
     def level(self, accepted: float, trials: float) -> int:
         """The grid step of p̂[1] (an int: q = level * grid) for ``accepted`` of ``trials`` rank-1 trials."""
         q = (self.prior_weight * self.p[0] + accepted) / (self.prior_weight + trials)
-        top = int(round((1.0 - self.grid / 2) / self.grid))  # the largest step below 1
-        return min(top, max(0, int(round(q / self.grid))))
+        return min(self._top, max(0, int(round(q / self.grid))))
 
     def tree(self, level: int, batch: int) -> TreePlan:
         """The cost model's tree for p[1] = level * grid at ``batch`` requests per step (cached)."""

@@ -56,6 +56,16 @@ def feed(policy, rank: int, steps: int) -> None:
         policy.observe(None, Verdict([0], [1], ((3, rank), (2, rank))), 0.1)
 
 
+@pytest.mark.parametrize("grid", [0.05, 0.1, 0.2, 0.3, 0.5])
+def test_a_request_that_accepts_everything_stays_below_one(grid):
+    """p̂[1] -> 1 rounds to the last grid step below 1, never to 1 (tilt needs q < 1): with 0.05, round(19.98)
+    was 20 and every such request's policy failed."""
+    family = trees(grid=grid)
+    level = family.level(10_000, 10_000)
+    assert level * grid < 1.0 and (level + 1) * grid >= 1.0 - 1e-12
+    assert family.tree(level, 1).n >= 1
+
+
 def test_a_confident_request_gets_a_deeper_tree_and_an_unsure_one_a_shallower():
     family = trees(min_trials=4)
     base = family.planned.plan
