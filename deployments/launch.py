@@ -68,16 +68,42 @@ def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None
 
 
 def missing_temperatures(cfg: ServeConfig, hardware: str) -> tuple[float, ...]:
-    """The served temperature buckets with no usable plan in the store for this hardware and pair."""
+    """The served temperature buckets with no usable plan in the store for this hardware and pair: none
+    stored, a corrupt one, or one measured with another serving configuration (printed: see ``stale``)."""
     from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, StoreError
 
     store, missing = PlanStore(cfg.plan_store), []
     for temperature in SERVED_TEMPERATURES:
         try:
-            store.fetch_plan(PlanKey(hardware, cfg.draft, cfg.target, temperature))
+            planned, _ = store.fetch_plan(PlanKey(hardware, cfg.draft, cfg.target, temperature))
         except (PlanNotFound, StoreError):  # a corrupt latest plan is replaced by a fresh one
             missing.append(temperature)
+            continue
+        why = stale(planned.provenance, cfg)
+        if why:
+            print(f"plans: the stored plan for T={temperature} was measured with {why}; profiling again", flush=True)
+            missing.append(temperature)
     return tuple(missing)
+
+
+def stale(prov, cfg: ServeConfig) -> str | None:
+    """How a stored plan's recorded serving configuration differs from ``cfg`` (None: it does not, or the
+    plan records none). A plan that records its dtype but not its Linear kernels predates packing: aten."""
+    import torch
+
+    from sequoia_ray.models.loading import DTYPES
+    from sequoia_ray.models.packed_linear import kernels_for
+
+    if prov.dtype is None:
+        return None
+    if prov.dtype != cfg.dtype:
+        return f"dtype {prov.dtype}, not {cfg.dtype}"
+    if (prov.draft_quantize or None) != (cfg.draft_quantize or None):
+        return f"draft_quantize {prov.draft_quantize}, not {cfg.draft_quantize}"
+    kernels = kernels_for(cfg.linears, DTYPES.get(cfg.dtype, torch.float32), cfg.device_type)
+    if (prov.linears or "aten") != kernels:
+        return f"{prov.linears or 'aten'} Linear kernels, not {kernels} (linears {cfg.linears})"
+    return None
 
 
 @contextlib.contextmanager
@@ -109,7 +135,8 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
         print(f"plans: the store {cfg.plan_store} has plans for {hardware}; serving them", flush=True)
         return "present"
     job = ProfileJobConfig(storage=cfg.plan_store, draft=cfg.draft, target=cfg.target, temperatures=missing,
-                           dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=cfg.device)
+                           dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, linears=cfg.linears,
+                           device=cfg.device)
     serving = Serving(threads=cfg.actor_spec("target").threads, time_budget_s=float(seconds), calls=_call_probe())
     print(f"plans: none for {hardware} at T={', '.join(map(str, missing))}; profiling this machine "
           f"(at most {seconds:.0f}s, --no-profile skips) ...", flush=True)

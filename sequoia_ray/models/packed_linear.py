@@ -58,12 +58,21 @@ def check_mode(mode: str) -> str:
 
 def why_not(model: torch.nn.Module, mode: str) -> str | None:
     """Why ``model`` is not packed under ``mode`` (None: it will be). ``packed`` raises where ``auto`` declines."""
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    return _why_not(mode, first.dtype if first is not None else torch.float32, device)
+
+
+def kernels_for(mode: str, dtype: torch.dtype, device_type: str) -> str:
+    """``packed`` or ``aten``: what a model of ``dtype`` on ``device_type`` will run under ``mode`` (what a
+    plan's provenance records as ``linears``); ``packed`` where it cannot apply raises, as loading would."""
+    return "aten" if _why_not(mode, dtype, torch.device(device_type)) else "packed"
+
+
+def _why_not(mode: str, dtype: torch.dtype, device: torch.device) -> str | None:
     check_mode(mode)
     if mode == "aten":
         return "linears 'aten'"
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
-    dtype = first.dtype if first is not None else torch.float32
     reason = None
     if device.type != "cpu":
         reason = f"the model is on {device}; oneDNN packing is a CPU kernel"

@@ -283,6 +283,28 @@ def test_a_corrupt_stored_plan_counts_as_missing(tmp_path):
     assert 0.0 in missing_temperatures(cfg, hardware)
 
 
+@pytest.mark.parametrize("recorded, serving, why", [
+    (dict(dtype="float32"), dict(linears="packed"), "aten Linear kernels, not packed (linears packed)"),  # pre-packing
+    (dict(dtype="float32", linears="packed"), dict(linears="aten"), "packed Linear kernels, not aten"),
+    (dict(dtype="bfloat16", linears="aten"), dict(linears="aten"), "dtype bfloat16, not float32"),
+    (dict(dtype="float32", linears="aten"), dict(linears="aten", draft_quantize="int8"), "draft_quantize None, not int8"),
+    (dict(dtype="float32", linears="packed"), dict(linears="packed"), None),
+    (dict(), dict(linears="packed"), None),  # a plan that records no serving configuration is taken as it is
+])
+def test_a_plan_measured_with_another_serving_configuration_counts_as_missing(tmp_path, capsys, recorded, serving,
+                                                                             why):
+    cfg = _cfg(tmp_path, **serving)
+    hardware = serving_hardware_id(cfg)
+    store, base = PlanStore(cfg.plan_store), builtin_plan(0.0)
+    for temperature in SERVED_TEMPERATURES:
+        planned = PlannedTree(base.plan, base.acceptance, base.budget, base.max_depth, base.expected_tokens,
+                              Provenance(**recorded))
+        store.publish_plan(planned, PlanKey(hardware, "tiny-draft", "tiny-target", temperature))
+    assert missing_temperatures(cfg, hardware) == (SERVED_TEMPERATURES if why else ())
+    out = capsys.readouterr().out
+    assert (why in out and "profiling again" in out) if why else "profiling again" not in out
+
+
 def test_a_noisy_bounded_profile_publishes_nothing_and_the_builtin_plan_serves(tmp_path, pair, capsys):
     cfg = _cfg(tmp_path)
 
