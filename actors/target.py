@@ -120,7 +120,10 @@ class TargetRank(ModelActor):
 
 
 def check_sharded(model, world: int) -> None:
-    """Assert the attention projections hold 1/world of their output rows on this rank."""
+    """Assert the attention projections hold 1/world of their output rows on this rank (one rank holds every
+    row: nothing to check, and its Linear layers may be packed, without a plain ``weight``)."""
+    if world == 1:
+        return
     proj = model.model.layers[0].self_attn.q_proj.weight
     local = proj.to_local() if hasattr(proj, "to_local") else proj
     config = model.config

@@ -24,10 +24,12 @@ def test_served_verdicts_feed_the_estimate_and_a_live_plan_is_served(store_dir, 
     (measured in-process: p̂ = (0.86, 0.065) over 840 nodes), so a few requests' verdicts leave the bound.
     The step rates (``live_cost``) run too, probing the target alone every other round: both arms get measured
     through Serve and the texts stay the target's. A tree per request (``request_trees``) is on too; the store has
-    no profile here, so each request keeps the served plan."""
+    no profile here, so each request keeps the served plan. Both actors run packed Linear layers
+    (``linears: packed``; fp32, so the greedy text is still compared with the unpacked target in-process)."""
     app = {**BASE, "plan_store": str(store_dir), "live_acceptance": True, "live_min_samples": 30,
            "live_replan_s": 1.0, "live_half_life": 1000.0, "hardware_id": "test-live-hw",
-           "live_cost": True, "live_cost_probe_every": 1, "live_cost_probe_rounds": 1, "request_trees": True}
+           "live_cost": True, "live_cost_probe_every": 1, "live_cost_probe_rounds": 1, "request_trees": True,
+           "linears": "packed"}
     key = PlanKey("test-live-hw", "tiny-draft", "tiny-target", 0.0)
     wrong = plan_for(AcceptanceVector.from_p([0.4, 0.3, 0.2]), 12, 4)[0]
     first = PlanStore(str(store_dir)).publish_plan(wrong, key)

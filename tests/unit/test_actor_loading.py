@@ -1,0 +1,32 @@
+"""The model actors, built in-process (no Ray), load what their spec asks for and serve it: packed Linear
+layers included (the target rank once read ``q_proj.weight``, which a packed layer does not have)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from actors.draft import DraftActor
+from actors.spec import ModelActorSpec
+from actors.target import TargetRank, free_port
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.engine import SpeculativeDecoder
+from sequoia_ray.local import LocalPair
+from sequoia_ray.models.packed_linear import packed_count
+from sequoia_ray.tree.plan import chain, k_ary
+
+
+@pytest.mark.parametrize("linears", ["packed", "aten"])
+def test_actors_load_their_linears_and_decode_the_targets_greedy_tokens(linears):
+    rank = TargetRank(0, 1, "127.0.0.1", free_port(), "gloo", ModelActorSpec("tiny-target", linears=linears))
+    try:
+        draft = DraftActor(ModelActorSpec("tiny-draft", linears=linears))
+        models = (rank.worker.model, draft.worker.model)
+        assert [packed_count(m) > 0 for m in models] == [linears == "packed"] * 2
+        reference = LocalPair.load("tiny-target", None, progress=False, linears="aten").decoder(chain(0))
+        spec = SpeculativeDecoder(rank.worker, draft.worker, k_ary(2, 3))
+        prompt = [5, 17, 33, 8]
+        expected = reference.generate(prompt, SamplingParams(max_tokens=16)).token_ids
+        assert spec.generate(prompt, SamplingParams(max_tokens=16)).token_ids == expected
+    finally:
+        dist.destroy_process_group()
