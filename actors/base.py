@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import ray
 import torch
@@ -31,15 +32,30 @@ def assigned_device(spec: str) -> torch.device:
     return device
 
 
+class _StderrLines(logging.StreamHandler):
+    """Plain lines to whatever ``sys.stderr`` is when a record is emitted, not the stream that was
+    ``sys.stderr`` when the handler was made: a worker (or a test's capture) may swap it in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    @property
+    def stream(self):  # noqa: D102 - StreamHandler reads self.stream in emit and flush
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def log_lines_to_stderr(level: int = logging.INFO) -> None:
     """In an actor, the core's log lines (model loading, plan changes) go to stderr — which Ray forwards to
-    the driver's log — as plain lines; no handler is set up there otherwise, and INFO would be dropped."""
+    the driver's log — as plain lines; no handler is set up there otherwise, and INFO would be dropped.
+    Idempotent: one handler however many actors a process holds."""
     log = logging.getLogger("sequoia_ray")
-    if not any(getattr(h, "_sequoia_actor", False) for h in log.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler._sequoia_actor = True  # type: ignore[attr-defined]
-        log.addHandler(handler)
+    if not any(isinstance(h, _StderrLines) for h in log.handlers):
+        log.addHandler(_StderrLines())
     log.setLevel(level)
 
 
