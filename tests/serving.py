@@ -45,10 +45,10 @@ def serving(apps: dict[str, dict], metrics_port: int | None = None) -> Iterator[
         ray.shutdown()
 
 
-def complete(url: str, prompt, **kw) -> dict:
+def complete(url: str, prompt, headers: dict | None = None, **kw) -> dict:
     """A non-streamed greedy completion that must succeed."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
-    r = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+    r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 

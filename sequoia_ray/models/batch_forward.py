@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from sequoia_ray.models.tree_lm import KVSession
+from sequoia_ray.models.tree_lm import KVSession, new_cache
 
 LAYOUTS = ("flat", "padded")
 
@@ -126,7 +125,7 @@ def _padded(model, segments: list[Segment], device) -> list[torch.Tensor]:
         rows[:, : pasts[i]].masked_fill_(seen[:, : pasts[i]], 0)
         rows[:, p : p + qs[i]] = 0
         rows[:, p : p + qs[i]].masked_fill_(~seen[:, pasts[i] :], blocked)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     if p:
         for layer in range(len(cache.layers)):
             heads, dim, kv_dtype = _layer_shape(segments, layer)
@@ -158,7 +157,7 @@ def _flat(model, segments: list[Segment], device) -> list[torch.Tensor]:
         rows[:, new_at[i] : new_at[i] + qs[i]].masked_fill_(seen[:, pasts[i] :], 0)
     ids = torch.cat([s.tokens for s in segments])[None]  # [1, sum q]
     positions = torch.cat([s.positions for s in segments])[None]  # [1, sum q]
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     if p:
         for layer in range(len(cache.layers)):
             cached = [kv for kv in _cached_kv(segments, layer) if kv is not None]

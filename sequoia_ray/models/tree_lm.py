@@ -13,9 +13,19 @@ there, and the callers pass ``tokens``, ``positions``, ``allowed`` and ``slots``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+
+if TYPE_CHECKING:  # transformers is imported where a cache is made: a process that only routes calls
+    from transformers import DynamicCache, PreTrainedModel  # (the ingress, a deployment) never loads it
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty transformers cache for ``model``."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
 
 
 @dataclass
@@ -24,7 +34,7 @@ class KVSession:
     cache: DynamicCache = field(init=False)
 
     def __post_init__(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model)
 
     @property
     def device(self) -> torch.device:

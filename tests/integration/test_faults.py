@@ -35,7 +35,9 @@ METRICS_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def server(store_dir):
-    apps = {"ft": FAULTS, "store": {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 0.5}}
+    # one app (every app costs ~25 s of start-up here); the corrupt-plan test, which changes the plan served,
+    # runs last
+    apps = {"ft": {**FAULTS, "plan_store": str(store_dir), "plan_refresh_s": 0.5}}
     with serving(apps, metrics_port=METRICS_PORT) as url:
         yield url
 
@@ -149,7 +151,7 @@ def test_corrupt_plan_in_the_store_keeps_the_last_good_one(server, store_dir):
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
     from sequoia_ray.tree.planning import plan_for
 
-    url = f"{server}/store"
+    url = f"{server}/ft"
 
     def meta() -> dict:
         return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["metadata"]

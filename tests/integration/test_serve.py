@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 
 METRICS_PORT = free_port()
+KEY = "s3cret-key"
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "metrics_interval_s": 1.0,
                "look_back_period_s": 2.0, "upscale_delay_s": 1.0, "downscale_delay_s": 2.0}
 
@@ -31,8 +32,9 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 
 def server(store_dir):
     apps = {"tp1": {**BASE, "plan_store": str(store_dir), "plan_refresh_s": 1.0, "max_concurrent": 2},
             "tp2": {**BASE, "tp_size": 2},
-            "secure": {**BASE, "api_key": "s3cret-key", "max_body_bytes": 4096},
-            "auto": {**BASE, "max_concurrent": 8, "autoscaling": AUTOSCALING}}
+            # one app for the API key, the body limit and autoscaling: every app costs ~25 s of start-up here
+            "secure": {**BASE, "api_key": KEY, "max_body_bytes": 4096, "max_concurrent": 8,
+                       "autoscaling": AUTOSCALING}}
     with serving(apps, metrics_port=METRICS_PORT) as url:
         yield url
 
@@ -292,8 +294,11 @@ def test_api_key(server, header, status):
     assert requests.get(f"{server}/secure/health", timeout=30).status_code == 200  # health stays open
 
 
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
 def test_body_size_limit(server):
-    headers = {"authorization": "Bearer s3cret-key"}
+    headers = AUTH
     body = {"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4}
     r = requests.post(f"{server}/secure/v1/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -364,13 +369,13 @@ def test_model_deployments_autoscale_on_held_requests(server, local):
     to their maximum of 2 replicas — Serve's own count of ongoing calls would stay ~0, as the ingress
     calls the model actors directly — and shrink back once the requests are done."""
     prompt = greedy_long_prompt(local)
-    assert running_replicas("auto", "TargetDeployment") == 1
+    assert running_replicas("secure", "TargetDeployment") == 1
     done, errors, stop = [], [], threading.Event()
 
     def long_requests():
         while not stop.is_set():
             try:
-                done.append(complete(f"{server}/auto", prompt, max_tokens=500)["usage"]["completion_tokens"])
+                done.append(complete(f"{server}/secure", prompt, max_tokens=500, headers=AUTH)["usage"]["completion_tokens"])
             except Exception as exc:  # noqa: BLE001 - collected and asserted below
                 errors.append(exc)
                 return
@@ -379,15 +384,15 @@ def test_model_deployments_autoscale_on_held_requests(server, local):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (running_replicas("auto", "TargetDeployment") == 2
-                                               and running_replicas("auto", "DraftDeployment") == 2):
+    while time.monotonic() < deadline and not (running_replicas("secure", "TargetDeployment") == 2
+                                               and running_replicas("secure", "DraftDeployment") == 2):
         time.sleep(0.5)
-    scaled = running_replicas("auto", "TargetDeployment"), running_replicas("auto", "DraftDeployment")
+    scaled = running_replicas("secure", "TargetDeployment"), running_replicas("secure", "DraftDeployment")
     stop.set()
     for t in threads:
         t.join()
     assert not errors and scaled == (2, 2) and set(done) == {500}, (errors, scaled, done)
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and running_replicas("auto", "TargetDeployment") > 1:
+    while time.monotonic() < deadline and running_replicas("secure", "TargetDeployment") > 1:
         time.sleep(0.5)
-    assert running_replicas("auto", "TargetDeployment") == 1
+    assert running_replicas("secure", "TargetDeployment") == 1

@@ -15,6 +15,8 @@ PROMPTS = [
     ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
     ("Explain what a hash map is in two sentences.", True),
 ]
+STACK = ("class Stack:\n", False)
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -22,26 +24,34 @@ def pair():
     return LocalPair.load(dtype="float32", progress=False)
 
 
+@pytest.fixture(scope="module")
+def alone(pair):
+    """The target alone's greedy output for every prompt here, computed once."""
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    return {key: pair.decoder(chain(0), speculate=False).generate(pair.encode(key[0], chat=key[1]), params)
+            for key in PROMPTS + [STACK]}
+
+
 @pytest.mark.parametrize("text,chat", PROMPTS)
-def test_greedy_tree_decoding_is_the_target_greedy_output(pair, text, chat):
+def test_greedy_tree_decoding_is_the_target_greedy_output(pair, alone, text, chat):
     prompt = pair.encode(text, chat=chat)
-    params = SamplingParams(max_tokens=20)
-    alone = pair.decoder(chain(0), speculate=False).generate(prompt, params)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = alone[text, chat]
     for plan in (builtin_plan(0.0).plan, chain(3)):
         spec = pair.decoder(plan).generate(prompt, params)
-        assert spec.token_ids == alone.token_ids
-        assert spec.text == alone.text
+        assert spec.token_ids == expected.token_ids
+        assert spec.text == expected.text
         assert spec.stats.tokens_per_step > 1.5, spec.stats.to_dict()
 
 
 def test_sampling_same_seed_same_text(pair):
     prompt = pair.encode("Write a haiku about trees.", chat=True)
-    params = SamplingParams(max_tokens=12, temperature=0.6, seed=7)
+    params = SamplingParams(max_tokens=8, temperature=0.6, seed=7)
     decoder = pair.decoder(builtin_plan(0.6).plan)
     assert decoder.generate(prompt, params).token_ids == decoder.generate(prompt, params).token_ids
 
 
-def test_batched_greedy_is_the_target_greedy_output(pair):
+def test_batched_greedy_is_the_target_greedy_output(pair, alone):
     """Both prompts and a third decode at once through the batchers (one target forward for all their trees,
     one draft forward per level): each text is the target alone's, token for token (fp32)."""
     import threading
@@ -51,9 +61,10 @@ def test_batched_greedy_is_the_target_greedy_output(pair):
     from sequoia_ray.engine import SpeculativeDecoder
     from sequoia_ray.target import TargetWorker
 
-    prompts = [pair.encode(text, chat=chat) for text, chat in PROMPTS + [("class Stack:\n", False)]]
-    params = SamplingParams(max_tokens=16)
-    alone = [pair.decoder(chain(0), speculate=False).generate(p, params).token_ids for p in prompts]
+    keys = PROMPTS + [STACK]
+    prompts = [pair.encode(text, chat=chat) for text, chat in keys]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = [alone[key].token_ids for key in keys]
     batchers = [Batcher.over(TargetWorker(pair.target.model), BatchLimits()),
                 Batcher.over(DraftWorker(pair.draft.model), BatchLimits())]
     got = [None] * len(prompts)
@@ -69,5 +80,5 @@ def test_batched_greedy_is_the_target_greedy_output(pair):
         t.join()
     for b in batchers:
         b.close()
-    assert got == alone
+    assert got == expected
     assert max(batchers[0].stats()) > 1, "the target never verified two requests in one forward"
