@@ -16,3 +16,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_the_sessions_ray():
+    """The serving tests share one local Ray and Serve (tests/serving.py); end them with the session."""
+    yield
+    from tests.serving import stop_ray
+
+    stop_ray()

@@ -1,5 +1,5 @@
-"""Helpers for tests of the serving side: the Serve application on local Ray with the tiny models, its
-metrics, faults injected into its actors, and a fake clock."""
+"""Helpers for tests of the serving side: the Serve application on local Ray with the tiny models (one Ray
+and Serve for the test session), its metrics, faults injected into its actors, and a fake clock."""
 
 from __future__ import annotations
 
@@ -21,28 +21,61 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def serving(apps: dict[str, dict], metrics_port: int | None = None) -> Iterator[str]:
-    """Local Ray + Serve on a free loopback port with ``apps`` (name -> ServeConfig dict, served under
-    ``/<name>``); with ``metrics_port``, Ray exports metrics there every second (see ``metrics_text``).
-    Yields the base URL and shuts everything down afterwards."""
+METRICS_PORT = free_port()  # where the test session's Ray exports metrics (``metrics_text``)
+_SESSION: dict = {"port": None}  # Serve's HTTP port while the session's Ray runs
+
+
+def _ray_and_serve() -> int:
+    """Local Ray and Serve, started on first use and kept for the test session: every start and shutdown
+    costs ~15 s here, so modules share them and only deploy and delete their own apps. Ray exports metrics
+    to ``METRICS_PORT`` every second. Returns Serve's HTTP port."""
     import ray
+    from ray import serve
+
+    if not ray.is_initialized():  # first use, or a test ended Ray since (its own cluster, ``stop_ray``)
+        _SESSION["port"] = None
+        ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+                 _system_config={"metrics_report_interval_ms": 1000})
+    if _SESSION["port"] is None:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _SESSION["port"] = port
+    return _SESSION["port"]
+
+
+def stop_ray() -> None:
+    """End the session's Ray and Serve, if running: at the end of the session, and before a test starts a
+    cluster of its own (whose ``ray stop`` would kill every Ray process of this machine)."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    _SESSION["port"] = None
+
+
+@contextlib.contextmanager
+def serving(apps: dict[str, dict]) -> Iterator[str]:
+    """The session's Ray and Serve on a free loopback port with ``apps`` (name -> ServeConfig dict, served
+    under ``/<name>``). Yields the base URL and deletes the apps afterwards."""
     from ray import serve
 
     from deployments.app import build_app
 
-    port = free_port()
-    metrics = ({"_metrics_export_port": metrics_port, "_system_config": {"metrics_report_interval_ms": 1000}}
-               if metrics_port else {})
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, **metrics)
+    port = _ray_and_serve()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name, cfg in apps.items():
             serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        for name in apps:
+            with contextlib.suppress(Exception):  # a failed deploy, or Ray already gone
+                serve.delete(name)
 
 
 def complete(url: str, prompt, headers: dict | None = None, **kw) -> dict:

@@ -24,13 +24,12 @@ from actors.target import TargetGroup  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.draft import DraftTree  # noqa: E402
 from sequoia_ray.engine import ROOT_ONLY  # noqa: E402
-from tests.serving import (BASE, complete, free_port, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
+from tests.serving import (BASE, METRICS_PORT, complete, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
                            stall, wait_for_speculation)
 
 pytestmark = pytest.mark.integration
 FAULTS = {**BASE, "tp_size": 2, "step_timeout_s": 5.0, "collective_timeout_s": 8.0, "health_check_period_s": 1.0,
           "health_check_timeout_s": 5.0}
-METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def server(store_dir):
     # one app (every app costs ~25 s of start-up here); the corrupt-plan test, which changes the plan served,
     # runs last
     apps = {"ft": {**FAULTS, "plan_store": str(store_dir), "plan_refresh_s": 0.5}}
-    with serving(apps, metrics_port=METRICS_PORT) as url:
+    with serving(apps) as url:
         yield url
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("ray")
-from benchmarks.load import HERE, load_test, service_config, serving  # noqa: E402
+from benchmarks.load import APP, HERE, load_test, service_config  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
+from tests.serving import serving  # noqa: E402
 
 pytestmark = pytest.mark.integration
 CLIENTS, DURATION = 6, 20.0
@@ -16,8 +17,8 @@ CLIENTS, DURATION = 6, 20.0
 
 def test_short_load_is_lossless_and_leaves_nothing_behind():
     prompts = load_prompts(HERE / "prompts.jsonl")[::2]  # 6 prompts: code and prose, chat and plain
-    with serving(service_config(real=False, clients=CLIENTS, tp_size=2)) as url:
-        report = load_test(url, prompts, CLIENTS, DURATION, max_tokens=24, settle=1.0)
+    with serving({APP: service_config(real=False, clients=CLIENTS, tp_size=2)}) as url:
+        report = load_test(f"{url}/{APP}", prompts, CLIENTS, DURATION, max_tokens=24, settle=1.0)
     summary, actors = report["summary"], {row["actor"]: row for row in report["actors"]}
     assert summary["errors"] == 0, report["errors_by_message"]
     assert summary["mismatches"] == 0, report["first_mismatches"]

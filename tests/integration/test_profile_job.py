@@ -69,6 +69,9 @@ def test_profile_verb_in_process(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_ray_job_submit_smoke_test(tmp_path):
+    from tests.serving import stop_ray
+
+    stop_ray()  # the session's Ray would die in this test's `ray stop`
     # a loopback test cluster: no token auth (Ray 2.60 enables it when ~/.ray/auth_token exists)
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     ray = str(BIN / "ray")

@@ -16,13 +16,12 @@ from ray import serve  # noqa: E402
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
-from tests.serving import (BASE, complete, free_port, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
+from tests.serving import (BASE, METRICS_PORT, complete, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
                            wait_for_speculation)
 
 pytestmark = pytest.mark.integration
 
 
-METRICS_PORT = free_port()
 KEY = "s3cret-key"
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "metrics_interval_s": 1.0,
                "look_back_period_s": 2.0, "upscale_delay_s": 1.0, "downscale_delay_s": 2.0}
@@ -35,7 +34,7 @@ def server(store_dir):
             # one app for the API key, the body limit and autoscaling: every app costs ~25 s of start-up here
             "secure": {**BASE, "api_key": KEY, "max_body_bytes": 4096, "max_concurrent": 8,
                        "autoscaling": AUTOSCALING}}
-    with serving(apps, metrics_port=METRICS_PORT) as url:
+    with serving(apps) as url:
         yield url
 
 

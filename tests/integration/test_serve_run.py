@@ -37,6 +37,9 @@ def two_cpu_cluster(tmp_path_factory):
     """``ray start --head --num-cpus=2``: the logical CPUs of this 2-core machine, whatever runs the test.
     Yields the cluster address, the dashboard URL (Serve's REST API) and the HTTP port every ``serve run``
     here uses (Serve's proxy keeps the port of the first run on a cluster)."""
+    from tests.serving import stop_ray
+
+    stop_ray()  # the session's Ray would die in this fixture's `ray stop`
     port, dash = free_port(), free_port()
     start = [str(BIN / "ray"), "start", "--head", "--num-cpus=2", f"--port={port}", "--dashboard-host=127.0.0.1",
              f"--dashboard-port={dash}", "--include-dashboard=true", "--disable-usage-stats"]
