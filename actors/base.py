@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
 from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
 from sequoia_ray.batching import BATCHED, Batcher
 from sequoia_ray.devices import resolve_device
-from sequoia_ray.hardware import accelerator_name
+
+if TYPE_CHECKING:  # torch is imported where a model actor runs: a deployment replica that only creates
+    import torch  # and calls actors never loads it
 
 
 def assigned_device(spec: str) -> torch.device:
     """The device for ``spec`` (auto | cpu | cuda) from the GPUs Ray assigned this actor; outside Ray (an
     actor class used in-process by a test) there are none. Sets torch's current CUDA device to it."""
+    import torch
+
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []  # get_gpu_ids() would start Ray otherwise
     if ray.is_initialized() and not gpu_ids:  # never take a GPU Ray left visible to a num_gpus 0 actor
         if spec == "cuda":
@@ -63,6 +67,8 @@ class ModelActor:
     """Base of ``DraftActor`` and ``TargetRank``; subclasses set ``self.worker`` and ``self.meta``."""
 
     def __init__(self, spec: ModelActorSpec, device: torch.device, *, fatal_errors: bool) -> None:
+        import torch
+
         log_lines_to_stderr()
         torch.set_num_threads(spec.threads)
         self.spec, self.device = spec, device
@@ -123,5 +129,9 @@ class ModelActor:
 
 
 def model_meta(loaded, device: torch.device) -> dict:
+    import torch
+
+    from sequoia_ray.hardware import accelerator_name
+
     return {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context, "vocab": loaded.model.config.vocab_size,
             "threads": torch.get_num_threads(), "device": str(device), "accelerator": accelerator_name(device)}

@@ -15,7 +15,6 @@ import socket
 from datetime import timedelta
 
 import ray
-import torch
 
 from actors.base import ModelActor, assigned_device, model_meta
 from actors.placement import ActorResources, in_bundle
@@ -33,6 +32,8 @@ class TargetRank(ModelActor):
     ``CUDA_VISIBLE_DEVICES`` per actor, so ``LOCAL_RANK`` 0 = ``cuda:0`` here), with gloo the CPU."""
 
     def __init__(self, rank: int, world: int, master: str, port: int, backend: str, spec: ModelActorSpec) -> None:
+        import torch  # here, not at the top: the deployment replica that creates the group never loads torch
+
         from sequoia_ray.models.loading import resolve
 
         os.environ["LOCAL_RANK"] = "0" if backend == "gloo" else str(rank % max(torch.cuda.device_count(), 1))
