@@ -20,7 +20,7 @@ fi
 LOG=$VENV/setup.log
 pip() {
   "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" >>"$LOG" 2>&1 \
-    || { echo "setup: 'pip install $*' failed; the log is $LOG:" >&2; tail -20 "$LOG" >&2; exit 1; }
+    || { echo "setup: 'pip $*' failed; the log is $LOG:" >&2; tail -20 "$LOG" >&2; exit 1; }
 }
 install_torch() {
   if [ -n "${SEQUOIA_TORCH:-}${SEQUOIA_TORCH_PIP_ARGS:-}" ]; then
