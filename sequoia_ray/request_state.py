@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.models.tree_lm import KVSession
+from sequoia_ray.models.tree_lm import KVSession, new_cache
 
 
 @dataclass
@@ -65,9 +65,7 @@ class RequestTable:
 def check_full_attention(model) -> None:
     """Tree forwards, batching and KV compaction move cache slots around: a sliding-window layer's cache drops
     old slots by itself, so its slots would silently mean other tokens. Such a model is refused up front."""
-    from transformers import DynamicCache
-
-    sliding = [i for i, layer in enumerate(DynamicCache(config=model.config).layers) if getattr(layer, "is_sliding", False)]
+    sliding = [i for i, layer in enumerate(new_cache(model).layers) if getattr(layer, "is_sliding", False)]
     if sliding:
         raise ValueError(f"{type(model).__name__} has sliding-window attention in layers {sliding}; tree decoding "
                          "here supports full-attention layers only (for Qwen2, set use_sliding_window false)")
