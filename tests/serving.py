@@ -25,17 +25,25 @@ METRICS_PORT = free_port()  # where the test session's Ray exports metrics (``me
 _SESSION: dict = {"port": None}  # Serve's HTTP port while the session's Ray runs
 
 
-def _ray_and_serve() -> int:
-    """Local Ray and Serve, started on first use and kept for the test session: every start and shutdown
-    costs ~15 s here, so modules share them and only deploy and delete their own apps. Ray exports metrics
-    to ``METRICS_PORT`` every second. Returns Serve's HTTP port."""
+def session_ray() -> None:
+    """The test session's local Ray, started on first use and kept: every start and shutdown costs ~15 s
+    here, so modules share it. Always a new Ray of its own (``address="local"``): a bare ``ray.init()``
+    would attach to any Ray already running on the machine (a killed run's, another job's) and then refuse
+    ``num_cpus``. Ray exports metrics to ``METRICS_PORT`` every second."""
     import ray
-    from ray import serve
 
     if not ray.is_initialized():  # first use, or a test ended Ray since (its own cluster, ``stop_ray``)
         _SESSION["port"] = None
-        ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+        ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
                  _system_config={"metrics_report_interval_ms": 1000})
+
+
+def _ray_and_serve() -> int:
+    """The session's Ray (``session_ray``) and Serve, kept for the test session: modules only deploy and
+    delete their own apps. Returns Serve's HTTP port."""
+    from ray import serve
+
+    session_ray()
     if _SESSION["port"] is None:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,11 @@ import pytest
 from cli.main import main as cli_main
 from sequoia_ray.hardware import BATCH_BUCKETS
 from sequoia_ray.plan_store import PlanKey, PlanStore
+from tests.serving import free_port, session_ray, stop_ray
 from tuning.profile import discover_hardware, main as job_main, trial_bundles
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_discover_and_bundles():
@@ -69,8 +63,6 @@ def test_profile_verb_in_process(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_ray_job_submit_smoke_test(tmp_path):
-    from tests.serving import stop_ray
-
     stop_ray()  # the session's Ray would die in this test's `ray stop`
     # a loopback test cluster: no token auth (Ray 2.60 enables it when ~/.ray/auth_token exists)
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
@@ -116,14 +108,13 @@ def test_tensor_parallel_trial_times_the_whole_group(tmp_path):
     from tuning.tp_pair import GroupPair
 
     cfg = ProfileJobConfig(storage=str(tmp_path / "store"), smoke_test=True, tp_size=2, temperatures=(0.0,))
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    session_ray()
+    pair = GroupPair(cfg, backend="gloo", num_cpus=1, num_gpus=0)
     try:
-        pair = GroupPair(cfg, backend="gloo", num_cpus=1, num_gpus=0)
         results, _ = run_trial(cfg, "cpu-test-tp2", progress=False, pair=pair)
         assert ray.get([r.active.remote() for r in pair.group.ranks]) == [0, 0]  # every request freed
-        pair.close()
     finally:
-        ray.shutdown()
+        pair.close()
     store = PlanStore(str(tmp_path / "store"))
     assert store.fetch_profile("cpu-test-tp2").t[1] == 1.0
     assert store.fetch_profile("cpu-test-tp2").batch_t == {}  # rank actors: the buckets are extrapolated

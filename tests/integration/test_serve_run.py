@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+
+from tests.serving import free_port, stop_ray
 
 pytestmark = pytest.mark.integration
 
@@ -26,19 +27,11 @@ ENV = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABL
 TINY = {"draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "draft_quantize": None}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_cpu_cluster(tmp_path_factory):
     """``ray start --head --num-cpus=2``: the logical CPUs of this 2-core machine, whatever runs the test.
     Yields the cluster address, the dashboard URL (Serve's REST API) and the HTTP port every ``serve run``
     here uses (Serve's proxy keeps the port of the first run on a cluster)."""
-    from tests.serving import stop_ray
-
     stop_ray()  # the session's Ray would die in this fixture's `ray stop`
     port, dash = free_port(), free_port()
     start = [str(BIN / "ray"), "start", "--head", "--num-cpus=2", f"--port={port}", "--dashboard-host=127.0.0.1",
