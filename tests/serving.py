@@ -68,6 +68,30 @@ def stop_ray() -> None:
 
 
 @contextlib.contextmanager
+def own_cluster(num_cpus: int, env: dict, cwd) -> Iterator[tuple[str, str]]:
+    """``ray start --head`` as a user starts a cluster, for tests of ``serve run`` and ``ray job submit``.
+    Ends the session's Ray first (the ``ray stop`` afterwards kills every Ray process of the machine). Every
+    port Ray would otherwise take at a fixed number is a free one, so a Ray already running on the machine
+    (a killed run's) does not take the dashboard agent's (52365: "No available agent to submit job") or the
+    client server's (10001). Yields the GCS address and the dashboard URL."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    stop_ray()
+    ray = str(Path(sys.executable).parent / "ray")
+    port, dash = free_port(), free_port()
+    start = [ray, "start", "--head", f"--num-cpus={num_cpus}", f"--port={port}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}",
+             f"--ray-client-server-port={free_port()}", "--include-dashboard=true", "--disable-usage-stats"]
+    subprocess.run(start, check=True, env=env, cwd=cwd, capture_output=True, timeout=180)
+    try:
+        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@contextlib.contextmanager
 def serving(apps: dict[str, dict]) -> Iterator[str]:
     """The session's Ray and Serve on a free loopback port with ``apps`` (name -> ServeConfig dict, served
     under ``/<name>``). Yields the base URL and deletes the apps afterwards."""

@@ -15,7 +15,7 @@ import pytest
 from cli.main import main as cli_main
 from sequoia_ray.hardware import BATCH_BUCKETS
 from sequoia_ray.plan_store import PlanKey, PlanStore
-from tests.serving import free_port, session_ray, stop_ray
+from tests.serving import own_cluster, session_ray
 from tuning.profile import discover_hardware, main as job_main, trial_bundles
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,27 +63,19 @@ def test_profile_verb_in_process(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_ray_job_submit_smoke_test(tmp_path):
-    stop_ray()  # the session's Ray would die in this test's `ray stop`
     # a loopback test cluster: no token auth (Ray 2.60 enables it when ~/.ray/auth_token exists)
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    ray = str(BIN / "ray")
-    dash = free_port()
     store = tmp_path / "store"
-    start = [ray, "start", "--head", "--num-cpus=2", f"--port={free_port()}", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dash}", "--include-dashboard=true", "--disable-usage-stats"]
-    subprocess.run(start, check=True, env=env, cwd=tmp_path, capture_output=True, timeout=180)
-    try:
+    with own_cluster(2, env, tmp_path) as (_, dashboard):
         begin = time.time()
         job = subprocess.run(
-            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", str(REPO), "--",
+            [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
              "python", "tuning/profile.py", "--smoke-test", "--storage", str(store), "--temperatures", "0,0.6"],
             env=env, capture_output=True, text=True, timeout=600)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "succeeded" in job.stdout.lower()
         assert "pred" in job.stdout  # the final table
         print(f"job took {time.time() - begin:.0f}s")
-    finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
     plans = PlanStore(str(store)).list_plans()
     assert len(plans) == 2 * len(BATCH_BUCKETS), plans  # a plan per temperature and batch bucket
     hardware = plans[0].split("/plans/")[-1].split("/")[0]

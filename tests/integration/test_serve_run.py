@@ -16,7 +16,7 @@ import pytest
 import requests
 import yaml
 
-from tests.serving import free_port, stop_ray
+from tests.serving import free_port, own_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -32,15 +32,8 @@ def two_cpu_cluster(tmp_path_factory):
     """``ray start --head --num-cpus=2``: the logical CPUs of this 2-core machine, whatever runs the test.
     Yields the cluster address, the dashboard URL (Serve's REST API) and the HTTP port every ``serve run``
     here uses (Serve's proxy keeps the port of the first run on a cluster)."""
-    stop_ray()  # the session's Ray would die in this fixture's `ray stop`
-    port, dash = free_port(), free_port()
-    start = [str(BIN / "ray"), "start", "--head", "--num-cpus=2", f"--port={port}", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dash}", "--include-dashboard=true", "--disable-usage-stats"]
-    subprocess.run(start, check=True, env=ENV, cwd=tmp_path_factory.mktemp("ray"), capture_output=True, timeout=180)
-    try:
-        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", free_port()
-    finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+    with own_cluster(2, ENV, tmp_path_factory.mktemp("ray")) as (address, dashboard):
+        yield address, dashboard, free_port()
 
 
 def shipped_config(tmp_path: Path, port: int, **overrides) -> Path:
