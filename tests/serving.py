@@ -123,15 +123,23 @@ def sse_events(lines) -> list[dict]:
     return [json.loads(line[len(b"data: "):]) for line in lines if line and line != b"data: [DONE]"]
 
 
+_LONG_PROMPTS: dict[tuple, str] = {}  # (target, draft, dtype, max_tokens) -> prompt
+
+
 def greedy_long_prompt(local, max_tokens: int = 500) -> str:
-    """A prompt whose greedy continuation runs to ``max_tokens`` (no EOS), for mid-stream faults."""
+    """A prompt whose greedy continuation runs to ``max_tokens`` (no EOS), for mid-stream faults. Found once
+    per pair and length in the test session (the models are loaded from fixed seeds; a search costs ~5 s)."""
     from sequoia_ray.config import SamplingParams
     from sequoia_ray.tree.builtin import builtin_plan
 
-    decoder = local.decoder(builtin_plan(0.0).plan)
-    return next(p for p in ("a long story", "hello world", "x", "abc")
-                if decoder.generate(local.encode(p, chat=False), SamplingParams(max_tokens=max_tokens)).finish_reason
-                == "length")
+    key = (local.target.name, local.draft.name, str(local.target.model.dtype), max_tokens)
+    if key not in _LONG_PROMPTS:
+        decoder = local.decoder(builtin_plan(0.0).plan)
+        _LONG_PROMPTS[key] = next(
+            p for p in ("a long story", "hello world", "x", "abc")
+            if decoder.generate(local.encode(p, chat=False), SamplingParams(max_tokens=max_tokens)).finish_reason
+            == "length")
+    return _LONG_PROMPTS[key]
 
 
 def metrics_text(port: int) -> str:

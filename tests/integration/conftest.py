@@ -7,9 +7,10 @@ import pytest
 from sequoia_ray.local import LocalPair
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def local():
-    """The tiny pair in-process: the reference outputs the served ones are compared with."""
+    """The tiny pair in-process: the reference outputs the served ones are compared with (read only, so
+    loaded once for the session)."""
     return LocalPair.load("tiny-target", "tiny-draft", dtype="float32", progress=False)
 
 
