@@ -146,6 +146,15 @@ def metrics_text(port: int) -> str:
     return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
 
 
+def app_metric_values(name: str, app: str) -> list[float]:
+    """The values of metric ``name`` (every series whose name starts so) that Serve application ``app``
+    exported (its ``application`` tag) to the session's Ray: counters live as long as that Ray does, so a
+    test reads only its own app's, whatever ran before it."""
+    tag = f'application="{app}"'
+    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text(METRICS_PORT).splitlines()
+            if line.startswith(name) and tag in line]
+
+
 def wait_for_speculation(url: str, timeout_s: float = 120.0) -> dict:
     """Send requests until one speculates again with a live draft (after a draft replica was replaced);
     returns its ``usage.speculative``."""

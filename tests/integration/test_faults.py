@@ -24,7 +24,7 @@ from actors.target import TargetGroup  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.draft import DraftTree  # noqa: E402
 from sequoia_ray.engine import ROOT_ONLY  # noqa: E402
-from tests.serving import (BASE, METRICS_PORT, complete, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
+from tests.serving import (BASE, app_metric_values, complete, greedy_long_prompt, serving, sse_events,  # noqa: E402
                            stall, wait_for_speculation)
 
 pytestmark = pytest.mark.integration
@@ -141,10 +141,6 @@ def test_collective_timeout_breaks_the_waiting_rank(server):
         group.kill()
 
 
-def metric_values(name: str) -> list[float]:
-    return [float(line.rsplit(" ", 1)[1]) for line in metrics_text(METRICS_PORT).splitlines() if line.startswith(name)]
-
-
 def test_corrupt_plan_in_the_store_keeps_the_last_good_one(server, store_dir):
     from sequoia_ray.plan_store import PlanKey, PlanStore
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
@@ -176,5 +172,5 @@ def test_corrupt_plan_in_the_store_keeps_the_last_good_one(server, store_dir):
     deadline, values = time.monotonic() + 60, []
     while time.monotonic() < deadline and not any(v >= 1 for v in values):
         time.sleep(1)
-        values = metric_values("ray_sequoia_plan_store_errors")
+        values = app_metric_values("ray_sequoia_plan_store_errors", "ft")
     assert any(v >= 1 for v in values), values

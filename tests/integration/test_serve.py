@@ -16,7 +16,7 @@ from ray import serve  # noqa: E402
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
-from tests.serving import (BASE, METRICS_PORT, complete, greedy_long_prompt, metrics_text, serving, sse_events,  # noqa: E402
+from tests.serving import (BASE, app_metric_values, complete, greedy_long_prompt, serving, sse_events,  # noqa: E402
                            wait_for_speculation)
 
 pytestmark = pytest.mark.integration
@@ -308,16 +308,13 @@ def test_metrics_are_exported(server):
     wanted = ["ray_sequoia_requests", "ray_sequoia_generated_tokens", "ray_sequoia_tokens_per_step",
               "ray_sequoia_time_to_first_token_s", "ray_sequoia_draft_step_s", "ray_sequoia_verify_step_s",
               "ray_sequoia_active_requests", "ray_sequoia_plan_nodes", "ray_sequoia_acceptance_rate"]
-    deadline, text = time.time() + 90, ""
-    while time.time() < deadline:
-        text = metrics_text(METRICS_PORT)
-        if all(name in text for name in wanted):
-            break
+    deadline, missing = time.time() + 90, wanted
+    while missing and time.time() < deadline:
         time.sleep(2)
-    missing = [name for name in wanted if name not in text]
+        missing = [name for name in wanted if not app_metric_values(name, "tp1")]
     assert not missing, missing
-    tokens = [line for line in text.splitlines() if line.startswith("ray_sequoia_generated_tokens")]
-    assert any(float(line.rsplit(" ", 1)[1]) >= 12 for line in tokens), tokens
+    tokens = app_metric_values("ray_sequoia_generated_tokens", "tp1")
+    assert any(v >= 12 for v in tokens), tokens
 
 
 def test_draft_death_mid_stream_loses_nothing_and_speculation_comes_back(server, local):
