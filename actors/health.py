@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from sequoia_ray.request_errors import UnknownRequest
+
 
 class CallTracker:
     def __init__(self, *, fatal_errors: bool, clock=time.monotonic) -> None:
@@ -21,9 +23,6 @@ class CallTracker:
 
     @contextmanager
     def running(self, method: str):
-        from sequoia_ray.request_state import UnknownRequest  # only model actors run calls: a deployment
-        # replica, which imports this module for ``raise_if_unhealthy``, never loads torch through it
-
         if self.broken is not None:
             raise RuntimeError(f"this actor is broken ({self.broken}); it is waiting to be replaced")
         self.started = self.clock()

@@ -13,6 +13,7 @@ import torch
 
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.models.tree_lm import KVSession, new_cache
+from sequoia_ray.request_errors import UnknownRequest
 
 
 @dataclass
@@ -21,10 +22,6 @@ class RequestState:
     committed: list[int]
     params: SamplingParams
     generator: torch.Generator
-
-
-class UnknownRequest(KeyError):
-    """A call for a request this worker does not hold (finished, reaped, or never started)."""
 
 
 class RequestTable:

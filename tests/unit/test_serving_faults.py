@@ -11,7 +11,7 @@ from actors.health import CallTracker, raise_if_unhealthy
 from deployments.config import ServeConfig
 from deployments.service import PlanProvider
 from sequoia_ray.plan_store import PlanKey, PlanStore
-from sequoia_ray.request_state import UnknownRequest
+from sequoia_ray.request_errors import UnknownRequest
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.planning import plan_for
