@@ -25,3 +25,29 @@ def _end_the_sessions_ray():
     from tests.serving import stop_ray
 
     stop_ray()
+
+
+def _uses_the_sessions_ray(item) -> bool:
+    """A test whose module deploys on the session's Ray (``tests.serving.serving`` or ``session_ray``)."""
+    from tests import serving
+
+    names = vars(getattr(item, "module", None) or object)
+    return any(names.get(name) is getattr(serving, name) for name in ("serving", "session_ray"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that uses the session's Ray (and its module's fixtures are torn down), end that
+    Ray: its idle processes take ~20% of a core, which the CPU-bound tests after it (on 2 cores) would pay."""
+    yield
+    items = item.session.items
+    if "last_ray_test" not in item.session.stash.get(_STATE, {}):
+        users = [i for i, it in enumerate(items) if _uses_the_sessions_ray(it)]
+        item.session.stash[_STATE] = {"last_ray_test": items[users[-1]].nodeid if users else None}
+    if nextitem is not None and item.nodeid == item.session.stash[_STATE]["last_ray_test"]:
+        from tests.serving import stop_ray
+
+        stop_ray()
+
+
+_STATE = pytest.StashKey[dict]()
