@@ -131,7 +131,8 @@ class ModelActor:
 def model_meta(loaded, device: torch.device) -> dict:
     import torch
 
-    from sequoia_ray.hardware import accelerator_name
+    from sequoia_ray.hardware import accelerator_name, cpu_name
 
     return {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context, "vocab": loaded.model.config.vocab_size,
-            "threads": torch.get_num_threads(), "device": str(device), "accelerator": accelerator_name(device)}
+            "threads": torch.get_num_threads(), "device": str(device), "accelerator": accelerator_name(device),
+            "cpu": cpu_name()}

@@ -152,12 +152,13 @@ class ServeConfig(BaseModel):
                               batch_layout=self.batch_layout, prefill_chunk=self.prefill_chunk,
                               batch_wait_s=self.batch_wait_ms / 1000)
 
-    def plan_hardware_id(self, threads: int, accelerator: str | None = None) -> str:
+    def plan_hardware_id(self, threads: int, accelerator: str | None = None, cpu: str | None = None) -> str:
         """The hardware id plans are published and looked up by: the override, else the configured
-        accelerator type or the name of the GPU the target runs on, else the CPU with the target's threads."""
+        accelerator type or the name of the GPU the target runs on, else the CPU the target runs on (``cpu``,
+        its ``sequoia_ray.hardware.cpu_name()``; this machine's when None) with the target's threads."""
         from sequoia_ray.hardware import hardware_id
 
-        return self.hardware_id or hardware_id(self.accelerator_type or accelerator, self.tp_size, threads)
+        return self.hardware_id or hardware_id(self.accelerator_type or accelerator, self.tp_size, threads, cpu)
 
     def resources(self) -> ActorResources:
         return ActorResources(self.num_cpus, self.num_gpus, self.accelerator_type)

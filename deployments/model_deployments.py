@@ -50,7 +50,8 @@ class TargetDeployment:
 
     def actors(self) -> dict:
         """The rank handles and what the ingress needs of the model (EOS ids, context, hardware id, device)."""
-        hw = self.cfg.plan_hardware_id(self.group.meta["threads"], self.group.meta["accelerator"])
+        meta = self.group.meta  # what the target's rank 0 reports of the machine it runs on
+        hw = self.cfg.plan_hardware_id(meta["threads"], meta["accelerator"], meta["cpu"])
         return {"ranks": self.group.ranks, "hardware_id": hw, **self.group.meta}
 
     def check_health(self) -> None:

@@ -498,12 +498,26 @@ def library_versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 
-def hardware_id(accelerator: str | None = None, tp_size: int = 1, threads: int | None = None) -> str:
-    """``<accelerator>-tp<N>`` on a GPU (e.g. ``H100-tp2``), ``cpu-<model>-<threads>c[-tp<N>]`` on CPU."""
+def hardware_id(accelerator: str | None = None, tp_size: int = 1, threads: int | None = None,
+                cpu: str | None = None) -> str:
+    """``<accelerator>-tp<N>`` on a GPU (e.g. ``H100-tp2``), ``cpu-<cpu>-<threads>c[-tp<N>]`` on CPU, with
+    ``cpu`` this machine's ``cpu_name()`` unless given (e.g. ``cpu-AMD-EPYC-avx2-2c``). Pass the ``cpu_name()``
+    of the machine the target runs on when computing the id elsewhere."""
     suffix = f"-tp{tp_size}" if tp_size > 1 else ""
     if accelerator:
         return f"{accelerator}{suffix}"
-    return f"cpu-{_cpu_model()}-{threads or torch.get_num_threads()}c{suffix}"
+    return f"cpu-{cpu or cpu_name()}-{threads or torch.get_num_threads()}c{suffix}"
+
+
+def cpu_name() -> str:
+    """The CPU part of a CPU hardware id: the model name and the vector instructions torch's kernels use here,
+    with ``bf16`` where oneDNN has bf16 kernels (``AMD-EPYC-avx512bf16``, ``AMD-EPYC-avx2``). The model name
+    alone is not enough: two EPYCs of one name, one with AVX-512 bf16 and one with AVX2 only, run a bf16
+    target's 16-token forward at 7x different costs relative to one token, so each needs its own plans."""
+    isa = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "")
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        isa += "bf16"
+    return f"{_cpu_model()}-{isa}"
 
 
 def accelerator_name(device: torch.device) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sequoia_ray.hardware import (HardwareProfile, ProfileError, batch_bucket, choose, hardware_id, per_request_sizes,
                                   profile, time_batched, time_forward, time_steps)
@@ -76,6 +77,23 @@ def test_time_forward_on_a_tiny_model_and_hardware_id():
     assert set(times) == {1, 4} and all(v > 0 for v in times.values())
     assert hardware_id().startswith("cpu-") and hardware_id().endswith("c")
     assert hardware_id("H100", 2) == "H100-tp2" and hardware_id("L4") == "L4"
+
+
+def test_cpu_hardware_ids_tell_vector_instruction_sets_apart(monkeypatch):
+    """Plans are per CPU kind: the same model name with other kernels (AVX2 against AVX-512 bf16) is another
+    id, and an id computed away from the target (its deployment replica) uses the target's CPU."""
+    import sequoia_ray.hardware as hardware
+
+    isa = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "")
+    assert hardware.cpu_name().removesuffix("bf16").endswith(f"-{isa}")
+    assert hardware_id(None, 1, 2) == f"cpu-{hardware.cpu_name()}-2c"
+    assert hardware_id(None, 2, 4, cpu="Other-CPU-avx512bf16") == "cpu-Other-CPU-avx512bf16-4c-tp2"
+    ids = set()
+    for capability, bf16 in [("AVX2", False), ("AVX512", False), ("AVX512", True)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda b=bf16: b)
+        ids.add(hardware_id(None, 1, 2))
+    assert len(ids) == 3, ids
 
 
 # ---- batches -----------------------------------------------------------------------------------------
