@@ -389,10 +389,14 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
 
 def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadline) -> HardwareProfile:
     sizes, batch_total = bounded_sizes(pair.time_target((1, 8), BOUNDED_CONTEXT, 1), PROFILE_SHARE * deadline.left())
+    if not batch_total:
+        logger.warning("profiling t(n) and c at sizes %s without batch tables (no time for them): batches are "
+                       "extrapolated as one request of B·n tokens; a larger time budget times them", sizes)
     widths = tuple(w for w in DRAFT_WIDTHS if w <= max(sizes))
     return monotone(profile(target_model(pair), pair.draft.model, hardware=hardware, budgets=sizes, widths=widths,
                             context=BOUNDED_CONTEXT, repeats=BOUNDED_REPEATS, dtype=cfg.dtype,
-                            time_target=pair.time_target, batches=BATCH_BUCKETS, batch_total=batch_total))
+                            time_target=pair.time_target, batches=BATCH_BUCKETS if batch_total else (),
+                            batch_total=batch_total or None))
 
 
 def monotone(prof: HardwareProfile) -> HardwareProfile:
@@ -415,15 +419,20 @@ def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[tuple[int, .
     (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats): the longest prefix of
     BOUNDED_BUDGETS timed alone (t, c) with every batch bucket B timed at B·1 tokens at least, then the
     largest of those sizes as the batch grid's bound (T_B, C_B at B·s <= batch_total): the batch-1 plan
-    gets the sizes first, batches are extrapolated beyond their grid (``sequoia_ray.hardware``)."""
-    def cost(sizes, total: int) -> float:
-        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in batch_tokens(sizes, total))
+    gets the sizes first, batches are extrapolated beyond their grid (``sequoia_ray.hardware``). On hardware
+    too slow for even the shortest prefix with its batch forwards (a bf16 target on a CPU without bf16
+    kernels), the longest prefix timed alone and batch_total 0: no batch tables, every batch extrapolated."""
+    def cost(sizes, total: int | None) -> float:
+        tokens = batch_tokens(sizes, total) if total else sizes
+        return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in tokens)
 
-    fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1) if cost(BOUNDED_BUDGETS[:k], 1) <= seconds]
-    if not fits:
-        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3], 1):.0f}s "
-                              f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
-    return fits[0], max(s for s in fits[0] if cost(fits[0], s) <= seconds)
+    for total in (1, 0):
+        fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1)
+                if cost(BOUNDED_BUDGETS[:k], total) <= seconds]
+        if fits:
+            return fits[0], max((s for s in fits[0] if cost(fits[0], s) <= seconds), default=0) if total else 0
+    raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3], 0):.0f}s "
+                          f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
 
 
 def batch_tokens(sizes, total: int | None = None) -> list[int]:

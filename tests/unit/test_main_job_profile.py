@@ -111,8 +111,12 @@ def test_profiled_sizes_fit_their_share_of_the_budget():
     assert bounded_sizes(probe, 100.0) == ((1, 2, 4, 8, 16, 32), 8)
     assert bounded_sizes(probe, 60.0) == ((1, 2, 4, 8, 16), 4)  # 31 + 30 = 48.8 s; to 4: 31 + 34 = 52 s
     assert bounded_sizes(probe, 33.0) == ((1, 2, 4), 4)  # 7 + 30 = 29.6 s; to 4: 7 + 34 = 32.8 s
+    # too little for any sizes with their batch forwards: sizes alone, no batch tables (batch_total 0)
+    assert bounded_sizes(probe, 29.0) == ((1, 2, 4, 8, 16), 0)  # 31 tokens alone = 24.8 s; to 32: 50.4 s
+    assert bounded_sizes(probe, 24.0) == ((1, 2, 4, 8), 0)  # 15 tokens = 12 s
+    assert bounded_sizes(probe, 5.7) == ((1, 2, 4), 0)  # 7 tokens = 5.6 s
     with pytest.raises(BudgetExhausted, match="raise the time budget"):
-        bounded_sizes(probe, 29.0)
+        bounded_sizes(probe, 5.5)
 
 
 def test_profile_is_made_monotone():
