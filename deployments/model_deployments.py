@@ -52,7 +52,7 @@ class TargetDeployment:
         """The rank handles and what the ingress needs of the model (EOS ids, context, hardware id, device)."""
         meta = self.group.meta  # what the target's rank 0 reports of the machine it runs on
         hw = self.cfg.plan_hardware_id(meta["threads"], meta["accelerator"], meta["cpu"])
-        return {"ranks": self.group.ranks, "hardware_id": hw, **self.group.meta}
+        return {"ranks": self.group.ranks, "hardware_id": hw, **meta}
 
     def check_health(self) -> None:
         """A dead rank (its call raises), a broken or stuck one -> unhealthy -> Serve replaces this replica,

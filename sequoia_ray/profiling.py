@@ -430,7 +430,7 @@ def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[tuple[int, .
         fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1)
                 if cost(BOUNDED_BUDGETS[:k], total) <= seconds]
         if fits:
-            return fits[0], max((s for s in fits[0] if cost(fits[0], s) <= seconds), default=0) if total else 0
+            return fits[0], max(s for s in fits[0] if cost(fits[0], s) <= seconds) if total else 0
     raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3], 0):.0f}s "
                           f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
 

@@ -35,19 +35,19 @@ def _uses_the_sessions_ray(item) -> bool:
     return any(names.get(name) is getattr(serving, name) for name in ("serving", "session_ray"))
 
 
+_LAST_RAY_TEST = pytest.StashKey[str | None]()  # node id of the last test that uses the session's Ray
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After the last test that uses the session's Ray (and its module's fixtures are torn down), end that
     Ray: its idle processes take ~20% of a core, which the CPU-bound tests after it (on 2 cores) would pay."""
     yield
-    items = item.session.items
-    if "last_ray_test" not in item.session.stash.get(_STATE, {}):
-        users = [i for i, it in enumerate(items) if _uses_the_sessions_ray(it)]
-        item.session.stash[_STATE] = {"last_ray_test": items[users[-1]].nodeid if users else None}
-    if nextitem is not None and item.nodeid == item.session.stash[_STATE]["last_ray_test"]:
+    stash = item.session.stash
+    if _LAST_RAY_TEST not in stash:  # the items as run (after deselection), found at the first teardown
+        users = [it.nodeid for it in item.session.items if _uses_the_sessions_ray(it)]
+        stash[_LAST_RAY_TEST] = users[-1] if users else None
+    if nextitem is not None and item.nodeid == stash[_LAST_RAY_TEST]:
         from tests.serving import stop_ray
 
         stop_ray()
-
-
-_STATE = pytest.StashKey[dict]()
