@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ def session_ray() -> None:
     ``num_cpus``. Ray exports metrics to ``METRICS_PORT`` every second."""
     import ray
 
-    if not ray.is_initialized():  # first use, or a test ended Ray since (its own cluster, ``stop_ray``)
+    if not ray.is_initialized():  # first use, or ``stop_ray`` ended it since
         _SESSION["port"] = None
         ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
                  _system_config={"metrics_report_interval_ms": 1000})
@@ -52,8 +53,7 @@ def _ray_and_serve() -> int:
 
 
 def stop_ray() -> None:
-    """End the session's Ray and Serve, if running: at the end of the session, and before a test starts a
-    cluster of its own (whose ``ray stop`` would kill every Ray process of this machine)."""
+    """End the session's Ray and Serve, if running (at the end of the session)."""
     import sys
 
     if "ray" not in sys.modules:
@@ -70,25 +70,58 @@ def stop_ray() -> None:
 @contextlib.contextmanager
 def own_cluster(num_cpus: int, env: dict, cwd) -> Iterator[tuple[str, str]]:
     """``ray start --head`` as a user starts a cluster, for tests of ``serve run`` and ``ray job submit``.
-    Ends the session's Ray first (the ``ray stop`` afterwards kills every Ray process of the machine). Every
-    port Ray would otherwise take at a fixed number is a free one, so a Ray already running on the machine
-    (a killed run's) does not take the dashboard agent's (52365: "No available agent to submit job") or the
-    client server's (10001). Yields the GCS address and the dashboard URL."""
+    Every port Ray would otherwise take at a fixed number is a free one, so a Ray already running on the
+    machine (the session's, another test worker's, a killed run's) does not take the dashboard agent's
+    (52365: "No available agent to submit job") or the client server's (10001). Ended with
+    ``stop_own_cluster``, which kills this cluster's processes only (``ray stop`` would kill every Ray of
+    the machine). Yields the GCS address and the dashboard URL."""
+    import shutil
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
-    stop_ray()
     ray = str(Path(sys.executable).parent / "ray")
     port, dash = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
     start = [ray, "start", "--head", f"--num-cpus={num_cpus}", f"--port={port}", "--dashboard-host=127.0.0.1",
              f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}",
-             f"--ray-client-server-port={free_port()}", "--include-dashboard=true", "--disable-usage-stats"]
-    subprocess.run(start, check=True, env=env, cwd=cwd, capture_output=True, timeout=180)
+             f"--ray-client-server-port={free_port()}", "--include-dashboard=true", "--disable-usage-stats",
+             f"--temp-dir={temp_dir}"]
     try:
+        subprocess.run(start, check=True, env=env, cwd=cwd, capture_output=True, timeout=180)
         yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_own_cluster(temp_dir, port)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_own_cluster(temp_dir: str, gcs_port: int) -> None:
+    """Kill the processes of the cluster ``own_cluster`` started, and only those, as ``ray stop --force``
+    kills every Ray process: the ones whose command line names its temp dir or its GCS port (GCS, raylet,
+    dashboard, monitors, client server), with all their descendants (workers and agents, whose titles Ray
+    rewrites)."""
+    import re
+
+    import psutil
+
+    mark = re.compile(rf"{re.escape(temp_dir)}|:{gcs_port}\b")
+    roots = [proc for proc in psutil.process_iter(["cmdline"])
+             if proc.pid != os.getpid() and mark.search(" ".join(proc.info["cmdline"] or ()))]
+    procs = {p.pid: p for root in roots for p in [root, *_descendants(root)]}
+    for proc in procs.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(list(procs.values()), timeout=30)
+
+
+def _descendants(proc) -> list:
+    import psutil
+
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 @contextlib.contextmanager

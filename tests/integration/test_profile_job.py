@@ -1,25 +1,15 @@
-"""The profiling job end to end: `ray start --head`, `ray job submit ... tuning/profile.py --smoke-test`,
-wait, read the published plan from the store, `ray stop`. Also argument errors and the in-process verb."""
+"""The profiling job's parts: hardware discovery and bundles, argument errors, the in-process verb, and a
+tensor-parallel trial on the session's Ray (`ray job submit` end to end: test_job_submit.py)."""
 
 from __future__ import annotations
-
-import os
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from cli.main import main as cli_main
 from sequoia_ray.hardware import BATCH_BUCKETS
 from sequoia_ray.plan_store import PlanKey, PlanStore
-from tests.serving import own_cluster, session_ray
+from tests.serving import session_ray
 from tuning.profile import discover_hardware, main as job_main, trial_bundles
-
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 
 
 def test_discover_and_bundles():
@@ -59,35 +49,6 @@ def test_profile_verb_in_process(tmp_path, capsys):
     for batch, row in zip(BATCH_BUCKETS, rows):
         planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware_id(), "tiny-draft", "tiny-target", 0.0, batch))
         assert (planned.budget, planned.provenance.batch) == (int(row[3]), None if batch == 1 else batch)
-
-
-@pytest.mark.integration
-def test_ray_job_submit_smoke_test(tmp_path):
-    # a loopback test cluster: no token auth (Ray 2.60 enables it when ~/.ray/auth_token exists)
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    store = tmp_path / "store"
-    with own_cluster(2, env, tmp_path) as (_, dashboard):
-        begin = time.time()
-        job = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
-             "python", "tuning/profile.py", "--smoke-test", "--storage", str(store), "--temperatures", "0,0.6"],
-            env=env, capture_output=True, text=True, timeout=600)
-        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-        assert "succeeded" in job.stdout.lower()
-        assert "pred" in job.stdout  # the final table
-        print(f"job took {time.time() - begin:.0f}s")
-    plans = PlanStore(str(store)).list_plans()
-    assert len(plans) == 2 * len(BATCH_BUCKETS), plans  # a plan per temperature and batch bucket
-    hardware = plans[0].split("/plans/")[-1].split("/")[0]
-    assert hardware.startswith("cpu-")
-    for t in (0.0, 0.6):
-        planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware, "tiny-draft", "tiny-target", t))
-        assert planned.expected_tokens >= 1.0
-        prov = planned.provenance  # the measured choice, its runners-up, and the overhead with the served calls
-        assert prov.measured_speedup > 0 and len(prov.candidates) >= 2 and prov.overhead["calls"][1] > 0
-    assert list((store / "reports").glob("heatmap-*.png"))
-    assert (store / "tune").is_dir()
-    shutil.rmtree(store, ignore_errors=True)
 
 
 @pytest.mark.integration
