@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+from pathlib import Path
+
 import pytest
 import torch
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``scripts/test.sh`` runs two workers): the tests that deploy on the session's Ray
+    run on one worker, in order, sharing that Ray (one work unit); every other test is a unit of its own.
+    (Not ``--dist loadgroup`` with ``xdist_group`` marks: pytest-xdist 3.8 groups by rewriting node ids,
+    which pytest 9.2 ignores, pytest-dev/pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SessionRayScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "session-ray" if _module_uses_the_sessions_ray(config.rootpath / module) else nodeid
+
+    return SessionRayScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,12 +47,20 @@ def _end_the_sessions_ray():
     stop_ray()
 
 
-def _uses_the_sessions_ray(item) -> bool:
-    """A test whose module deploys on the session's Ray (``tests.serving.serving`` or ``session_ray``)."""
-    from tests import serving
+@functools.cache
+def _module_uses_the_sessions_ray(path: Path) -> bool:
+    """A test module that deploys on the session's Ray: it imports ``serving`` or ``session_ray`` from
+    ``tests.serving`` (anywhere in it; read from its source, so the xdist controller, which imports no test
+    module, can tell too)."""
+    if path.suffix != ".py" or not path.is_file():
+        return False
+    return any(isinstance(node, ast.ImportFrom) and node.module == "tests.serving"
+               and any(alias.name in ("serving", "session_ray") for alias in node.names)
+               for node in ast.walk(ast.parse(path.read_text())))
 
-    names = vars(getattr(item, "module", None) or object)
-    return any(names.get(name) is getattr(serving, name) for name in ("serving", "session_ray"))
+
+def _uses_the_sessions_ray(item) -> bool:
+    return _module_uses_the_sessions_ray(Path(item.path))
 
 
 _LAST_RAY_TEST = pytest.StashKey[str | None]()  # node id of the last test that uses the session's Ray
