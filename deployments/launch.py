@@ -7,7 +7,9 @@ Before Serve starts, when the local plan store holds no plan for this machine's 
 a temperature bucket the job plans for (0.0 and 0.6), the launcher profiles this machine in-process with
 the serving configuration (dtype, draft quantisation, device, the target's threads) within
 ``--profile-seconds``, publishes the plans and serves them; when that is impossible or fails, the
-built-in plan is served (the reason is printed). A plan already in the store, ``--no-profile``, a remote
+built-in plan is served (the reason is printed). When the budget fits t(n) and c but not the acceptance
+vector p, the plans are chosen for this machine's t(n) and c with the built-in p (said in their provenance,
+``source``); a later run given more seconds profiles again. A plan already in the store, ``--no-profile``, a remote
 store, ``--address`` (the actors run elsewhere) or tensor parallelism skip it.
 
 ``--demo`` sends a real chat request twice (tree speculation, then the target alone, via the
@@ -67,9 +69,10 @@ def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None
     return next((why for bad, why in reasons if bad), None)
 
 
-def missing_temperatures(cfg: ServeConfig, hardware: str) -> tuple[float, ...]:
+def missing_temperatures(cfg: ServeConfig, hardware: str, seconds: float | None = None) -> tuple[float, ...]:
     """The served temperature buckets with no usable plan in the store for this hardware and pair: none
-    stored, a corrupt one, or one measured with another serving configuration (printed: see ``stale``)."""
+    stored, a corrupt one, or one measured with another serving configuration or, when ``seconds`` are
+    given to profile, with less time than that and no measured p (printed: see ``stale``)."""
     from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, StoreError
 
     store, missing = PlanStore(cfg.plan_store), []
@@ -79,20 +82,23 @@ def missing_temperatures(cfg: ServeConfig, hardware: str) -> tuple[float, ...]:
         except (PlanNotFound, StoreError):  # a corrupt latest plan is replaced by a fresh one
             missing.append(temperature)
             continue
-        why = stale(planned.provenance, cfg)
+        why = stale(planned.provenance, cfg, seconds)
         if why:
             print(f"plans: the stored plan for T={temperature} was measured with {why}; profiling again", flush=True)
             missing.append(temperature)
     return tuple(missing)
 
 
-def stale(prov, cfg: ServeConfig) -> str | None:
+def stale(prov, cfg: ServeConfig, seconds: float | None = None) -> str | None:
     """How a stored plan's recorded serving configuration differs from ``cfg`` (None: it does not, or the
-    plan records none). A plan that records its dtype but not its Linear kernels predates packing: aten."""
+    plan records none). A plan that records its dtype but not its Linear kernels predates packing: aten. A
+    plan made with the built-in acceptance vector (its budget had no time to measure p) is stale when more
+    ``seconds`` than that budget are given now."""
     import torch
 
     from sequoia_ray.models.loading import DTYPES
     from sequoia_ray.models.packed_linear import kernels_for
+    from sequoia_ray.tree.plan_file import BUILTIN_ACCEPTANCE
 
     if prov.dtype is None:
         return None
@@ -103,6 +109,9 @@ def stale(prov, cfg: ServeConfig) -> str | None:
     kernels = kernels_for(cfg.linears, DTYPES.get(cfg.dtype, torch.float32), cfg.device_type)
     if (prov.linears or "aten") != kernels:
         return f"{prov.linears or 'aten'} Linear kernels, not {kernels} (linears {cfg.linears})"
+    budget = prov.time_budget_s or 0.0
+    if prov.source == BUILTIN_ACCEPTANCE and seconds and seconds > budget:
+        return f"the built-in acceptance vector ({budget:.0f}s left no time to measure p; {seconds:.0f}s now)"
     return None
 
 
@@ -130,7 +139,7 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
         print(f"plans: not profiling ({why})", flush=True)
         return "skipped"
     hardware = serving_hardware_id(cfg)
-    missing = missing_temperatures(cfg, hardware)
+    missing = missing_temperatures(cfg, hardware, seconds)
     if not missing:
         print(f"plans: the store {cfg.plan_store} has plans for {hardware}; serving them", flush=True)
         return "present"

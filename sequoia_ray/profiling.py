@@ -25,9 +25,10 @@ from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.prompts import Prompt, load_prompts
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+from sequoia_ray.tree.builtin import builtin_acceptance
 from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan import TreePlan, chain
-from sequoia_ray.tree.plan_file import PlannedTree, Provenance
+from sequoia_ray.tree.plan_file import BUILTIN_ACCEPTANCE, PlannedTree, Provenance
 
 logger = logging.getLogger(__name__)
 
@@ -445,12 +446,20 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
                   serving: Serving) -> list[tuple[PlannedTree, TrialResult]]:
     """Temperature ``cfg.temperatures[i]`` within its share of the time left: measure p, DP, then the overhead
     and the measured choice at batch 1 (``plan_buckets``) with as many tokens as fit, the other buckets the
-    model's choice with that overhead; a (plan, result) per bucket."""
+    model's choice with that overhead; a (plan, result) per bucket. When not even p fits, the built-in
+    acceptance vector stands in for it (``source`` BUILTIN_ACCEPTANCE in the provenance): the tree is still
+    chosen for this machine's measured t(n) and c, where the built-in plan is chosen for none."""
     temperature = cfg.temperatures[i]
     end = deadline.elapsed() + deadline.left() / (len(cfg.temperatures) - i)
     stages.next(f"measuring p T={temperature}")
     measure_end = end - (end - deadline.elapsed()) * (1 - MEASURE_SHARE)
-    acceptance, used, tokens, pace = measure_within(cfg, pair, prompts, temperature, deadline, measure_end, prof)
+    source = None
+    try:
+        acceptance, used, tokens, pace = measure_within(cfg, pair, prompts, temperature, deadline, measure_end, prof)
+    except BudgetExhausted as exc:  # t(n) and c are this machine's: plan with them and the built-in p
+        logger.warning("%s. Planning T=%s with this machine's t(n) and c and the built-in acceptance vector "
+                       "(a larger budget re-profiles)", exc, temperature)
+        acceptance, used, tokens, pace, source = builtin_acceptance(temperature), 0, 0, 1.0, BUILTIN_ACCEPTANCE
     table = solve(acceptance, max(prof.t), cfg.max_depth)
     stages.next(f"measuring trees T={temperature}")
     bounded = cfg.model_copy(update={"candidates": min(cfg.candidates, BOUNDED_CANDIDATES),
@@ -465,7 +474,7 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
                              calls=serving.calls)
     return [(PlannedTree(p.choice.plan, acceptance, p.choice.n, p.choice.d, table.value(p.choice.n, p.choice.d),
                          _provenance(cfg, pair, p, batch, prompts=used, tokens=tokens, threads=serving.threads,
-                                     time_budget_s=serving.time_budget_s)),
+                                     time_budget_s=serving.time_budget_s, source=source)),
              _result(prof, temperature, p)) for batch, p in picks.items()]
 
 

@@ -19,12 +19,16 @@ DEFAULT_BUDGET = 16
 DEFAULT_DEPTH = 6
 
 
+def builtin_acceptance(temperature: float) -> AcceptanceVector:
+    """The default pair's measured acceptance vector at the temperature nearest ``temperature``."""
+    return DEFAULT_ACCEPTANCE[min(DEFAULT_ACCEPTANCE, key=lambda t: abs(t - temperature))]
+
+
 def builtin_plan(temperature: float = 0.0, budget: int = DEFAULT_BUDGET, max_depth: int | None = DEFAULT_DEPTH,
                  acceptance: AcceptanceVector | None = None) -> PlannedTree:
     """The DP's best tree for the default pair's measured acceptance at the nearest temperature."""
     if acceptance is None:
-        nearest = min(DEFAULT_ACCEPTANCE, key=lambda t: abs(t - temperature))
-        acceptance = DEFAULT_ACCEPTANCE[nearest]
+        acceptance = builtin_acceptance(temperature)
     return plan_for(acceptance, budget, max_depth, Provenance(temperature=temperature))[0]
 
 

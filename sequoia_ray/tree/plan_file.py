@@ -24,6 +24,9 @@ class PlanFormatError(ValueError):
     """A plan file that cannot be trusted; the message names the file and the field."""
 
 
+BUILTIN_ACCEPTANCE = "builtin-acceptance"  # Provenance.source of a plan whose p was not measured
+
+
 @dataclass(frozen=True)
 class Provenance:
     """Where a plan applies and what it was measured with. Every field is optional (None = not recorded),
@@ -48,7 +51,9 @@ class Provenance:
     measured_speedup: float | None = None  # the same, run for real (the measured choice)
     candidates: list[dict] | None = None  # every tree measured: n, d, predicted and measured speedup, ...
     overhead: dict | None = None  # the cost model's per-step overhead (hardware.StepOverhead.to_dict())
-    source: str | None = None  # how the plan was made: "live" = re-planned from live traffic; None = profiled
+    source: str | None = None  # how the plan was made: "live" = re-planned from live traffic; BUILTIN_ACCEPTANCE =
+    # this machine's profile with the built-in acceptance vector (a bounded profile had no time to measure p);
+    # None = profiled
     live_samples: int | None = None  # inner-node observations behind a live plan's acceptance vector
 
 

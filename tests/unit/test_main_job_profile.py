@@ -16,14 +16,15 @@ from deployments.launch import SERVED_TEMPERATURES, ensure_plans, missing_temper
 from deployments.service import PlanProvider
 from sequoia_ray import profiling
 from sequoia_ray.config import ProfileJobConfig
-from sequoia_ray.hardware import HardwareProfile, hardware_id
+from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, choose_buckets, hardware_id
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.profiling import (BudgetExhausted, Deadline, Serving, bounded_sizes, measure_within,
                                    run_bounded, tokens_within)
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
-from sequoia_ray.tree.builtin import builtin_plan
-from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree, Provenance
+from sequoia_ray.tree.builtin import builtin_acceptance, builtin_plan
+from sequoia_ray.tree.dp import solve
+from sequoia_ray.tree.plan_file import BUILTIN_ACCEPTANCE, PlanFormatError, PlannedTree, Provenance
 
 TINY = {"model_name": "tiny", "draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "num_cpus": 1,
         "threads": 1}
@@ -185,7 +186,10 @@ def test_no_time_to_measure_is_budget_exhausted(monkeypatch):
         measure_within(cfg, FakePair(), [[1] * 10], 0.0, Deadline(100, FakeClock()), 5.0, _profile())
 
 
-def test_bounded_trial_out_of_time_publishes_nothing(tmp_path, pair, monkeypatch):
+def test_bounded_trial_without_time_for_p_plans_with_this_machines_profile_and_the_builtin_vector(
+        tmp_path, pair, monkeypatch):
+    """Profiling t(n) and c took the whole budget: every plan is still chosen for this machine's profile
+    (the cost model's choice per batch bucket), with the built-in acceptance vector, and says so."""
     clock, real_profile = FakeClock(), profiling._bounded_profile
 
     def slow_profile(*args, **kwargs):
@@ -196,9 +200,19 @@ def test_bounded_trial_out_of_time_publishes_nothing(tmp_path, pair, monkeypatch
     monkeypatch.setattr(profiling, "_bounded_profile", slow_profile)
     cfg = ProfileJobConfig(storage=str(tmp_path), draft="tiny-draft", target="tiny-target", dtype="float32",
                            max_noise=100.0)  # tiny models' sub-ms timings on a busy machine
-    with pytest.raises(BudgetExhausted, match="measuring p at T=0.0"):
-        run_bounded(cfg, "cpu-x-1c", Serving(threads=1, time_budget_s=60), clock=clock, progress=False, pair=pair)
-    assert PlanStore(str(tmp_path)).list_plans() == []
+    run_bounded(cfg, "cpu-x-1c", Serving(threads=1, time_budget_s=60), clock=clock, progress=False, pair=pair)
+    store = PlanStore(str(tmp_path))
+    prof = store.fetch_profile("cpu-x-1c")
+    assert len(store.list_plans()) == len(cfg.temperatures) * len(BATCH_BUCKETS)
+    for temperature in cfg.temperatures:
+        table = solve(builtin_acceptance(temperature), max(prof.t), cfg.max_depth)
+        for batch, (best, _) in choose_buckets(table, prof, tuple(prof.t)).items():
+            planned, _ = store.fetch_plan(PlanKey("cpu-x-1c", "tiny-draft", "tiny-target", temperature, batch))
+            assert planned.acceptance.rows == builtin_acceptance(temperature).rows
+            assert (planned.plan.parents, planned.budget) == (best.plan.parents, best.n)
+            prov = planned.provenance
+            assert (prov.source, prov.prompts, prov.tokens_measured, prov.time_budget_s) == (
+                BUILTIN_ACCEPTANCE, 0, 0, 60)
 
 
 # ---- the launcher --------------------------------------------------------------------------------------
@@ -285,6 +299,20 @@ def test_a_corrupt_stored_plan_counts_as_missing(tmp_path):
     folder.mkdir(parents=True)
     (folder / "20260101T000000000000Z-deadbeef.json").write_text(json.dumps({"schema_version": 1}))
     assert 0.0 in missing_temperatures(cfg, hardware)
+
+
+@pytest.mark.parametrize("seconds, profiled_again", [(300.0, True), (60.0, False), (None, False)])
+def test_a_plan_without_measured_p_is_profiled_again_only_with_more_time(tmp_path, capsys, seconds, profiled_again):
+    cfg = _cfg(tmp_path, linears="aten")
+    hardware = serving_hardware_id(cfg)
+    store, base = PlanStore(cfg.plan_store), builtin_plan(0.0)
+    prov = Provenance(dtype="float32", linears="aten", source=BUILTIN_ACCEPTANCE, time_budget_s=60.0)
+    for temperature in SERVED_TEMPERATURES:
+        planned = PlannedTree(base.plan, base.acceptance, base.budget, base.max_depth, base.expected_tokens, prov)
+        store.publish_plan(planned, PlanKey(hardware, "tiny-draft", "tiny-target", temperature))
+    assert missing_temperatures(cfg, hardware, seconds) == (SERVED_TEMPERATURES if profiled_again else ())
+    out = capsys.readouterr().out
+    assert ("the built-in acceptance vector (60s left no time to measure p; 300s now)" in out) == profiled_again
 
 
 @pytest.mark.parametrize("recorded, serving, why", [
