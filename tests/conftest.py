@@ -12,16 +12,20 @@ import torch
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``scripts/test.sh`` runs two workers): the tests that deploy on the session's Ray
-    run on one worker, in order, sharing that Ray (one work unit); every other test is a unit of its own.
-    (Not ``--dist loadgroup`` with ``xdist_group`` marks: pytest-xdist 3.8 groups by rewriting node ids,
-    which pytest 9.2 ignores, pytest-dev/pytest-xdist#1386.)"""
+    """Under pytest-xdist's default distribution (``scripts/test.sh`` runs two workers): a module's tests run
+    on one worker, so its module-scoped fixtures (the real pair, a cluster of its own, a model) are built
+    once; the modules that deploy on the session's Ray all run on one worker, in order, sharing that Ray
+    (one work unit). Another ``--dist`` is left to xdist. (Not ``--dist loadgroup`` with ``xdist_group``
+    marks: pytest-xdist 3.8 groups by rewriting node ids, which pytest 9.2 ignores,
+    pytest-dev/pytest-xdist#1386.)"""
+    if config.getvalue("dist") not in ("load", "loadscope"):
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class SessionRayScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "session-ray" if _module_uses_the_sessions_ray(config.rootpath / module) else nodeid
+            return "session-ray" if _module_uses_the_sessions_ray(config.rootpath / module) else module
 
     return SessionRayScheduling(config, log)
 

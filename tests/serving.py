@@ -98,21 +98,26 @@ def own_cluster(num_cpus: int, env: dict, cwd) -> Iterator[tuple[str, str]]:
 
 def stop_own_cluster(temp_dir: str, gcs_port: int) -> None:
     """Kill the processes of the cluster ``own_cluster`` started, and only those, as ``ray stop --force``
-    kills every Ray process: the ones whose command line names its temp dir or its GCS port (GCS, raylet,
-    dashboard, monitors, client server), with all their descendants (workers and agents, whose titles Ray
-    rewrites)."""
+    kills every Ray process: the ones whose command line names its temp dir or its GCS address or port
+    (GCS, raylet, dashboard, monitors, client server), with all their descendants (workers and agents, whose
+    titles Ray rewrites); never this process or its ancestors. Scanned again until nothing matches, for a
+    worker forked meanwhile."""
     import re
 
     import psutil
 
-    mark = re.compile(rf"{re.escape(temp_dir)}|:{gcs_port}\b")
-    roots = [proc for proc in psutil.process_iter(["cmdline"])
-             if proc.pid != os.getpid() and mark.search(" ".join(proc.info["cmdline"] or ()))]
-    procs = {p.pid: p for root in roots for p in [root, *_descendants(root)]}
-    for proc in procs.values():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(list(procs.values()), timeout=30)
+    mark = re.compile(rf"{re.escape(temp_dir)}(?=/|\s|$)|(?:address|gcs_server_port)[= ]\S*\b{gcs_port}\b")
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    for _ in range(5):
+        roots = [proc for proc in psutil.process_iter(["cmdline"])
+                 if proc.pid not in spared and mark.search(" ".join(proc.info["cmdline"] or ()))]
+        procs = {p.pid: p for root in roots for p in [root, *_descendants(root)] if p.pid not in spared}
+        if not procs:
+            return
+        for proc in procs.values():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(list(procs.values()), timeout=30)
 
 
 def _descendants(proc) -> list:

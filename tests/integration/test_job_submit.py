@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from sequoia_ray.hardware import BATCH_BUCKETS
@@ -25,7 +26,9 @@ def test_ray_job_submit_smoke_test(tmp_path):
     # a loopback test cluster: no token auth (Ray 2.60 enables it when ~/.ray/auth_token exists)
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     store = tmp_path / "store"
-    with own_cluster(2, env, tmp_path) as (_, dashboard):
+    with own_cluster(2, env, tmp_path) as (address, dashboard):
+        # not the cluster's, though its command line names the cluster's address: stopping must spare it
+        decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"--peer={address}"])
         begin = time.time()
         job = subprocess.run(
             [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
@@ -35,6 +38,12 @@ def test_ray_job_submit_smoke_test(tmp_path):
         assert "succeeded" in job.stdout.lower()
         assert "pred" in job.stdout  # the final table
         print(f"job took {time.time() - begin:.0f}s")
+    try:  # the cluster's processes are gone, the decoy is not
+        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if p.pid != decoy.pid and address in " ".join(p.info["cmdline"] or ())]
+        assert not left and decoy.poll() is None, left
+    finally:
+        decoy.kill()
     plans = PlanStore(str(store)).list_plans()
     assert len(plans) == 2 * len(BATCH_BUCKETS), plans  # a plan per temperature and batch bucket
     hardware = plans[0].split("/plans/")[-1].split("/")[0]

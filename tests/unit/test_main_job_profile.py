@@ -301,12 +301,15 @@ def test_a_corrupt_stored_plan_counts_as_missing(tmp_path):
     assert 0.0 in missing_temperatures(cfg, hardware)
 
 
-@pytest.mark.parametrize("seconds, profiled_again", [(300.0, True), (60.0, False), (None, False)])
-def test_a_plan_without_measured_p_is_profiled_again_only_with_more_time(tmp_path, capsys, seconds, profiled_again):
+@pytest.mark.parametrize("source, seconds, profiled_again", [
+    (BUILTIN_ACCEPTANCE, 300.0, True), (BUILTIN_ACCEPTANCE, 60.0, False), (BUILTIN_ACCEPTANCE, None, False),
+    (None, 300.0, False)])  # a plan whose p was measured stays, whatever the budget now
+def test_a_plan_without_measured_p_is_profiled_again_only_with_more_time(tmp_path, capsys, source, seconds,
+                                                                         profiled_again):
     cfg = _cfg(tmp_path, linears="aten")
     hardware = serving_hardware_id(cfg)
     store, base = PlanStore(cfg.plan_store), builtin_plan(0.0)
-    prov = Provenance(dtype="float32", linears="aten", source=BUILTIN_ACCEPTANCE, time_budget_s=60.0)
+    prov = Provenance(dtype="float32", linears="aten", source=source, time_budget_s=60.0)
     for temperature in SERVED_TEMPERATURES:
         planned = PlannedTree(base.plan, base.acceptance, base.budget, base.max_depth, base.expected_tokens, prov)
         store.publish_plan(planned, PlanKey(hardware, "tiny-draft", "tiny-target", temperature))
