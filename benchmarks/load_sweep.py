@@ -8,8 +8,9 @@
 
 (a) and (c) share one deployment, (b) has its own. For each client count and mode: total tokens/s, p50/p99
 latency, p50 TTFT, tokens per step, requests per target forward (from rank 0's batcher), errors, and greedy
-texts that differ from the target alone (one request at a time, same dtype). Then the ratios (c)/(b) and
-(c)/(a) per client count.
+texts that differ from the target alone (one request at a time, same dtype); in the JSON, after each (c)
+cell, the service's measured tree-or-target-alone choice so far (``step rates``, with ``live_cost``). Then
+the ratios (c)/(b) and (c)/(a) per client count.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import time
 
 import ray
+import requests
 
 from load import log, model_actors, references, run_clients, serving, summarize, wait_idle
 
@@ -46,7 +48,18 @@ def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration:
     return {"mode": mode, "clients": clients, "tokens/s": s["tokens/s"], "p50 latency s": s["p50 latency s"],
             "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"], "tokens/step": s["tokens/step (mean)"],
             "requests/forward": mean_batch(before, forwards(rank0)), "completed": s["completed"],
-            "errors": s["errors"], "mismatches": mismatched, "held after": sum(v for v in held.values() if v != "dead")}
+            "errors": s["errors"], "mismatches": mismatched, "held after": sum(v for v in held.values() if v != "dead"),
+            "step rates": step_rates(url) if mode == "c" else None}
+
+
+def step_rates(url: str) -> dict | None:
+    """The service's measured tree-or-target-alone choice so far (``live_cost``; None when off): per
+    temperature and batch bucket, the arm serving and each arm's tokens/s per request and steps."""
+    try:
+        return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["metadata"]["step_rates"]
+    except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
+        log(f"step rates not read: {type(exc).__name__}: {exc}")
+        return None
 
 
 def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: float, max_tokens: int,

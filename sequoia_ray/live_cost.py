@@ -14,9 +14,18 @@ measured: steps in flight straddle the switch, and a draft catching up on tokens
 
 The measure is a request's tokens per second of its whole step cycle (``seconds`` from the engine: from the
 previous verdict to this one, so Serve's costs are in), summed over the last ``window`` measured steps of an
-arm (tokens / seconds of the sums, not a mean of ratios). A request's first step (its prefill) is not
+arm (tokens / seconds of the sums, not a mean of ratios). A served phase ends early when its arm, measured
+on a probe's worth of the phase's own steps, has become the slower one: a probe's few steps chose it, the
+phase's many show otherwise (seen through Serve at 2 clients: the tree chosen on 6 steps, then 117 steps
+at 0.77x the target alone's rate). A request's first step (its prefill) is not
 measured. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps
 (3.8% with the defaults) run the slower arm.
+
+A new key's first phase is the tree's, unless the nearest smaller batch bucket of its temperature whose two arms
+are measured found the target alone faster. Speculation pays less as the batch grows (the target's forward
+gets cheaper per token, the draft's levels and the per-request costs do not), so the larger batch then serves
+the target alone first and probes the tree after ``probe_every`` rounds, instead of learning what the smaller
+batch already showed at the price of a tree phase.
 
 The target alone is a root-only tree, verified like any other: choosing it never touches exactness.
 """
@@ -62,6 +71,7 @@ class _Key:
     steps: int = 0  # steps begun in this phase
     length: int = 0  # steps this phase lasts
     settle: int = 0  # its first steps, not measured
+    recorded: int = 0  # measured steps recorded in this phase
     samples: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(tokens, seconds)]
 
     def rate(self, arm: str, min_steps: int) -> float | None:
@@ -87,8 +97,10 @@ class StepRates:
             state = self._keys.get(key)
             if state is None:
                 state = self._keys[key] = _Key()
+                if self._alone_below(key):  # serve the target alone first; the tree's probe comes later
+                    state.arm, state.probing = ALONE, False
                 self._start(state, batch)
-            if state.steps >= state.length:
+            if state.steps >= state.length or self._losing(state, batch):
                 self._next(state, batch)
             state.steps += 1
             return state.arm, state.phase, state.steps > state.settle
@@ -100,15 +112,33 @@ class StepRates:
             if state is None or state.phase != phase or seconds <= 0:
                 return
             state.samples.setdefault(arm, deque(maxlen=self.settings.window)).append((tokens, seconds))
+            state.recorded += 1
 
     def best(self, state: _Key) -> str:
         """The faster arm (the tree until the target alone measured faster)."""
         tree, alone = (state.rate(arm, self.settings.min_steps) for arm in ARMS)
         return ALONE if tree is not None and alone is not None and alone > tree else TREE
 
+    def _alone_below(self, key: tuple[str, int]) -> bool:
+        """The nearest smaller batch bucket of ``key``'s temperature with both arms measured found the target
+        alone faster (False when there is none)."""
+        temperature, bucket = key
+        below = [(b, state) for (t, b), state in self._keys.items() if t == temperature and b < bucket
+                 and all(state.rate(arm, self.settings.min_steps) is not None for arm in ARMS)]
+        return bool(below) and self.best(max(below, key=lambda item: item[0])[1]) == ALONE
+
+    def _losing(self, state: _Key, batch: int) -> bool:
+        """A served phase whose arm, measured on at least a probe's worth of this phase's steps, is now
+        slower than the other arm: it ends early (the decision to serve it rested on fewer steps)."""
+        if state.probing or state.recorded < self.settings.probe_rounds * max(1, batch):
+            return False
+        rates = {arm: state.rate(arm, self.settings.min_steps) for arm in ARMS}
+        other = ALONE if state.arm == TREE else TREE
+        return None not in rates.values() and rates[state.arm] < rates[other]
+
     def _start(self, state: _Key, batch: int) -> None:
         rounds = self.settings.probe_rounds if state.probing else self.settings.probe_every
-        state.phase, state.steps = state.phase + 1, 0
+        state.phase, state.steps, state.recorded = state.phase + 1, 0, 0
         state.settle = max(1, batch)
         state.length = state.settle + rounds * max(1, batch)
 

@@ -114,3 +114,39 @@ def test_greedy_text_is_the_target_alones_whatever_the_arms():
     assert out.token_ids == alone.token_ids
     steps = rates.summary()["t0.0-b1"]["steps"]
     assert steps[TREE] > 0 and steps[ALONE] > 0  # both arms ran
+
+
+@pytest.mark.parametrize("smaller_faster, first", [(ALONE, ALONE), (TREE, TREE), (None, TREE)])
+def test_a_larger_batch_starts_with_the_arm_a_smaller_one_found_faster(smaller_faster, first):
+    """The target alone faster at batch 2 (both arms measured): batch 4 serves it first and probes the tree
+    only after ``probe_every`` rounds; the tree faster, or batch 2 not measured yet: batch 4 starts with the
+    tree. The other temperature learns on its own."""
+    rates = StepRates(SETTINGS)
+    if smaller_faster is not None:
+        speed = {TREE: 3.0, ALONE: 2.0} if smaller_faster == TREE else {TREE: 0.7, ALONE: 1.0}
+        drive(rates, ("t0.0", 2), 2, 60, speed)
+        assert rates.summary()["t0.0-b2"]["serving"] == smaller_faster
+    else:
+        drive(rates, ("t0.0", 2), 2, 1, {TREE: 0.7, ALONE: 1.0})  # the tree's phase has not ended
+    arms = drive(rates, ("t0.0", 4), 4, SETTINGS.probe_every + 4, {TREE: 0.7, ALONE: 1.0})
+    if first == ALONE:
+        served = 4 * (1 + SETTINGS.probe_every)  # the settle round and probe_every rounds, all the target alone
+        assert arms[:served] == [ALONE] * served and arms[served:] == [TREE] * (len(arms) - served)
+    else:
+        assert arms[:4 * (1 + SETTINGS.probe_rounds)] == [TREE] * 4 * (1 + SETTINGS.probe_rounds)
+    assert drive(rates, ("t0.6", 4), 4, 1, {TREE: 0.7, ALONE: 1.0}) == [TREE] * 4
+
+
+def test_a_served_arm_that_turns_slower_is_left_before_its_phase_ends():
+    """The tree measures faster on its probe, then slows (through Serve at 2 clients: 6 fast steps, then
+    0.77x the target alone): the served tree phase ends after a probe's worth of slow steps, not after
+    ``probe_every`` rounds."""
+    rates, key, batch = StepRates(SETTINGS), ("t0.0", 2), 2
+    probes = 2 * batch * (1 + SETTINGS.probe_rounds)  # the tree's probe, then the target alone's
+    arms = drive(rates, key, batch, probes // batch, {TREE: 3.0, ALONE: 2.0})
+    assert arms == [TREE] * (probes // 2) + [ALONE] * (probes // 2)
+    arms = drive(rates, key, batch, SETTINGS.probe_every, {TREE: 0.5, ALONE: 2.0})
+    switched = arms.index(ALONE)
+    # the settle round and the slow rounds that bring the tree's windowed rate below the target alone's
+    assert batch * (1 + SETTINGS.probe_rounds) <= switched < batch * SETTINGS.probe_every // 2
+    assert arms[switched:].count(TREE) == 0 and rates.summary()["t0.0-b2"]["serving"] == ALONE
