@@ -14,10 +14,10 @@ measured: steps in flight straddle the switch, and a draft catching up on tokens
 
 The measure is a request's tokens per second of its whole step cycle (``seconds`` from the engine: from the
 previous verdict to this one, so Serve's costs are in), summed over the last ``window`` measured steps of an
-arm (tokens / seconds of the sums, not a mean of ratios). A served phase ends early when its arm, measured
-on a probe's worth of the phase's own steps, has become the slower one: a probe's few steps chose it, the
-phase's many show otherwise (seen through Serve at 2 clients: the tree chosen on 6 steps, then 117 steps
-at 0.77x the target alone's rate). A request's first step (its prefill) is not
+arm (tokens / seconds of the sums, not a mean of ratios). A served phase ends early when, after a probe's
+worth of its own measured steps, its arm's rate has fallen below the other arm's: the other arm is probed
+again at once, and the faster then serves. A probe's few steps can mislead (seen through Serve at 2
+clients: the tree chosen on 6 steps, then 117 steps at 0.77x the target alone's rate). A request's first step (its prefill) is not
 measured. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps
 (3.8% with the defaults) run the slower arm.
 
@@ -100,8 +100,11 @@ class StepRates:
                 if self._alone_below(key):  # serve the target alone first; the tree's probe comes later
                     state.arm, state.probing = ALONE, False
                 self._start(state, batch)
-            if state.steps >= state.length or self._losing(state, batch):
+            if state.steps >= state.length:
                 self._next(state, batch)
+            elif self._losing(state, batch):  # probe the other arm now: decide on fresh steps of both
+                state.arm, state.probing = (ALONE if state.arm == TREE else TREE), True
+                self._start(state, batch)
             state.steps += 1
             return state.arm, state.phase, state.steps > state.settle
 
@@ -128,8 +131,8 @@ class StepRates:
         return bool(below) and self.best(max(below, key=lambda item: item[0])[1]) == ALONE
 
     def _losing(self, state: _Key, batch: int) -> bool:
-        """A served phase whose arm, measured on at least a probe's worth of this phase's steps, is now
-        slower than the other arm: it ends early (the decision to serve it rested on fewer steps)."""
+        """A served phase that has recorded a probe's worth of steps and whose arm's rate is now below the
+        other arm's (both measured): it ends early, for a probe of the other arm."""
         if state.probing or state.recorded < self.settings.probe_rounds * max(1, batch):
             return False
         rates = {arm: state.rate(arm, self.settings.min_steps) for arm in ARMS}

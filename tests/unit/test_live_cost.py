@@ -140,7 +140,7 @@ def test_a_larger_batch_starts_with_the_arm_a_smaller_one_found_faster(smaller_f
 def test_a_served_arm_that_turns_slower_is_left_before_its_phase_ends():
     """The tree measures faster on its probe, then slows (through Serve at 2 clients: 6 fast steps, then
     0.77x the target alone): the served tree phase ends after a probe's worth of slow steps, not after
-    ``probe_every`` rounds."""
+    ``probe_every`` rounds; the target alone is probed, then serves."""
     rates, key, batch = StepRates(SETTINGS), ("t0.0", 2), 2
     probes = 2 * batch * (1 + SETTINGS.probe_rounds)  # the tree's probe, then the target alone's
     arms = drive(rates, key, batch, probes // batch, {TREE: 3.0, ALONE: 2.0})
@@ -150,3 +150,31 @@ def test_a_served_arm_that_turns_slower_is_left_before_its_phase_ends():
     # the settle round and the slow rounds that bring the tree's windowed rate below the target alone's
     assert batch * (1 + SETTINGS.probe_rounds) <= switched < batch * SETTINGS.probe_every // 2
     assert arms[switched:].count(TREE) == 0 and rates.summary()["t0.0-b2"]["serving"] == ALONE
+
+
+@pytest.mark.parametrize("b1, b2, first", [
+    (TREE, ALONE, ALONE),  # the nearest smaller bucket decides, not any
+    (ALONE, TREE, TREE),
+    (ALONE, None, ALONE),  # b2 has only its tree measured: the nearest with both arms is b1
+])
+def test_the_nearest_smaller_bucket_with_both_arms_measured_decides(b1, b2, first):
+    rates = StepRates(SETTINGS)
+    speeds = {TREE: {TREE: 3.0, ALONE: 2.0}, ALONE: {TREE: 0.7, ALONE: 1.0}}
+    drive(rates, ("t0.0", 1), 1, 40, speeds[b1])
+    if b2 is None:
+        drive(rates, ("t0.0", 2), 2, 1 + SETTINGS.probe_rounds, speeds[ALONE])  # one arm's steps only
+        assert sorted(rates.summary()["t0.0-b2"]["steps"].values()) == [0, 2 * SETTINGS.probe_rounds]
+    else:
+        drive(rates, ("t0.0", 2), 2, 40, speeds[b2])
+    assert drive(rates, ("t0.0", 4), 4, 1, speeds[ALONE]) == [first] * 4
+
+
+def test_a_served_target_alone_that_turns_slower_has_the_tree_probed_again():
+    """The other way round: the target alone serves, then its steps slow down (a longer context, another
+    load on the host); the tree is probed again before ``probe_every`` rounds, and serves."""
+    rates, key, batch = StepRates(SETTINGS), ("t0.0", 1), 1
+    drive(rates, key, batch, 2 * (1 + SETTINGS.probe_rounds), {TREE: 1.0, ALONE: 2.0})  # both probes
+    arms = drive(rates, key, batch, SETTINGS.probe_every, {TREE: 1.0, ALONE: 0.25})
+    probed = arms.index(TREE)
+    assert SETTINGS.probe_rounds <= probed < SETTINGS.probe_every // 2
+    assert rates.summary()["t0.0-b1"]["serving"] == TREE
