@@ -30,13 +30,15 @@ def session_ray() -> None:
     """The test session's local Ray, started on first use and kept: every start and shutdown costs ~15 s
     here, so modules share it. Always a new Ray of its own (``address="local"``): a bare ``ray.init()``
     would attach to any Ray already running on the machine (a killed run's, another job's) and then refuse
-    ``num_cpus``. Ray exports metrics to ``METRICS_PORT`` every second."""
+    ``num_cpus``. Ray exports metrics to ``METRICS_PORT`` every second. Its workers run at nice 0, as the
+    other pytest worker does: at Ray's default nice 15 a model load or a forward in the other worker took
+    them ~30x longer (a tiny draft loaded in 33.5 s) and a 5-second step timeout of the fault app fired."""
     import ray
 
     if not ray.is_initialized():  # first use, or ``stop_ray`` ended it since
         _SESSION["port"] = None
         ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
-                 _system_config={"metrics_report_interval_ms": 1000})
+                 _system_config={"metrics_report_interval_ms": 1000, "worker_niceness": 0})
 
 
 def _ray_and_serve() -> int:
@@ -88,6 +90,7 @@ def own_cluster(num_cpus: int, env: dict, cwd) -> Iterator[tuple[str, str]]:
              f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}",
              f"--ray-client-server-port={free_port()}", "--include-dashboard=true", "--disable-usage-stats",
              f"--temp-dir={temp_dir}"]
+    env = {**env, "RAY_worker_niceness": "0"}  # as the session's Ray (``session_ray``)
     try:
         subprocess.run(start, check=True, env=env, cwd=cwd, capture_output=True, timeout=180)
         yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
