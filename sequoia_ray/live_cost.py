@@ -14,15 +14,17 @@ measured: steps in flight straddle the switch, and a draft catching up on tokens
 
 The measure is a request's tokens per second of its whole step cycle (``seconds`` from the engine: from the
 previous verdict to this one, so Serve's costs are in), summed over the last ``window`` measured steps of an
-arm (tokens / seconds of the sums, not a mean of ratios). A served phase ends early when, after a probe's
-worth of its own measured steps, its arm's rate has fallen below the other arm's: the other arm is probed
-again at once, and the faster then serves. A probe's few steps can mislead (seen through Serve at 2
-clients: the tree chosen on 6 steps, then 117 steps at 0.77x the target alone's rate). A request's first step (its prefill) is not
+arm (tokens / seconds of the sums, not a mean of ratios). A request's first step (its prefill) is not
 measured. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps
 (3.8% with the defaults) run the slower arm.
 
-A new key's first phase is the tree's, unless the nearest smaller batch bucket of its temperature whose two arms
-are measured found the target alone faster. Speculation pays less as the batch grows (the target's forward
+A served phase ends early when, after a probe's worth of its own measured steps, its arm's rate has fallen
+below the other arm's: the other arm is probed again at once, and the faster then serves. A probe's few
+steps can mislead (seen through Serve at 2 clients: the tree chosen on 6 steps, then 117 steps at 0.77x the
+target alone's rate).
+
+A new key's first phase is the tree's, unless the nearest smaller batch bucket of its temperature whose two
+arms are measured found the target alone faster. Speculation pays less as the batch grows (the target's forward
 gets cheaper per token, the draft's levels and the per-request costs do not), so the larger batch then serves
 the target alone first and probes the tree after ``probe_every`` rounds, instead of learning what the smaller
 batch already showed at the price of a tree phase.
@@ -46,6 +48,10 @@ from sequoia_ray.verify import Verdict
 
 TREE, ALONE = "tree", "alone"
 ARMS = (TREE, ALONE)
+
+
+def _other(arm: str) -> str:
+    return ALONE if arm == TREE else TREE
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class StepRates:
             if state.steps >= state.length:
                 self._next(state, batch)
             elif self._losing(state, batch):  # probe the other arm now: decide on fresh steps of both
-                state.arm, state.probing = (ALONE if state.arm == TREE else TREE), True
+                state.arm, state.probing = _other(state.arm), True
                 self._start(state, batch)
             state.steps += 1
             return state.arm, state.phase, state.steps > state.settle
@@ -136,8 +142,7 @@ class StepRates:
         if state.probing or state.recorded < self.settings.probe_rounds * max(1, batch):
             return False
         rates = {arm: state.rate(arm, self.settings.min_steps) for arm in ARMS}
-        other = ALONE if state.arm == TREE else TREE
-        return None not in rates.values() and rates[state.arm] < rates[other]
+        return None not in rates.values() and rates[state.arm] < rates[_other(state.arm)]
 
     def _start(self, state: _Key, batch: int) -> None:
         rounds = self.settings.probe_rounds if state.probing else self.settings.probe_every
@@ -153,7 +158,7 @@ class StepRates:
         elif state.probing or state.arm != best:  # a probe ended: serve the faster arm
             state.arm, state.probing = best, False
         else:  # a served phase ended: probe the other arm
-            state.arm, state.probing = (ALONE if best == TREE else TREE), True
+            state.arm, state.probing = _other(best), True
         self._start(state, batch)
 
     def summary(self) -> dict[str, dict]:
