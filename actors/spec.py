@@ -29,7 +29,7 @@ class ModelActorSpec:
     max_batch_tokens: int = 2048  # tokens per forward (a larger first call still runs, alone)
     batch_layout: str = "flat"  # flat | padded (sequoia_ray.models.batch_forward)
     prefill_chunk: int | None = None  # longest prefill forwarded in one step (None: a whole prompt at once)
-    batch_wait_s: float = 0.0  # how long a forward may wait for the previous forward's requests to come back
+    batch_wait_s: float = 0.0  # how long a forward may wait for the previous forward's target-alone requests
 
     def __post_init__(self) -> None:
         from sequoia_ray.models.batch_forward import check_layout

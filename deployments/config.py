@@ -76,8 +76,9 @@ class ServeConfig(BaseModel):
     batch_layout: str = Field("flat", description="How a batch's ragged requests share a forward: flat (one "
                               "sequence, block mask; no padding) | padded (batch dimension, padded to the longest).")
     batch_wait_ms: float = Field(0.0, ge=0, le=10_000, description="How long a forward may wait for the requests of "
-                                 "the previous one to come back, so they share forwards instead of alternating "
-                                 "(0 = start each forward at once).")
+                                 "the previous one that come straight back (target-alone steps), so they share "
+                                 "forwards instead of alternating (0 = start each forward at once). Requests growing "
+                                 "trees are not waited for: they alternate, one group drafting while another verifies.")
     prefill_chunk: int | None = Field(256, ge=1, description="Prefill a long prompt this many tokens per step beside "
                                       "the others' decoding (None: the whole prompt in one step).")
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")

@@ -6,8 +6,12 @@ and a client that stops reading its stream only stops sending its own calls. Wit
 starts as soon as the previous one ends, with whatever is queued. Measured on a 2-core CPU that splits the
 requests into groups that alternate (while one group's forward runs, the other's results travel back and
 its next calls arrive just too late), so every forward carries half the requests it could. ``wait_s`` > 0
-lets a forward wait, up to that long after the previous one ended, for that one's requests to come back;
-the requests then move together through the draft and the target (see ``_wait_left``).
+lets a forward wait, up to that long after the previous one ended, for that one's requests to come back
+(see ``_wait_left``) — only those whose next call comes straight back here: a target-alone step (a
+root-only ``verify``) calls ``verify`` again. A request growing trees goes to the other worker in between
+(``grow`` -> ``verify`` -> ``grow``), and waiting for it would hold the two workers in lockstep, each idle
+while the other computes; unwaited, tree requests fall into groups that alternate, one drafting while the
+other verifies (see ``comes_straight_back``).
 
 Order: every other call (``start``, ``commit``, ``finish``) runs first, in arrival order, between two
 forwards; then one batch of the batched method, in arrival order, within ``max_batch_requests`` and
@@ -61,12 +65,14 @@ class Batcher:
     """``call(method, request_id, *args)`` from any thread; returns what the worker returned, or raises."""
 
     def __init__(self, run_batch: Callable[[str, list[tuple]], list], run_one: Callable[..., object],
-                 size: Callable[[str, str, tuple], int], limits: BatchLimits, *, name: str = "batcher") -> None:
+                 size: Callable[[str, str, tuple], int], limits: BatchLimits, *, name: str = "batcher",
+                 comes_back: Callable[[str, tuple], bool] | None = None) -> None:
         self.run_batch, self.run_one, self.size, self.limits = run_batch, run_one, size, limits
+        self.comes_back = comes_back or comes_straight_back
         self.queue: deque[_Call] = deque()
         self.cond = threading.Condition()
         self.batch_sizes: Counter[int] = Counter()  # requests per forward -> forwards (stats, tests)
-        self.expected: set[str] = set()  # requests of the last forward, not finished: likely back soon
+        self.expected: set[str] = set()  # requests of the last forward coming straight back, not finished
         self.last_end = 0.0  # when the last forward ended (time.monotonic)
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -126,9 +132,9 @@ class Batcher:
                 self._run_guarded(batch)
 
     def _wait_left(self) -> float:
-        """Seconds the next forward should still wait: while a request of the last forward has no call queued
-        yet (it is on its way back: the requests then share one forward instead of alternating in two, which
-        halves every batch), up to ``wait_s`` after the last forward ended; 0 when nobody is missing, the batch
+        """Seconds the next forward should still wait: while a request of the last forward that comes straight
+        back (``comes_back``) has no call queued yet (it is on its way back: the requests then share one forward
+        instead of alternating in two, which halves every batch), up to ``wait_s`` after the last forward ended; 0 when nobody is missing, the batch
         is full, or the limit is 0. A request that does not come back in time (a client that stopped reading,
         a step elsewhere) is waited for once: it is not in the next forward, so nobody waits for it again."""
         if self.limits.wait_s <= 0 or not self.expected:
@@ -147,8 +153,14 @@ class Batcher:
                     c.future.set_exception(exc)
         finally:
             with self.cond:
-                self.expected = {c.request_id for c in batch}
+                self.expected = {c.request_id for c in batch if self._back(c)}
                 self.last_end = time.monotonic()
+
+    def _back(self, c: _Call) -> bool:
+        try:
+            return bool(self.comes_back(c.method, c.args))
+        except Exception:  # noqa: BLE001 - a guess about the next call never fails the loop: do not wait
+            return False
 
     def _take(self) -> list[_Call]:
         """The first batched method's queued calls within the limits, in arrival order."""
@@ -201,6 +213,13 @@ class Batcher:
     def _fail_all(self, exc: Exception) -> None:
         while self.queue:
             self.queue.popleft().future.set_exception(exc)
+
+
+def comes_straight_back(method: str, args: tuple) -> bool:
+    """Whether a request's next call after this one is likely to this same worker: after a root-only
+    ``verify`` (the target alone) it is — the next step verifies again — while a tree step goes on to the
+    other worker (``grow`` is followed by ``verify``, a tree's ``verify`` by the next ``grow``)."""
+    return method == "verify" and bool(args) and getattr(args[0], "n", None) == 1
 
 
 def _settle(item: _Call, run: Callable[[], object]) -> None:

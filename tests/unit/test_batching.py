@@ -7,11 +7,12 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sequoia_ray.batching import NOT_YET, BatchedWorker, Batcher, BatchLimits
+from sequoia_ray.batching import NOT_YET, BatchedWorker, Batcher, BatchLimits, comes_straight_back
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import SpeculativeDecoder
@@ -449,12 +450,64 @@ def _clients(batcher, rids, rounds, turnaround_s, stop_after=None):
         list(pool.map(client, rids))
 
 
-def _slow_batcher(wait_s, forward_s=0.05):
+def _slow_batcher(wait_s, forward_s=0.05, comes_back=lambda method, args: True):
     def run_batch(method, calls):
         time.sleep(forward_s)
         return [c[0] for c in calls]
 
-    return Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits(wait_s=wait_s))
+    return Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits(wait_s=wait_s), comes_back=comes_back)
+
+
+def _mean_batch(batcher):
+    stats = batcher.stats()
+    return sum(b * n for b, n in stats.items()) / sum(stats.values())
+
+
+def test_only_requests_that_come_straight_back_are_waited_for():
+    """Two requests, two batchers (a draft's ``grow`` and a target's ``verify``, 50 ms forwards, a 0.5 s wait).
+    Target-alone steps (root-only verifies) come straight back: they share every forward. Tree steps go
+    grow -> verify -> grow: nobody waits for them, so they fall into alternate groups (one request per forward,
+    one drafting while the other verifies). Waiting for them too (every call taken as coming back) holds them
+    in lockstep: both in every forward, each batcher idle while the other runs. 2 x 16 steps per case."""
+    root, tree = SimpleNamespace(n=1), SimpleNamespace(n=8)
+
+    def steps(batchers, rids, calls):
+        def client(rid):
+            for _ in range(16):
+                for batcher, (method, plan) in zip(batchers, calls):
+                    batcher.call(method, rid, plan)
+                    time.sleep(0.002)
+
+        with ThreadPoolExecutor(len(rids)) as pool:
+            list(pool.map(client, rids))
+        return [_mean_batch(b) for b in batchers]
+
+    def batchers(comes_back):
+        return [_slow_batcher(0.5, comes_back=comes_back) for _ in range(2)]
+
+    alone = batchers(comes_straight_back)
+    assert steps(alone[1:], ["a", "b"], [("verify", root)])[0] > 1.7  # the first forwards may start alone
+    pipelined, lockstep = batchers(comes_straight_back), batchers(lambda method, args: True)
+    grow_tree, verify_tree = ("grow", tree), ("verify", tree)
+    assert max(steps(pipelined, ["a", "b"], [grow_tree, verify_tree])) < 1.4
+    assert min(steps(lockstep, ["a", "b"], [grow_tree, verify_tree])) > 1.7
+    for b in alone + pipelined + lockstep:
+        b.close()
+
+
+def test_comes_straight_back_and_a_failing_guess():
+    assert comes_straight_back("verify", (SimpleNamespace(n=1), None))
+    assert not comes_straight_back("verify", (SimpleNamespace(n=2), None))
+    assert not comes_straight_back("grow", (SimpleNamespace(n=1),))
+    assert not comes_straight_back("verify", ())
+
+    def broken(method, args):
+        raise KeyError("no plan")
+
+    batcher = _slow_batcher(5.0, forward_s=0.0, comes_back=broken)
+    _clients(batcher, ["a"], 3, 0.0)
+    assert batcher.expected == set()  # a guess that fails is "not coming back": nobody is waited for
+    batcher.close()
 
 
 def test_a_wait_lets_requests_share_forwards_instead_of_alternating():
@@ -464,8 +517,7 @@ def test_a_wait_lets_requests_share_forwards_instead_of_alternating():
     for wait_s in (0.0, 0.03):
         batcher = _slow_batcher(wait_s)
         _clients(batcher, ["a", "b"], 12, 0.005)
-        stats = batcher.stats()
-        sizes[wait_s] = sum(b * n for b, n in stats.items()) / sum(stats.values())
+        sizes[wait_s] = _mean_batch(batcher)
         batcher.close()
     assert sizes[0.0] < 1.4 and sizes[0.03] > 1.8, sizes
 
