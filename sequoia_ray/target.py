@@ -23,7 +23,7 @@ transfer (``sequoia_ray.verify``), so the request's generator is a host generato
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -116,8 +116,9 @@ class TargetWorker(RequestTable):
             # what one row does, and a call per request would re-read the vocab x hidden weights each time.
             rows = list(trees.values())
             logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows))  # [sum n, V]
+            prefill = sum(p.pending for p in prepared.values())
             for (i, _), node_logits in zip(trees.items(), logits.split([r.shape[0] for r in rows])):
-                out[i] = self._walk(prepared[i], node_logits)
+                out[i] = self._walk(prepared[i], node_logits, prefill - prepared[i].pending)
         return out
 
     def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree) -> _Prepared:
@@ -141,10 +142,11 @@ class TargetWorker(RequestTable):
         segment = Segment(req.session, tokens, positions, _prefill_then_tree(len(pending), tree))
         return _Prepared(req, plan, draft, segment, len(pending), base, cached)
 
-    def _walk(self, p: _Prepared, logits: torch.Tensor) -> Verdict | Exception:  # logits: [n, V]
+    def _walk(self, p: _Prepared, logits: torch.Tensor, prefill_beside: int) -> Verdict | Exception:  # logits: [n, V]
         device = self.device
         try:
             verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
+            verdict = replace(verdict, prefill_beside=prefill_beside)
             path = torch.tensor(verdict.path, dtype=torch.long, device=device)
             p.req.session.keep(torch.cat([torch.arange(p.base, device=device), p.base + path]))
         except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on

@@ -13,7 +13,7 @@ would mean drawing the residual/bonus candidates on the device before the walk â
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class Verdict:
     # child rejected; the last visited node is absent when it is a leaf (it gives no observation). What live
     # acceptance estimation learns from, for whatever tree was verified.
     ranks: tuple[tuple[int, int], ...] = ()
+    # Prompt tokens other requests prefilled in the same target forward (0 when none or verified alone): a
+    # prefill chunk costs several decode forwards, so such a step's time says little about its own tree.
+    prefill_beside: int = field(default=0, compare=False)  # not the verdict itself: batched == alone
 
 
 def verify_tree(

@@ -93,6 +93,32 @@ class _Timed:
         return Verdict([0, 1], [4, 5], ((3, 1),)) if plan.n > 1 else Verdict([0], [6], ())
 
 
+class _BesidePrefills(_Timed):
+    """The target alone takes 2 ms a step, but every other one of its steps shares its forward with another
+    request's prefill and takes 60 ms; a tree step takes 20 ms for 2 tokens and never meets a prefill."""
+
+    alone_steps = 0
+
+    def verify(self, request_id, plan, draft) -> Verdict:
+        if plan.n > 1:
+            return super().verify(request_id, plan, draft)
+        self.alone_steps += 1
+        beside = self.alone_steps % 2 == 0
+        time.sleep(0.06 if beside else 0.002)
+        return Verdict([0], [6], (), prefill_beside=256 if beside else 0)
+
+
+def test_steps_beside_another_requests_prefill_are_not_measured():
+    """Counting the prefill-slowed steps, the target alone would measure ~32 tokens/s against the tree's ~100
+    and lose; without them it measures ~500 and serves (80 tokens, probes of 2 steps)."""
+    rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=32, min_steps=2)), _BesidePrefills()
+    SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy).generate(
+        [1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
+    summary = rates.summary()["t0.0-b1"]
+    assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > 2 * summary["tok_s"][TREE], summary
+    assert summary["steps"][ALONE] < fake.alone_steps - 1  # the steps beside a prefill were left out
+
+
 def test_the_engine_measures_cycles_and_moves_to_the_target_alone_when_it_is_faster():
     rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=32, min_steps=2)), _Timed()
     decoder = SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy)
