@@ -42,7 +42,7 @@ NOT_YET = "not-yet"  # a batched call that needs another step (a prefill chunk w
 class BatchLimits:
     max_batch_requests: int = 16
     max_batch_tokens: int = 2048
-    wait_s: float = 0.0  # how long a forward may wait for the requests of the previous one (see Batcher)
+    wait_s: float = 0.0  # how long a forward may wait for the previous one's requests that come straight back
 
     def __post_init__(self) -> None:
         if self.wait_s < 0:
@@ -123,7 +123,7 @@ class Batcher:
                 if wait > 0:
                     self.cond.wait(wait)  # a call arriving (or a finish) wakes it: then look again
                     continue
-                batch = self._take()
+                batch = [] if singles else self._take()  # after singles, look again: a wait may still be due
             for item in singles:
                 if item.method == "finish":
                     self.expected.discard(item.request_id)
@@ -134,9 +134,10 @@ class Batcher:
     def _wait_left(self) -> float:
         """Seconds the next forward should still wait: while a request of the last forward that comes straight
         back (``comes_back``) has no call queued yet (it is on its way back: the requests then share one forward
-        instead of alternating in two, which halves every batch), up to ``wait_s`` after the last forward ended; 0 when nobody is missing, the batch
-        is full, or the limit is 0. A request that does not come back in time (a client that stopped reading,
-        a step elsewhere) is waited for once: it is not in the next forward, so nobody waits for it again."""
+        instead of alternating in two, which halves every batch), up to ``wait_s`` after the last forward
+        ended; 0 when nobody is missing, the batch is full, or the limit is 0. A request that does not come
+        back in time (a client that stopped reading, a request whose next step grows a tree after all) is
+        waited for once: it is not in the next forward, so nobody waits for it again."""
         if self.limits.wait_s <= 0 or not self.expected:
             return 0.0
         queued = {c.request_id for c in self.queue}

@@ -15,11 +15,14 @@ measured: steps in flight straddle the switch, and a draft catching up on tokens
 The measure is a request's tokens per second of its whole step cycle (``seconds`` from the engine: from the
 previous verdict to this one, so Serve's costs are in), summed over the last ``window`` measured steps of an
 arm (tokens / seconds of the sums, not a mean of ratios). A request's first step (its prefill) is not
-measured, nor a step whose target forward also prefilled another request's prompt (``Verdict.prefill_beside``):
-a prefill chunk costs several decode forwards and lands on whichever arm runs then. Seen through Serve at 8
-clients (a request starting about every second): the target alone's probe, 3 rounds, measured 2.2 tokens/s
-a request against 5.0 before, and the tree served a cell at 0.79x the target alone's throughput. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps
-(3.8% with the defaults) run the slower arm.
+measured, nor a step during which the target forwarded another request's prompt (``Verdict.prefill_beside``:
+in its forward or in one its call queued behind): a prefill chunk costs several decode forwards and lands
+on whichever arm runs then. Seen through Serve at 8 clients, a request starting about every second: the
+target alone's steps in one phase measured 2.2 tokens/s a request against 5.0 before, and the tree served
+the cell at 0.79x the target alone's throughput. A prompt the draft prefills beside tree steps is not seen
+(the tree arm may look slower than it is). The cost of probing: at most
+``(1 + probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps (3.8% with the defaults) run the
+slower arm.
 
 A served phase ends early when, after a probe's worth of its own measured steps, its arm's rate has fallen
 below the other arm's: the other arm is probed again at once, and the faster then serves. A probe's few
@@ -199,7 +202,7 @@ class _RequestArm:
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
         # not the first step (the prefill), a step beside another's prefill, nor a tree cut to the root (the
         # request's last token)
-        beside = getattr(verdict, "prefill_beside", 0)
+        beside = verdict.prefill_beside
         if self.measured and self.step > 1 and not beside and (self.arm == ALONE or plan.n > 1):
             self.rates.record(self.key, self.arm, self.phase, len(verdict.tokens), seconds)
         if self.inner is not None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sequoia_ray.batching import NOT_YET
+from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.request_state import RequestState, RequestTable
@@ -48,8 +49,15 @@ class _Prepared:
     cached: int  # the session's length before this step (where a failed step rolls it back to)
 
 
+@dataclass
+class _TargetRequest(RequestState):
+    prefill_mark: int = 0  # the worker's ``prefilled`` at this request's start or last verdict
+
+
 class TargetWorker(RequestTable):
     """Holds the target model and per-request target state, keyed by request id."""
+
+    state_type = _TargetRequest
 
     def __init__(self, model, *, layout: str = "flat", prefill_chunk: int | None = None,
                  retry_alone: bool = True) -> None:
@@ -60,6 +68,11 @@ class TargetWorker(RequestTable):
         # group: its peers are still inside the batched forward's collectives, so it must fail the batch.
         self.retry_alone = retry_alone
         self.vocab = model.get_input_embeddings().num_embeddings
+        self.prefilled = 0  # prompt tokens forwarded so far, all requests (a verdict's ``prefill_beside``)
+
+    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
+        super().start(request_id, prompt, params, seed)
+        self.requests[request_id].prefill_mark = self.prefilled
 
     @property
     def generator_device(self) -> torch.device:
@@ -111,14 +124,14 @@ class TargetWorker(RequestTable):
             return {i: out for i, p in prepared.items() for out in self._verify_prepared({i: p}).values()}
         trees = {i: h[p.pending :] for (i, p), h in zip(prepared.items(), hidden) if p.draft is not None}
         out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
+        self.prefilled += sum(p.pending for p in prepared.values())
         if trees:
             # One LM-head call for every tree row of the batch: the head is memory-bound, so rows cost about
             # what one row does, and a call per request would re-read the vocab x hidden weights each time.
             rows = list(trees.values())
             logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows))  # [sum n, V]
-            prefill = sum(p.pending for p in prepared.values())
             for (i, _), node_logits in zip(trees.items(), logits.split([r.shape[0] for r in rows])):
-                out[i] = self._walk(prepared[i], node_logits, prefill - prepared[i].pending)
+                out[i] = self._walk(prepared[i], node_logits)
         return out
 
     def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree) -> _Prepared:
@@ -142,11 +155,14 @@ class TargetWorker(RequestTable):
         segment = Segment(req.session, tokens, positions, _prefill_then_tree(len(pending), tree))
         return _Prepared(req, plan, draft, segment, len(pending), base, cached)
 
-    def _walk(self, p: _Prepared, logits: torch.Tensor, prefill_beside: int) -> Verdict | Exception:  # logits: [n, V]
+    def _walk(self, p: _Prepared, logits: torch.Tensor) -> Verdict | Exception:  # logits: [n, V]
         device = self.device
         try:
             verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
-            verdict = replace(verdict, prefill_beside=prefill_beside)
+            # other requests' prompt tokens forwarded since this request's last verdict: in this forward, or
+            # in one its call waited behind (a pipelined tree step queues behind the other group's forward)
+            verdict = replace(verdict, prefill_beside=self.prefilled - p.req.prefill_mark - p.pending)
+            p.req.prefill_mark = self.prefilled
             path = torch.tensor(verdict.path, dtype=torch.long, device=device)
             p.req.session.keep(torch.cat([torch.arange(p.base, device=device), p.base + path]))
         except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on

@@ -188,8 +188,11 @@ def test_a_chunked_prefill_takes_one_chunk_per_step_beside_the_others(models):
     out = tw.verify_batch([("long", chain(0), DraftTree(root_only, {})), ("short", chain(0), DraftTree(torch.tensor([6]), {}))])
     assert out[0] == NOT_YET and out[1].tokens and tw.requests["long"].session.length == 4
     assert out[1].prefill_beside == 4  # long's chunk shared the forward ("short"'s own prompt token is not counted)
+    assert tw.verify_batch([("long", chain(0), DraftTree(root_only, {}))]) == [NOT_YET]  # 4 more, without "short"
     again = DraftTree(torch.tensor([out[1].tokens[-1]]), {})
-    assert tw.verify_batch([("short", chain(0), again)])[0].prefill_beside == 0  # alone: nothing beside it
+    assert tw.verify_batch([("short", chain(0), again)])[0].prefill_beside == 4  # forwarded while it was away
+    again = DraftTree(torch.tensor([tw.requests["short"].committed[-1]]), {})
+    assert tw.verify_batch([("short", chain(0), again)])[0].prefill_beside == 0  # nothing since its last verdict
 
 
 def _recording_batcher(limits, sizes=None):
@@ -476,6 +479,7 @@ def test_only_requests_that_come_straight_back_are_waited_for():
 
     def steps(batchers, rids, calls):
         def client(rid):
+            time.sleep(0.025 * rids.index(rid))  # "b" starts half a forward after "a"
             for _ in range(16):
                 for batcher, (method, plan) in zip(batchers, calls):
                     batcher.call(method, rid, plan)
@@ -488,14 +492,31 @@ def test_only_requests_that_come_straight_back_are_waited_for():
     def batchers(comes_back):
         return [_slow_batcher(2.0, comes_back=comes_back) for _ in range(2)]
 
-    alone = batchers(comes_straight_back)
-    assert steps(alone[1:], ["a", "b"], [("verify", root)])[0] > 1.5  # the first forwards may start alone
+    alone = [_slow_batcher(2.0, comes_back=comes_straight_back)]
+    assert steps(alone, ["a", "b"], [("verify", root)])[0] > 1.5  # the first forward starts alone
     pipelined, lockstep = batchers(comes_straight_back), batchers(lambda method, args: True)
     grow_tree, verify_tree = ("grow", tree), ("verify", tree)
     assert max(steps(pipelined, ["a", "b"], [grow_tree, verify_tree])) < 1.3  # ~1.0 (32 calls, ~31 forwards)
     assert min(steps(lockstep, ["a", "b"], [grow_tree, verify_tree])) > 1.5  # ~1.9 (32 calls, ~17 forwards)
     for b in alone + pipelined + lockstep:
         b.close()
+
+
+def test_a_start_arriving_during_a_wait_does_not_cut_it_short():
+    """"a" and "b" shared the last forward and come straight back; "a" is queued, "b" is on its way. A new
+    request's ``start`` runs at once, and the forward still waits for "b" instead of running "a" alone."""
+    batcher, seen = _recording_batcher(BatchLimits(wait_s=2.0))
+    with batcher.cond:
+        batcher.expected, batcher.last_end = {"a", "b"}, time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        a = pool.submit(batcher.call, "verify", "a", SimpleNamespace(n=1))
+        _wait_until(lambda: batcher.queue)
+        assert pool.submit(batcher.call, "start", "c").result(timeout=5) == "start"
+        time.sleep(0.05)
+        b = pool.submit(batcher.call, "verify", "b", SimpleNamespace(n=1))
+        assert (a.result(timeout=5), b.result(timeout=5)) == ("verify:a", "verify:b")
+    assert seen == [("start", ["c"]), ("verify", ["a", "b"])]
+    batcher.close()
 
 
 def test_comes_straight_back_and_a_failing_guess():

@@ -111,12 +111,12 @@ class _BesidePrefills(_Timed):
 def test_steps_beside_another_requests_prefill_are_not_measured():
     """Counting the prefill-slowed steps, the target alone would measure ~32 tokens/s against the tree's ~100
     and lose; without them it measures ~500 and serves (80 tokens, probes of 2 steps)."""
-    rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=32, min_steps=2)), _BesidePrefills()
+    rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=256, min_steps=2)), _BesidePrefills()
     SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy).generate(
         [1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
     summary = rates.summary()["t0.0-b1"]
     assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > 2 * summary["tok_s"][TREE], summary
-    assert summary["steps"][ALONE] < fake.alone_steps - 1  # the steps beside a prefill were left out
+    assert 0 < summary["steps"][ALONE] <= fake.alone_steps // 2  # at most the half not beside a prefill
 
 
 def test_the_engine_measures_cycles_and_moves_to_the_target_alone_when_it_is_faster():
