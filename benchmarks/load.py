@@ -315,7 +315,8 @@ def main() -> int:
     ap.add_argument("--batch-layout", choices=["padded", "flat"], help="how a batch shares a forward")
     ap.add_argument("--prefill-chunk", type=int, help="prefill long prompts this many tokens per step")
     ap.add_argument("--threads", type=int, help="torch threads per model actor (default: num_cpus)")
-    ap.add_argument("--batch-wait-ms", type=float, help="how long a forward may wait for the previous one's target-alone requests")
+    ap.add_argument("--batch-wait-ms", type=float,
+                    help="how long a forward may wait for the previous one's target-alone requests")
     ap.add_argument("--live-cost", action="store_true", help="serve the tree or the target alone per batch size, "
                     "whichever measures faster on live steps (ServeConfig.live_cost)")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (requests in flight finish)")

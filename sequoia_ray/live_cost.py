@@ -202,8 +202,7 @@ class _RequestArm:
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
         # not the first step (the prefill), a step beside another's prefill, nor a tree cut to the root (the
         # request's last token)
-        beside = verdict.prefill_beside
-        if self.measured and self.step > 1 and not beside and (self.arm == ALONE or plan.n > 1):
+        if self.measured and self.step > 1 and not verdict.prefill_beside and (self.arm == ALONE or plan.n > 1):
             self.rates.record(self.key, self.arm, self.phase, len(verdict.tokens), seconds)
         if self.inner is not None:
             self.inner.observe(plan, verdict, seconds)
