@@ -31,8 +31,9 @@ class Verdict:
     # child rejected; the last visited node is absent when it is a leaf (it gives no observation). What live
     # acceptance estimation learns from, for whatever tree was verified.
     ranks: tuple[tuple[int, int], ...] = ()
-    # Prompt tokens other requests prefilled in the same target forward (0 when none or verified alone): a
-    # prefill chunk costs several decode forwards, so such a step's time says little about its own tree.
+    # Prompt tokens the target forwarded for other requests since this request's last verdict (in its forward
+    # or one its call queued behind; 0 when none): a prefill chunk costs several decode forwards, so such a
+    # step's time says little about its own tree (``live_cost`` does not measure it).
     prefill_beside: int = field(default=0, compare=False)  # not the verdict itself: batched == alone
 
 
