@@ -79,11 +79,12 @@ class Batcher:
         self.thread.start()
 
     @classmethod
-    def over(cls, worker, limits: BatchLimits, *, name: str = "batcher") -> Batcher:
+    def over(cls, worker, limits: BatchLimits, *, name: str = "batcher",
+             comes_back: Callable[[str, tuple], bool] | None = None) -> Batcher:
         """A batcher running an in-process worker's own methods."""
         return cls(lambda method, calls: getattr(worker, BATCHED[method])(calls),
                    lambda method, rid, *args: getattr(worker, method)(rid, *args),
-                   worker.tokens_of, limits, name=name)
+                   worker.tokens_of, limits, name=name, comes_back=comes_back)
 
     def call(self, method: str, request_id: str, *args):
         item = _Call(method, request_id, args)
