@@ -203,7 +203,10 @@ def test_bounded_trial_without_time_for_p_plans_with_this_machines_profile_and_t
     run_bounded(cfg, "cpu-x-1c", Serving(threads=1, time_budget_s=60), clock=clock, progress=False, pair=pair)
     store = PlanStore(str(tmp_path))
     prof = store.fetch_profile("cpu-x-1c")
-    assert len(store.list_plans()) == len(cfg.temperatures) * len(BATCH_BUCKETS)
+    # the buckets the profile could plan for: on a busy machine the probe finds less time for sizes, and a
+    # bucket larger than the largest size profiled is not planned (a unit run beside another test had 4 of 5)
+    assert 1 in prof.buckets() and set(prof.buckets()) <= set(BATCH_BUCKETS)
+    assert len(store.list_plans()) == len(cfg.temperatures) * len(prof.buckets())
     for temperature in cfg.temperatures:
         table = solve(builtin_acceptance(temperature), max(prof.t), cfg.max_depth)
         for batch, (best, _) in choose_buckets(table, prof, tuple(prof.t)).items():
