@@ -14,6 +14,7 @@ from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
 from sequoia_ray.batching import BATCHED, Batcher
+from sequoia_ray.compute_thread import compute_thread
 from sequoia_ray.devices import resolve_device
 
 if TYPE_CHECKING:  # torch is imported where a model actor runs: a deployment replica that only creates
@@ -70,7 +71,10 @@ class ModelActor:
         import torch
 
         log_lines_to_stderr()
-        torch.set_num_threads(spec.threads)
+        # Every torch call of this actor runs on the process's one compute thread (loading, forwards,
+        # timings): torch kernels on two threads cost ~1.5x a forward on 2 cores (sequoia_ray.compute_thread).
+        self.compute = compute_thread()
+        self.compute.run(torch.set_num_threads, spec.threads)  # the global count and that thread's OpenMP
         self.spec, self.device = spec, device
         self.reaper = Reaper(spec.idle_timeout_s)
         self.tracker = CallTracker(fatal_errors=fatal_errors)  # fatal: a failed collective breaks a TP group
@@ -107,8 +111,9 @@ class ModelActor:
     def _start_batcher(self, run_batch, run_one) -> None:
         """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call
         waits in its own Ray thread while one batcher thread runs the forwards."""
-        self.batcher = Batcher(run_batch, run_one, self.worker.tokens_of, self.spec.limits(),
-                               name=f"{type(self).__name__}-batcher")
+        self.batcher = Batcher(lambda method, calls: self.compute.run(run_batch, method, calls),
+                               lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
+                               self.worker.tokens_of, self.spec.limits(), name=f"{type(self).__name__}-batcher")
 
     def info(self) -> dict:
         """What the deployment needs to know of the loaded model (EOS ids, context, vocab, threads, device)."""

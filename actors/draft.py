@@ -17,9 +17,10 @@ class DraftActor(ModelActor):
 
         device = assigned_device(spec.device)
         super().__init__(spec, device, fatal_errors=False)
-        loaded = load_model(spec.source, dtype=spec.dtype, quantize=spec.quantize, progress=False, device=device,
-                            linears=spec.linears)
-        self.worker = DraftWorker(loaded.model, layout=spec.batch_layout, prefill_chunk=spec.prefill_chunk)
+        loaded = self.compute.run(load_model, spec.source, dtype=spec.dtype, quantize=spec.quantize, progress=False,
+                                  device=device, linears=spec.linears)
+        self.worker = self.compute.run(DraftWorker, loaded.model, layout=spec.batch_layout,
+                                       prefill_chunk=spec.prefill_chunk)
         self.meta = model_meta(loaded, device)
         self._start_batcher(self._run_batch, self._run)
 

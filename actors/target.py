@@ -40,7 +40,7 @@ class TargetRank(ModelActor):
         device = assigned_device(spec.device)
         check_backend(backend, device.type, world)
         super().__init__(spec, device, fatal_errors=world > 1)  # a failed collective leaves the group unusable
-        resolve(spec.source, progress=False)  # fetch / write checkpoints before the group exists
+        self.compute.run(resolve, spec.source, progress=False)  # fetch / write checkpoints before the group exists
         self.rank, self.world = rank, world
         self.followers: list = []
         self.worker = self._join_and_load(master, port, backend)
@@ -54,10 +54,10 @@ class TargetRank(ModelActor):
         os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(self.rank), WORLD_SIZE=str(self.world))
         dist.init_process_group(backend, rank=self.rank, world_size=self.world, init_method=f"tcp://{master}:{port}",
                                 timeout=timedelta(seconds=self.spec.collective_timeout_s))
-        self.loaded = self._load()
+        self.loaded = self.compute.run(self._load)
         check_sharded(self.loaded.model, self.world)
-        return TargetWorker(self.loaded.model, layout=self.spec.batch_layout, prefill_chunk=self.spec.prefill_chunk,
-                            retry_alone=self.world == 1)
+        return self.compute.run(TargetWorker, self.loaded.model, layout=self.spec.batch_layout,
+                                prefill_chunk=self.spec.prefill_chunk, retry_alone=self.world == 1)
 
     def _load(self):
         from sequoia_ray.models.loading import load_model
@@ -107,17 +107,17 @@ class TargetRank(ModelActor):
 
     def step(self, method: str, request_id: str, *args, stale: list[str] = ()):
         """A follower's share of a call forwarded by rank 0 (``stale``: the idle requests rank 0 freed)."""
-        return self._run(method, request_id, *args, stale=list(stale))
+        return self.compute.run(self._run, method, request_id, *args, stale=list(stale))
 
     def step_batch(self, method: str, calls: list[tuple], stale: list[str] = ()) -> list:
         """A follower's share of a batch forwarded by rank 0."""
-        return self._run_batch(method, calls, stale=list(stale))
+        return self.compute.run(self._run_batch, method, calls, stale=list(stale))
 
     def time_forward(self, sizes, context: int, repeats: int) -> dict[int, float]:
         """Target timings; every rank must run this at once (the forward is collective)."""
         from sequoia_ray.hardware import time_forward
 
-        return time_forward(self.worker.model, sizes, context=context, repeats=repeats)
+        return self.compute.run(time_forward, self.worker.model, sizes, context=context, repeats=repeats)
 
 
 def check_sharded(model, world: int) -> None:
