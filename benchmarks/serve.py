@@ -6,7 +6,9 @@ Greedy decoding of the same prompts with the built-in plan, first in-process, th
 of the local Serve app, then in-process again while that app is up and idle (Ray's and Serve's background
 processes running as they do under the Serve row: this row separates what the background costs from what
 separate processes and calls cost). Prints tokens/s, per-step latency (median over requests) and their
-ratio; writes benchmarks/results/serve.json. The goal is Serve within 10% of in-process.
+ratio, and where a step's time goes: the draft's call (``grow``) and the target's (``verify``) per step, as the
+decoder saw them (through Serve: the actor's forward plus the call's round trip); writes
+benchmarks/results/serve.json. The goal is Serve within 10% of in-process.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def in_process(pair: LocalPair, args, prompts) -> list[dict]:
         start = time.perf_counter()
         out = decoder.generate(pair.encode(p.text, chat=p.chat), SamplingParams(max_tokens=args.max_tokens))
         seconds = time.perf_counter() - start
-        runs.append({"tokens": out.stats.tokens, "seconds": seconds, "steps": out.stats.steps, "text": out.text})
+        runs.append({"tokens": out.stats.tokens, "seconds": seconds, "steps": out.stats.steps, "text": out.text,
+                     "draft_s": out.stats.draft_s, "verify_s": out.stats.verify_s})
     return runs
 
 
@@ -71,7 +74,7 @@ def through_serve(args, prompts, pair: LocalPair) -> tuple[list[dict], list[dict
         spec = out["usage"]["speculative"]
         text = out["choices"][0]["message"]["content"] if p.chat else out["choices"][0]["text"]
         runs.append({"tokens": out["usage"]["completion_tokens"], "seconds": seconds, "steps": spec["steps"],
-                     "text": text})
+                     "text": text, "draft_s": spec["draft_s"], "verify_s": spec["verify_s"]})
     beside = in_process(pair, args, prompts)
     serve.shutdown()
     return runs, beside
@@ -81,6 +84,8 @@ def summary(name: str, runs: list[dict]) -> dict:
     tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
     return {"mode": name, "tok/s": tokens / seconds,
             "step ms (median)": 1000 * statistics.median(r["seconds"] / r["steps"] for r in runs),
+            "draft ms": 1000 * statistics.median(r["draft_s"] / r["steps"] for r in runs),
+            "verify ms": 1000 * statistics.median(r["verify_s"] / r["steps"] for r in runs),
             "tok/step": tokens / sum(r["steps"] for r in runs), "tokens": tokens}
 
 
@@ -106,7 +111,8 @@ def main() -> None:
     for row in rows:
         row["vs in-process"] = row["tok/s"] / rows[0]["tok/s"]
     same = sum(a["text"] == b["text"] for a, b in zip(local, served))
-    print_table(rows, ["mode", "tok/s", "step ms (median)", "tok/step", "tokens", "vs in-process"])
+    print_table(rows, ["mode", "tok/s", "step ms (median)", "draft ms", "verify ms", "tok/step", "tokens",
+                       "vs in-process"])
     print(f"identical text on {same}/{len(prompts)} prompts ({args.dtype})")
     write_json("serve", {"rows": rows, "identical": same, "prompts": len(prompts),
                          "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
