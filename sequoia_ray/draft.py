@@ -118,18 +118,22 @@ class DraftTree:
     tokens: torch.Tensor  # [n] int64; tokens[0] is the root (the last committed token)
     dists: dict[int, SparseDist]  # node id -> D its children were drawn from (empty when greedy)
     plan: TreePlan | None = None  # the tree actually grown (a dynamic tree); None: the plan it was asked for
+    # Catch-up tokens the draft forwarded, for any request, since this request's previous tree (its own
+    # included): a prompt, or the tokens of steps the target took alone. Such a step's time says little about
+    # its tree (``live_cost`` does not measure it); the target adds it to the verdict's ``prefill_beside``.
+    prefill_beside: int = field(default=0, compare=False)
 
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree on ``device``: every node's D is packed into one tensor of tokens and one of
         probabilities, so crossing devices costs one transfer each, not two per inner node."""
         if not self.dists:
-            return DraftTree(self.tokens.to(device), {}, self.plan)
+            return DraftTree(self.tokens.to(device), {}, self.plan, self.prefill_beside)
         nodes = list(self.dists)
         sizes = [len(self.dists[node].tokens) for node in nodes]
         tokens = torch.cat([self.dists[node].tokens for node in nodes]).to(device)  # [sum K] int64
         probs = torch.cat([self.dists[node].probs for node in nodes]).to(device)  # [sum K] float
         dists = {node: SparseDist(t, p) for node, t, p in zip(nodes, tokens.split(sizes), probs.split(sizes))}
-        return DraftTree(self.tokens.to(device), dists, self.plan)
+        return DraftTree(self.tokens.to(device), dists, self.plan, self.prefill_beside)
 
 
 @dataclass
@@ -138,6 +142,8 @@ class _Request(RequestState):
     forwarded: dict[int, int] = field(default_factory=dict)  # tree node -> its cache slot after ``base``
     cached: int = 0  # committed tokens whose K/V are in the cache
     grown: bool = False  # a tree was grown since the last commit
+    depth: int = 0  # depth of the last tree grown (a step accepts at most depth + 1 tokens)
+    prefill_mark: int = 0  # the worker's ``prefilled`` at this request's start or last tree
 
 
 @dataclass
@@ -181,6 +187,11 @@ class DraftWorker(RequestTable):
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
         self.vocab = model.config.vocab_size
         self.embedded = model.get_input_embeddings().num_embeddings  # token ids it can read
+        self.prefilled = 0  # catch-up tokens forwarded so far, all requests (a tree's ``prefill_beside``)
+
+    def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
+        super().start(request_id, prompt, params, seed)
+        self.requests[request_id].prefill_mark = self.prefilled
 
     def grow(self, request_id: str, plan: TreePlan, commits=()) -> DraftTree:
         """Apply ``commits`` (see ``commit``), then grow ``plan``'s tree on the draft's device; returns it as
@@ -253,6 +264,8 @@ class DraftWorker(RequestTable):
         pending = req.committed[req.cached :]
         if not all(0 <= t < self.embedded for t in pending):
             raise ValueError(f"request {request_id!r} has token ids outside the draft's vocabulary [0, {self.embedded})")
+        # beyond the depth + 1 tokens a tree step can accept: a prompt, or steps the target took alone
+        self.prefilled += max(0, min(len(pending), self.prefill_chunk or len(pending)) - 1 - req.depth)
         if self._chunked(len(pending)):
             chunk = torch.tensor(pending[: self.prefill_chunk], device=device)
             segment = Segment(req.session, chunk, torch.arange(req.cached, req.cached + len(chunk), device=device))
@@ -305,14 +318,15 @@ class DraftWorker(RequestTable):
         g.forwarded += g.inner
         return Segment(g.req.session, g.tokens[idx], positions, mask, g.req.base)
 
-    @staticmethod
-    def _finish_growth(g: _Growth) -> DraftTree:
-        g.req.forwarded = {node: slot for slot, node in enumerate(g.forwarded)}
-        g.req.grown = True
+    def _finish_growth(self, g: _Growth) -> DraftTree:
+        req = g.req
+        req.forwarded = {node: slot for slot, node in enumerate(g.forwarded)}
+        req.grown, req.depth = True, max(g.depth)
+        beside, req.prefill_mark = self.prefilled - req.prefill_mark, self.prefilled
         if g.rule is None:
-            return DraftTree(g.tokens, g.dists).to("cpu")
+            return DraftTree(g.tokens, g.dists, prefill_beside=beside).to("cpu")
         n = len(g.parents)
-        return DraftTree(g.tokens[:n], g.dists, TreePlan(tuple(g.parents))).to("cpu")
+        return DraftTree(g.tokens[:n], g.dists, TreePlan(tuple(g.parents)), beside).to("cpu")
 
     def _draw_children(self, req: _Request, plan: TreePlan, nodes, logits, tokens, dists) -> None:
         for row, node in enumerate(nodes):

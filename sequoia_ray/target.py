@@ -161,7 +161,9 @@ class TargetWorker(RequestTable):
             verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
             # other requests' prompt tokens forwarded since this request's last verdict: in this forward, or
             # in one its call waited behind (a pipelined tree step queues behind the other group's forward)
-            verdict = replace(verdict, prefill_beside=self.prefilled - p.req.prefill_mark - p.pending)
+            # and the draft's catch-up forwards since this request's previous tree (the tree says how many)
+            beside = self.prefilled - p.req.prefill_mark - p.pending + p.draft.prefill_beside
+            verdict = replace(verdict, prefill_beside=beside)
             p.req.prefill_mark = self.prefilled
             path = torch.tensor(verdict.path, dtype=torch.long, device=device)
             p.req.session.keep(torch.cat([torch.arange(p.base, device=device), p.base + path]))

@@ -560,3 +560,29 @@ def test_a_request_that_stops_calling_is_waited_for_once_only():
     elapsed = time.monotonic() - start
     batcher.close()
     assert elapsed < 12 * 0.02 + 4 * 1.0, elapsed  # waiting at every forward would take 10 x 1 s or more
+
+
+def test_a_trees_prefill_beside_counts_the_drafts_catch_up(models):
+    """A request's steps: 2 trees, 6 steps of the target alone, 2 trees (plan depth 3). The first tree's step
+    forwards the prompt in the draft and the first tree after the target alone forwards the 6 tokens the draft
+    missed: both are flagged (the draft's catch-up beyond the depth + 1 tokens a tree step can accept); the
+    trees that follow a tree are not, nor the target-alone steps."""
+    from sequoia_ray.engine import ROOT_ONLY
+
+    target, draft = models
+    seen = []
+
+    class Scripted:
+        def plan(self, base):
+            return ROOT_ONLY if 2 <= len(seen) < 8 else base
+
+        def observe(self, plan, verdict, seconds):
+            seen.append((plan.n > 1, verdict.prefill_beside))
+
+    prompt = ragged_prompts(4)[3]  # 11 tokens
+    spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), PLAN, policy=lambda params: Scripted())
+    spec.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [tree for tree, _ in seen[:10]] == [True, True] + [False] * 6 + [True, True]
+    beside = [b for _, b in seen]
+    assert beside[0] >= len(prompt) - 1 - 0 and beside[8] > 0, seen  # the prompt; the 6 tokens missed
+    assert beside[1] == 0 and beside[2:8] == [0] * 6 and beside[9:] == [0] * len(beside[9:]), seen
