@@ -2,7 +2,8 @@
 
 - (a) the target alone with continuous batching: requests with ``"speculative": false`` (root-only trees,
   every waiting request's token in one target forward);
-- (b) trees, one request per forward, as before batching: the same service with ``max_batch_requests: 1``;
+- (b) trees, one request per forward, as before batching: the same service with ``max_batch_requests: 1``
+  and every step a tree (``live_cost`` off);
 - (c) batched trees with the plan of the current batch size (``plan_store`` given: the store's per-bucket
   plans; else the built-in plan at every batch size).
 
@@ -66,8 +67,11 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
           timeout: float) -> tuple[list[dict], list[str]]:
     """Every mode at every client count; the references come from the first deployment."""
     rows, refs = [], None
+    # (b) is the service as it was before batching: trees at every step, whatever ``live_cost`` says for (c)
+    # (measured in session 14 with it on: the target alone one request per forward, 8-9 tok/s from 2 clients)
+    before = {**cfg, "max_concurrent": max(counts), "max_batch_requests": 1, "live_cost": False}
     deployments = [({**cfg, "max_concurrent": max(counts)}, [m for m in modes if m in "ac"]),
-                   ({**cfg, "max_concurrent": max(counts), "max_batch_requests": 1}, [m for m in modes if m == "b"])]
+                   (before, [m for m in modes if m == "b"])]
     for deployment, its_modes in deployments:
         if not its_modes:
             continue
