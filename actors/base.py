@@ -13,6 +13,7 @@ import ray
 from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
+from actors.thread_share import ThreadShare
 from sequoia_ray.batching import BATCHED, Batcher
 from sequoia_ray.compute_thread import compute_thread
 from sequoia_ray.devices import resolve_device
@@ -80,6 +81,7 @@ class ModelActor:
         self.tracker = CallTracker(fatal_errors=fatal_errors)  # fatal: a failed collective breaks a TP group
         self.worker = None
         self.batcher: Batcher | None = None
+        self.share: ThreadShare | None = None  # None: every forward runs spec.threads threads
         self.meta: dict = {}
 
     def _run(self, method: str, request_id: str, *args, stale=None):
@@ -111,9 +113,19 @@ class ModelActor:
     def _start_batcher(self, run_batch, run_one) -> None:
         """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call
         waits in its own Ray thread while one batcher thread runs the forwards."""
-        self.batcher = Batcher(lambda method, calls: self.compute.run(run_batch, method, calls),
+        self.batcher = Batcher(lambda method, calls: self.compute.run(self._run_shared, run_batch, method, calls),
                                lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
                                self.worker.tokens_of, self.spec.limits(), name=f"{type(self).__name__}-batcher")
+
+    def _run_shared(self, run_batch, method: str, calls: list[tuple]) -> list:
+        """``run_batch`` with the threads ``self.share`` gives it (on the compute thread: the count is its own)."""
+        import torch
+
+        if self.share is not None:
+            wanted = self.share.threads_for({call[0] for call in calls if _steps_a_tree(method, call)})
+            if wanted != torch.get_num_threads():
+                torch.set_num_threads(wanted)
+        return run_batch(method, calls)
 
     def info(self) -> dict:
         """What the deployment needs to know of the loaded model (EOS ids, context, vocab, threads, device)."""
@@ -131,6 +143,11 @@ class ModelActor:
     @ray.method(concurrency_group="health")
     def health(self) -> dict:
         return self.tracker.health()
+
+
+def _steps_a_tree(method: str, call: tuple) -> bool:
+    """A batched call of a request stepping a tree: every ``grow``, a ``verify`` of more than the root."""
+    return method == "grow" or (method == "verify" and len(call) > 1 and getattr(call[1], "n", 1) > 1)
 
 
 def model_meta(loaded, device: torch.device) -> dict:

@@ -6,6 +6,7 @@ import ray
 
 from actors.base import ModelActor, assigned_device, model_meta
 from actors.spec import ModelActorSpec
+from actors.thread_share import ThreadShare
 
 
 class DraftActor(ModelActor):
@@ -22,6 +23,7 @@ class DraftActor(ModelActor):
         self.worker = self.compute.run(DraftWorker, loaded.model, layout=spec.batch_layout,
                                        prefill_chunk=spec.prefill_chunk)
         self.meta = model_meta(loaded, device)
+        self.share = ThreadShare(spec.threads) if spec.threads > 1 else None
         self._start_batcher(self._run_batch, self._run)
 
     def call(self, method: str, request_id: str, *args):

@@ -19,6 +19,7 @@ import ray
 from actors.base import ModelActor, assigned_device, model_meta
 from actors.placement import ActorResources, in_bundle
 from actors.spec import ModelActorSpec, check_backend
+from actors.thread_share import ThreadShare
 
 
 def free_port() -> int:
@@ -68,6 +69,8 @@ class TargetRank(ModelActor):
     def lead(self, followers: list) -> None:
         """Make this rank (0) the group's entry point for ``followers`` (ranks 1..tp-1)."""
         self.followers = followers
+        if self.world == 1 and self.spec.threads > 1:  # tensor-parallel ranks keep one count: same numerics
+            self.share = ThreadShare(self.spec.threads)
         self._start_batcher(self._lead_batch, self._lead_one)
 
     def call(self, method: str, request_id: str, *args):

@@ -1,0 +1,34 @@
+"""How many torch threads a model actor's forward gets: all of them, or half while the other actor computes.
+
+The draft and the target actors share the machine's cores, each running ``threads`` torch threads, and with
+every torch call on one thread per process (``sequoia_ray.compute_thread``) libgomp's threads spin between
+parallel regions. That is what a forward wants while it is alone, and ruinous while the other actor computes
+too: two spinning teams of 2 threads on 2 cores. Tree requests do overlap — they pipeline, one group drafting
+while the other verifies — and measured on a 2-core EPYC through Serve (session 14, trees one request per
+forward, 2 clients): 5.3 tok/s with spinning teams, 16.4 with ``OMP_WAIT_POLICY=PASSIVE`` (which at 1 client
+costs the forwards their spin: 12.3 against 13.3). A wait policy is fixed when the process starts; a thread
+count is not. So a forward gets half the threads when a tree request it does not carry was seen in the last
+``window_s`` (that request is most likely on the other actor now), and all of them otherwise: one client's
+trees, the target alone at any batch, tree requests in lockstep.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class ThreadShare:
+    """Per batch: the thread count to run it with (``threads`` or half of it)."""
+
+    def __init__(self, threads: int, window_s: float = 1.0, clock=time.monotonic) -> None:
+        self.threads, self.window_s, self.clock = threads, window_s, clock
+        self.seen: dict[str, float] = {}  # tree request id -> when it was last in a batch here
+
+    def threads_for(self, tree_requests: set[str]) -> int:
+        """``tree_requests``: the batch's requests that step a tree (all of them for the draft)."""
+        now = self.clock()
+        for rid in tree_requests:
+            self.seen[rid] = now
+        self.seen = {rid: t for rid, t in self.seen.items() if now - t <= self.window_s}
+        elsewhere = set(self.seen) - tree_requests
+        return max(1, self.threads // 2) if elsewhere else self.threads

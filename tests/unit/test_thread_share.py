@@ -1,0 +1,65 @@
+"""A model actor's forward gets all its threads unless a tree request it does not carry is in flight
+(``actors/thread_share.py``), and the actor's batches really run with that count."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from actors.base import ModelActor, _steps_a_tree
+from actors.thread_share import ThreadShare
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_half_the_threads_while_another_tree_request_is_in_flight():
+    clock = _Clock()
+    share = ThreadShare(2, window_s=1.0, clock=clock)
+    assert share.threads_for({"a"}) == 2  # one client's trees: alone on the machine
+    assert share.threads_for({"a"}) == 2
+    assert share.threads_for(set()) == 2 - 1  # the target alone here, "a" drafting elsewhere
+    clock.now = 0.5
+    assert share.threads_for({"b"}) == 1  # "a" was seen 0.5 s ago: the other group, on the other actor
+    assert share.threads_for({"a", "b"}) == 2  # both in this forward (lockstep): nobody elsewhere
+    clock.now = 2.0
+    assert share.threads_for({"b"}) == 2  # "a" not seen for 2 s: finished, or taking the target alone
+    assert share.threads_for(set()) == 1  # "b", seen just now, is elsewhere
+    clock.now = 3.5
+    assert share.threads_for(set()) == 2  # the target alone at any batch: all threads
+    assert ThreadShare(1).threads_for({"x"}) == 1 and ThreadShare(3, clock=_Clock()).threads_for(set()) == 3
+
+
+def test_trees_are_grows_and_verifies_of_more_than_the_root():
+    assert _steps_a_tree("grow", ("a", SimpleNamespace(n=1)))
+    assert _steps_a_tree("verify", ("a", SimpleNamespace(n=8), None))
+    assert not _steps_a_tree("verify", ("a", SimpleNamespace(n=1), None))
+    assert not _steps_a_tree("start", ("a",))
+
+
+def test_a_batch_runs_with_the_threads_it_was_given():
+    """The actor's batch wrapper sets the count on the thread that runs the batch, before running it."""
+    actor = ModelActor.__new__(ModelActor)  # no model: only the wrapper is under test
+    clock = _Clock()
+    actor.share = ThreadShare(2, clock=clock)
+    seen = []
+
+    def run_batch(method, calls):
+        seen.append(torch.get_num_threads())
+        return [None] * len(calls)
+
+    before = torch.get_num_threads()
+    try:
+        tree = SimpleNamespace(n=4)
+        actor._run_shared(run_batch, "verify", [("a", tree, None)])
+        actor._run_shared(run_batch, "verify", [("b", tree, None)])  # "a" is elsewhere now
+        actor._run_shared(run_batch, "verify", [("a", tree, None), ("b", tree, None)])
+        assert seen == [2, 1, 2]
+    finally:
+        torch.set_num_threads(before)
