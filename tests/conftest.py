@@ -83,3 +83,16 @@ def pytest_runtest_teardown(item, nextitem):
         from tests.serving import stop_ray
 
         stop_ray()
+
+
+@pytest.fixture
+def keep_logging():
+    """A model actor sets up the core's logger for its process; built in-process, that process is pytest's,
+    so put the logger back after the test."""
+    import logging
+
+    log = logging.getLogger("sequoia_ray")
+    handlers, level = list(log.handlers), log.level
+    yield
+    log.handlers[:] = handlers
+    log.setLevel(level)

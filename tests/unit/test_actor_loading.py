@@ -3,7 +3,6 @@ layers included (the target rank once read ``q_proj.weight``, which a packed lay
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch.distributed as dist
@@ -18,14 +17,8 @@ from sequoia_ray.models.packed_linear import packed_count
 from sequoia_ray.tree.plan import chain, k_ary
 
 
-@pytest.fixture(autouse=True)
-def _keep_logging():
-    """An actor sets up the core's logger for its process; here that process is pytest's, so put it back."""
-    log = logging.getLogger("sequoia_ray")
-    handlers, level = list(log.handlers), log.level
-    yield
-    log.handlers[:] = handlers
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("keep_logging")  # tests/conftest.py
+
 
 
 @pytest.mark.parametrize("linears", ["packed", "aten"])

@@ -3,7 +3,6 @@ the model actors (built in-process, no Ray) loading and running their models the
 
 from __future__ import annotations
 
-import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +20,9 @@ from sequoia_ray.draft import DraftTree
 from sequoia_ray.engine import ROOT_ONLY, SpeculativeDecoder
 from sequoia_ray.local import LocalPair
 from sequoia_ray.tree.plan import chain, k_ary
+
+pytestmark = pytest.mark.usefixtures("keep_logging")  # tests/conftest.py
+
 
 
 def test_calls_from_many_threads_run_on_one_thread_in_turn():
@@ -58,15 +60,6 @@ def test_a_call_from_the_compute_thread_runs_inline_and_exceptions_reach_the_cal
     assert compute.run(lambda: 7) == 7  # the thread survives a failure
     assert compute_thread() is compute_thread()
 
-
-@pytest.fixture(autouse=True)
-def _keep_logging():
-    """An actor sets up the core's logger for its process; here that process is pytest's, so put it back."""
-    log = logging.getLogger("sequoia_ray")
-    handlers, level = list(log.handlers), log.level
-    yield
-    log.handlers[:] = handlers
-    log.setLevel(level)
 
 
 class _Calls:
