@@ -112,7 +112,7 @@ class ModelActor:
 
     def _start_batcher(self, run_batch, run_one) -> None:
         """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call
-        waits in its own Ray thread while one batcher thread runs the forwards."""
+        waits in its own Ray thread while one batcher thread gathers them and the compute thread runs them."""
         self.batcher = Batcher(lambda method, calls: self.compute.run(self._run_shared, run_batch, method, calls),
                                lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
                                self.worker.tokens_of, self.spec.limits(), name=f"{type(self).__name__}-batcher")
