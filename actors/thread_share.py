@@ -5,11 +5,12 @@ every torch call on one thread per process (``sequoia_ray.compute_thread``) libg
 parallel regions. That is what a forward wants while it is alone, and ruinous while the other actor computes
 too: two spinning teams of 2 threads on 2 cores. Tree requests do overlap — they pipeline, one group drafting
 while the other verifies — and measured on a 2-core EPYC through Serve (session 14, trees one request per
-forward, 2 clients): 5.3 tok/s with spinning teams, 16.4 with ``OMP_WAIT_POLICY=PASSIVE`` (which at 1 client
-costs the forwards their spin: 12.3 against 13.3). A wait policy is fixed when the process starts; a thread
-count is not. So a forward gets half the threads when a tree request it does not carry was seen in the last
-``window_s`` (that request is most likely on the other actor now), and all of them otherwise: one client's
-trees, the target alone at any batch, tree requests in lockstep.
+forward, 2 clients): 5.3 tok/s with spinning teams, 16.4 with ``OMP_WAIT_POLICY=PASSIVE``; a shorter spin
+(``GOMP_SPINCOUNT=3000``) gave 13.6 at 2 clients and cost 1 client its spin (12.4 against 13.3). A wait
+policy is fixed when the process starts; a thread count is not. So a forward gets half the threads when a
+tree request it does not carry was seen in the last ``window_s`` (that request is most likely on the other
+actor now), and all of them otherwise: one client's trees, the target alone at any batch, tree requests in
+lockstep.
 """
 
 from __future__ import annotations
