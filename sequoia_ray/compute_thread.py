@@ -12,7 +12,7 @@ it ran everything here (``actors/base.py``).
 
 ``compute_thread().run(fn, *args)`` runs ``fn`` on the process's one compute thread and returns its result
 (or raises its exception) in the caller; called on the compute thread itself, it runs ``fn`` inline. The
-thread is a daemon: a process that exits does not wait for it.
+thread is ``concurrent.futures``': at interpreter exit Python waits for the call running on it, if any.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class ComputeThread:
         self._ident = self._pool.submit(threading.get_ident).result()
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        if threading.get_ident() == self._ident:
+        if self.on_it():
             return fn(*args, **kwargs)  # already here: a queued call would wait for itself
         return self._pool.submit(fn, *args, **kwargs).result()
 
