@@ -14,7 +14,7 @@ from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
 from actors.thread_share import ThreadShare
-from sequoia_ray.batching import BATCHED, Batcher
+from sequoia_ray.batching import BATCHED, Batcher, comes_straight_back
 from sequoia_ray.compute_thread import compute_thread
 from sequoia_ray.devices import resolve_device
 
@@ -146,8 +146,9 @@ class ModelActor:
 
 
 def _steps_a_tree(method: str, call: tuple) -> bool:
-    """A batched call of a request stepping a tree: every ``grow``, a ``verify`` of more than the root."""
-    return method == "grow" or (method == "verify" and len(call) > 1 and getattr(call[1], "n", 1) > 1)
+    """A batched call of a request stepping a tree: every ``grow``, a ``verify`` of more than the root — a
+    step call that does not come straight back to this actor."""
+    return method in ("grow", "verify") and not comes_straight_back(method, call[1:])
 
 
 def model_meta(loaded, device: torch.device) -> dict:

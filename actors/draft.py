@@ -23,7 +23,7 @@ class DraftActor(ModelActor):
         self.worker = self.compute.run(DraftWorker, loaded.model, layout=spec.batch_layout,
                                        prefill_chunk=spec.prefill_chunk)
         self.meta = model_meta(loaded, device)
-        self.share = ThreadShare(spec.threads) if spec.threads > 1 else None
+        self.share = ThreadShare(spec.threads)
         self._start_batcher(self._run_batch, self._run)
 
     def call(self, method: str, request_id: str, *args):

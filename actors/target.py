@@ -69,7 +69,7 @@ class TargetRank(ModelActor):
     def lead(self, followers: list) -> None:
         """Make this rank (0) the group's entry point for ``followers`` (ranks 1..tp-1)."""
         self.followers = followers
-        if self.world == 1 and self.spec.threads > 1:  # tensor-parallel ranks keep one count: same numerics
+        if self.world == 1:  # tensor-parallel ranks keep one count: same numerics
             self.share = ThreadShare(self.spec.threads)
         self._start_batcher(self._lead_batch, self._lead_one)
 
