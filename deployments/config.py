@@ -64,6 +64,8 @@ class ServeConfig(BaseModel):
     live_cost_probe_every: int = Field(100, ge=1, description="Rounds (one step per request in flight) of the faster "
                                        "arm between two probes of the other.")
     live_cost_probe_rounds: int = Field(3, ge=1, description="Measured rounds of a probe (one more settles the switch).")
+    live_cost_backoff: int = Field(8, ge=1, description="A probe that confirms the served arm doubles the next served "
+                                   "phase, up to this many times live_cost_probe_every rounds (1: no backoff).")
     request_trees: bool = Field(False, description="A tree per request: after a few steps each request's own "
                                 "acceptance picks the cost model's tree for it (deeper for predictable text, "
                                 "shallower for unsure), from the served plan's vector tilted to its p[1] and the "

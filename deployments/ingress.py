@@ -145,7 +145,8 @@ class OpenAIIngress:
         self.plans: PlanProvider | None = None
         self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
         self.families: TreeFamilies | None = None  # a tree per request (cfg.request_trees)
-        self.rates = StepRates(CostSettings(self.cfg.live_cost_probe_every, self.cfg.live_cost_probe_rounds)
+        self.rates = StepRates(CostSettings(self.cfg.live_cost_probe_every, self.cfg.live_cost_probe_rounds,
+                                            backoff=self.cfg.live_cost_backoff)
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
         key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)

@@ -204,3 +204,44 @@ def test_a_served_target_alone_that_turns_slower_has_the_tree_probed_again():
     probed = arms.index(TREE)
     assert SETTINGS.probe_rounds <= probed < SETTINGS.probe_every // 2
     assert rates.summary()["t0.0-b1"]["serving"] == TREE
+
+
+def _runs(arms: list[str]) -> list[tuple[str, int]]:
+    """``arms`` as (arm, consecutive steps) runs."""
+    runs: list[tuple[str, int]] = []
+    for arm in arms:
+        runs[-1:] = [(arm, runs[-1][1] + 1)] if runs and runs[-1][0] == arm else [*runs[-1:], (arm, 1)]
+    return runs
+
+
+def test_probes_that_confirm_the_served_arm_back_off_and_a_winning_probe_resets_it():
+    """The tree stays faster: each served phase after a confirming probe lasts twice the one before (the
+    settle step, then 20, 40, 80, 80 rounds with ``backoff`` 4), each probe 1 + ``probe_rounds`` steps. Then
+    the target alone turns faster: the next probes find it (its rate over its last 2 phases), it serves, and
+    its served phases start again at ``probe_every``."""
+    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4)
+    rates, key = StepRates(settings), ("t0.0", 1)
+    runs = _runs(drive(rates, key, 1, 6 + 21 + 3 + 41 + 3 + 81 + 3 + 81 + 3 + 81, {TREE: 3.0, ALONE: 2.0}))
+    probe = 1 + settings.probe_rounds
+    assert runs == [(TREE, probe), (ALONE, probe), (TREE, 21), (ALONE, probe), (TREE, 41), (ALONE, probe),
+                    (TREE, 81), (ALONE, probe), (TREE, 81), (ALONE, probe), (TREE, 81)]
+    runs = _runs(drive(rates, key, 1, 3 + 21 + 3 + 41 + 3, {TREE: 3.0, ALONE: 10.0}))
+    # the probe after the change: the target alone's last 2 phases (2.0 then 10.0 tok/s) give 3.3 > 3.0;
+    # it serves (a run with its probe), probe_every rounds first, then twice that after the tree's probe
+    assert runs == [(ALONE, probe + 21), (TREE, probe), (ALONE, 41), (TREE, probe)]
+
+
+def test_a_served_phase_that_ends_early_resets_the_backoff():
+    """A served arm that turns slower ends its backed-off phase early; the probe then confirms it after all
+    (the other arm is slower still), and the next served phase is twice ``probe_every`` (backoff from 1
+    again), not twice the backed-off one."""
+    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4)
+    rates, key = StepRates(settings), ("t0.0", 1)
+    drive(rates, key, 1, 6 + 21 + 3 + 41 + 3, {TREE: 3.0, ALONE: 2.0})  # served phase 3 (81 steps) begins
+    slow = 0
+    while drive(rates, key, 1, 1, {TREE: 0.5, ALONE: 2.0}) == [TREE]:
+        slow += 1
+    assert slow < 40  # left early (the probe's settle step has begun)
+    assert drive(rates, key, 1, settings.probe_rounds, {TREE: 3.0, ALONE: 0.1}) == [ALONE] * settings.probe_rounds
+    runs = _runs(drive(rates, key, 1, 41 + 1, {TREE: 3.0, ALONE: 2.0}))
+    assert runs == [(TREE, 41), (ALONE, 1)]
