@@ -42,12 +42,14 @@ import numpy as np
 import psutil
 import ray
 import requests
+import yaml
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
+from deployments.config import ServeConfig  # noqa: E402
 from actors.target import free_port  # noqa: E402
 from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
 
@@ -328,6 +330,8 @@ def main() -> int:
     ap.add_argument("--num-cpus", type=float, help="CPUs per model actor (default: 0.5 tiny, 2 real)")
     ap.add_argument("--timeout", type=float, default=300.0, help="HTTP read timeout per request (s)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between the drain and the last RSS")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other ServeConfig field, as sequoia-ray serve --set takes it (e.g. live_cost_backoff=1)")
     ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/load-<tiny|real>.json)")
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -337,6 +341,13 @@ def main() -> int:
                                   ("batch_wait_ms", args.batch_wait_ms)) if v is not None})
     if args.live_cost:
         cfg["live_cost"] = True
+    for item in args.set:
+        key, _, value = item.partition("=")
+        cfg[key] = yaml.safe_load(value)
+    try:
+        ServeConfig.model_validate(cfg)  # a bad --set fails here, naming the field, before Ray starts
+    except ValueError as exc:
+        raise SystemExit(f"load.py: {exc}") from None
     prompts = load_prompts(HERE / "prompts.jsonl")
     if args.modes:
         return run_sweep(args, cfg, prompts, counts)
