@@ -122,7 +122,9 @@ class ModelActor:
         import torch
 
         if self.share is not None:
-            wanted = self.share.threads_for({call[0] for call in calls if _steps_a_tree(method, call)})
+            tree = {call[0] for call in calls if _steps_a_tree(method, call)}
+            alone = {call[0] for call in calls if method == "verify"} - tree
+            wanted = self.share.threads_for(tree, alone)
             if wanted != torch.get_num_threads():
                 torch.set_num_threads(wanted)
         return run_batch(method, calls)

@@ -10,7 +10,8 @@ forward, 2 clients): 5.3 tok/s with spinning teams, 16.4 with ``OMP_WAIT_POLICY=
 policy is fixed when the process starts; a thread count is not. So a forward gets half the threads when a
 tree request it does not carry was seen in the last ``window_s`` (that request is most likely on the other
 actor now), and all of them otherwise: one client's trees, the target alone at any batch, tree requests in
-lockstep.
+lockstep. A request seen stepping the target alone is forgotten at once: when the service switches from trees
+to the target alone (``live_cost``), its forwards get all the threads from the switch, not a second later.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ class ThreadShare:
         self.threads, self.window_s, self.clock = threads, window_s, clock
         self.seen: dict[str, float] = {}  # tree request id -> when it was last in a batch here
 
-    def threads_for(self, tree_requests: set[str]) -> int:
-        """``tree_requests``: the batch's requests that step a tree (all of them for the draft)."""
+    def threads_for(self, tree_requests: set[str], alone_requests: set[str] = frozenset()) -> int:
+        """``tree_requests``: the batch's requests that step a tree (all of them for the draft);
+        ``alone_requests``: those that step the target alone (a root-only verify): not elsewhere any more."""
         now = self.clock()
         for rid in tree_requests:
             self.seen[rid] = now
-        self.seen = {rid: t for rid, t in self.seen.items() if now - t <= self.window_s}
+        self.seen = {rid: t for rid, t in self.seen.items() if now - t <= self.window_s and rid not in alone_requests}
         elsewhere = set(self.seen) - tree_requests
         return max(1, self.threads // 2) if elsewhere else self.threads

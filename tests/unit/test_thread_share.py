@@ -36,6 +36,15 @@ def test_half_the_threads_while_another_tree_request_is_in_flight():
     assert ThreadShare(1).threads_for({"x"}) == 1 and ThreadShare(3, clock=_Clock()).threads_for(set()) == 3
 
 
+def test_a_request_seen_stepping_the_target_alone_is_not_elsewhere():
+    """Trees end (the service switched to the target alone): the first root-only batch of those requests
+    already gets all the threads, not a second later."""
+    share = ThreadShare(2, window_s=1.0, clock=_Clock())
+    assert share.threads_for({"a"}) == 2 and share.threads_for({"b"}) == 1  # two tree groups
+    assert share.threads_for(set(), {"a"}) == 1  # "b" may still be drafting
+    assert share.threads_for(set(), {"a", "b"}) == 2  # both step the target alone now
+
+
 def test_trees_are_grows_and_verifies_of_more_than_the_root():
     assert _steps_a_tree("grow", ("a", SimpleNamespace(n=1)))
     assert _steps_a_tree("verify", ("a", SimpleNamespace(n=8), None))
@@ -60,6 +69,8 @@ def test_a_batch_runs_with_the_threads_it_was_given():
         actor._run_shared(run_batch, "verify", [("a", tree, None)])
         actor._run_shared(run_batch, "verify", [("b", tree, None)])  # "a" is elsewhere now
         actor._run_shared(run_batch, "verify", [("a", tree, None), ("b", tree, None)])
-        assert seen == [2, 1, 2]
+        root = SimpleNamespace(n=1)  # both switch to the target alone: all threads at once
+        actor._run_shared(run_batch, "verify", [("a", root, None), ("b", root, None)])
+        assert seen == [2, 1, 2, 2]
     finally:
         torch.set_num_threads(before)
