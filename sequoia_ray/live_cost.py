@@ -14,8 +14,9 @@ measured: steps in flight straddle the switch, and a draft catching up on tokens
 
 The measure is a request's tokens per second of its whole step cycle (``seconds`` from the engine: from the
 previous verdict to this one, so Serve's costs are in), summed over an arm's measured steps in its last
-``phases`` phases, at most ``window`` of them (tokens / seconds of the sums, not a mean of ratios): a probe is
-judged on its own steps and the previous probe's, not on probes from long ago. A request's first step (its prefill) is not
+``phases`` phases (older ones too while that makes fewer than ``min_steps``), at most ``window`` of them
+(tokens / seconds of the sums, not a mean of ratios): a probe is judged on its own steps and the previous
+probe's, not on probes from long ago. A request's first step (its prefill) is not
 measured, nor a step during which the target forwarded another request's prompt (``Verdict.prefill_beside``:
 in its forward or in one its call queued behind): a prefill chunk costs several decode forwards and lands
 on whichever arm runs then. Seen through Serve at 8 clients, a request starting about every second: the
@@ -74,7 +75,7 @@ class CostSettings:
     window: int = 256  # measured steps kept per arm and key (the most recent)
     min_steps: int = 3  # measured steps an arm needs before its rate counts
     backoff: int = 8  # confirmed served phases grow twice as long each time, up to this many probe_every
-    phases: int = 2  # an arm's rate is over its measured steps in its last this many phases (and the window)
+    phases: int = 2  # an arm's rate: its measured steps of its last this many phases (min_steps at least)
 
     def __post_init__(self) -> None:
         for name in ("probe_every", "probe_rounds", "window", "min_steps", "backoff", "phases"):
@@ -99,11 +100,12 @@ class _Key:
     begun: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ARMS, 0))  # arm -> steps run, all
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
-        """Tokens/s of ``arm``'s measured steps in its last ``phases`` phases (None: fewer than ``min_steps``)."""
+        """Tokens/s of ``arm``'s measured steps in its last ``phases`` phases, and older ones while they are
+        fewer than ``min_steps`` (None: fewer than ``min_steps`` in all)."""
         got, kept = [], []
         for tokens, seconds, phase in reversed(self.samples.get(arm, ())):
             if phase not in kept:
-                if len(kept) == phases:
+                if len(kept) >= phases and len(got) >= min_steps:
                     break
                 kept.append(phase)
             got.append((tokens, seconds))

@@ -245,3 +245,13 @@ def test_a_served_phase_that_ends_early_resets_the_backoff():
     assert drive(rates, key, 1, settings.probe_rounds, {TREE: 3.0, ALONE: 0.1}) == [ALONE] * settings.probe_rounds
     runs = _runs(drive(rates, key, 1, 41 + 1, {TREE: 3.0, ALONE: 2.0}))
     assert runs == [(TREE, 41), (ALONE, 1)]
+
+
+def test_probes_shorter_than_min_steps_still_measure_both_arms():
+    """One measured step a probe (``probe_rounds`` 1 at batch 1) and ``min_steps`` 3: an arm's rate reaches
+    back over older phases until it has 3 steps, so both arms get measured and the faster serves (judged on
+    the last two phases only, the tree would stay "not measured enough" and be probed for ever)."""
+    rates = StepRates(CostSettings(probe_every=1, probe_rounds=1, window=64, min_steps=3))
+    arms = drive(rates, ("t0.0", 1), 1, 40, {TREE: 1.0, ALONE: 2.0})
+    assert arms.count(ALONE) > arms.count(TREE) > 0
+    assert rates.summary()["t0.0-b1"]["serving"] == ALONE
