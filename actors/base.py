@@ -143,6 +143,12 @@ class ModelActor:
         return self.batcher.stats() if self.batcher else {}
 
     @ray.method(concurrency_group="health")
+    def utilization(self) -> dict[str, float]:
+        """Seconds this actor's batcher spent running batches, and seconds since it started (rank 0 and the
+        draft batch; empty before)."""
+        return self.batcher.utilization() if self.batcher else {}
+
+    @ray.method(concurrency_group="health")
     def health(self) -> dict:
         return self.tracker.health()
 

@@ -383,7 +383,7 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     log(f"sweep {','.join(modes)} at {counts} clients: {cfg['draft']} -> {cfg['target']} ({cfg['dtype']})")
     rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout)
     columns = ["mode", "clients", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
-               "requests/forward", "completed", "errors", "mismatches", "held after"]
+               "requests/forward", "target busy", "completed", "errors", "mismatches", "held after"]
     print_table(rows, columns)
     print()
     print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)"])

@@ -30,6 +30,13 @@ def forwards(actor) -> dict[int, int]:
     return {int(k): v for k, v in ray.get(actor.batch_sizes.remote()).items()}
 
 
+def busy_share(actor, before: dict[str, float]) -> float | None:
+    """The share of the time since ``before`` (the actor's ``utilization()`` then) its batcher ran batches."""
+    after = ray.get(actor.utilization.remote())
+    running = after["running_s"] - before["running_s"]
+    return (after["busy_s"] - before["busy_s"]) / running if running > 0 else None
+
+
 def mean_batch(before: dict[int, int], after: dict[int, int]) -> float | None:
     runs = {b: after.get(b, 0) - before.get(b, 0) for b in after}
     count = sum(runs.values())
@@ -40,15 +47,17 @@ def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration:
           timeout: float) -> dict:
     """One (mode, clients) measurement: ``duration`` seconds of back-to-back streaming requests."""
     rank0 = model_actors()["TargetRank 0"]
-    before = forwards(rank0)
+    before, busy = forwards(rank0), ray.get(rank0.utilization.remote())
     log(f"({mode}) {MODES[mode]}: {clients} clients for {duration:g} s")
     results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, speculative=mode != "a")
+    target_busy = busy_share(rank0, busy)
     held = wait_idle(url, 30.0)
     mismatched = sum(r.ok and r.text != refs[r.prompt] for r in results)
     s = summarize(results, [], mismatched, seconds, clients, duration, max_tokens)
     return {"mode": mode, "clients": clients, "tokens/s": s["tokens/s"], "p50 latency s": s["p50 latency s"],
             "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"], "tokens/step": s["tokens/step (mean)"],
-            "requests/forward": mean_batch(before, forwards(rank0)), "completed": s["completed"],
+            "requests/forward": mean_batch(before, forwards(rank0)), "target busy": target_busy,
+            "completed": s["completed"],
             "errors": s["errors"], "mismatches": mismatched, "held after": sum(v for v in held.values() if v != "dead"),
             "step rates": step_rates(url) if mode == "c" else None}
 

@@ -74,6 +74,8 @@ class Batcher:
         self.batch_sizes: Counter[int] = Counter()  # requests per forward -> forwards (stats, tests)
         self.expected: set[str] = set()  # requests of the last forward coming straight back, not finished
         self.last_end = 0.0  # when the last forward ended (time.monotonic)
+        self.started = time.monotonic()
+        self.busy_s = 0.0  # seconds spent running batches (stats: busy_s / running time is the utilization)
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -104,6 +106,12 @@ class Batcher:
         """Requests per forward -> forwards run so far."""
         with self.cond:
             return dict(self.batch_sizes)
+
+    def utilization(self) -> dict[str, float]:
+        """Seconds running batches and seconds since the batcher started: how much of its time the worker
+        computed (the rest it waited for calls: requests on their way back, or no load)."""
+        with self.cond:
+            return {"busy_s": self.busy_s, "running_s": time.monotonic() - self.started}
 
     def close(self) -> None:
         with self.cond:
@@ -147,6 +155,7 @@ class Batcher:
         return max(0.0, self.last_end + self.limits.wait_s - time.monotonic())
 
     def _run_guarded(self, batch: list[_Call]) -> None:
+        start = time.monotonic()
         try:
             self._run(batch)
         except BaseException as exc:  # noqa: BLE001 - the loop must outlive any batch
@@ -157,6 +166,7 @@ class Batcher:
             with self.cond:
                 self.expected = {c.request_id for c in batch if self._back(c)}
                 self.last_end = time.monotonic()
+                self.busy_s += self.last_end - start
 
     def _back(self, c: _Call) -> bool:
         try:

@@ -586,3 +586,20 @@ def test_a_trees_prefill_beside_counts_the_drafts_catch_up(models):
     beside = [b for _, b in seen]
     assert beside[0] >= len(prompt) - 1 - 0 and beside[8] > 0, seen  # the prompt; the 6 tokens missed
     assert beside[1] == 0 and beside[2:8] == [0] * 6 and beside[9:] == [0] * len(beside[9:]), seen
+
+
+def test_utilization_counts_the_time_batches_ran():
+    """Ten 50 ms forwards with 50 ms of nothing between them: about half the batcher's time was busy (the
+    bounds allow a loaded machine, whose sleeps overshoot: busy >= 0.5 s, and under 85% of the time passed)."""
+    batcher = _slow_batcher(0.0, forward_s=0.05, comes_back=lambda method, args: False)
+    try:
+        start = batcher.utilization()
+        assert start["busy_s"] == 0.0
+        for i in range(10):
+            batcher.call("verify", f"r{i}", SimpleNamespace(n=1), None)
+            time.sleep(0.05)
+        used = batcher.utilization()
+        elapsed = used["running_s"] - start["running_s"]
+        assert elapsed >= 1.0 and 0.5 <= used["busy_s"] < 0.85 * elapsed  # the idle gaps are not busy
+    finally:
+        batcher.close()
