@@ -3,7 +3,6 @@ layers included (the target rank once read ``q_proj.weight``, which a packed lay
 
 from __future__ import annotations
 
-
 import pytest
 import torch.distributed as dist
 
@@ -16,9 +15,7 @@ from sequoia_ray.local import LocalPair
 from sequoia_ray.models.packed_linear import packed_count
 from sequoia_ray.tree.plan import chain, k_ary
 
-
 pytestmark = pytest.mark.usefixtures("keep_logging")  # tests/conftest.py
-
 
 
 @pytest.mark.parametrize("linears", ["packed", "aten"])

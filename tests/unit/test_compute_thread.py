@@ -24,7 +24,6 @@ from sequoia_ray.tree.plan import chain, k_ary
 pytestmark = pytest.mark.usefixtures("keep_logging")  # tests/conftest.py
 
 
-
 def test_calls_from_many_threads_run_on_one_thread_in_turn():
     compute = ComputeThread(name="test-compute")
     running, overlaps = [0], []
@@ -59,7 +58,6 @@ def test_a_call_from_the_compute_thread_runs_inline_and_exceptions_reach_the_cal
         compute.run(fail)
     assert compute.run(lambda: 7) == 7  # the thread survives a failure
     assert compute_thread() is compute_thread()
-
 
 
 class _Calls:
