@@ -310,6 +310,7 @@ MEASURE_SHARE = 0.45  # of a temperature's time: measuring p; the rest measures 
 MIN_TOKENS = 8  # fewer tokens than this per prompt measure nothing useful
 BOUNDED_CANDIDATES = 2  # trees measured for real at batch 1 under a time budget (besides the target alone)
 BOUNDED_ROUNDS = 2
+CHECK_SHARE = 0.3  # of a temperature's time after p: checking the larger buckets' trees against the target alone
 
 
 class BudgetExhausted(RuntimeError):
@@ -464,7 +465,8 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
     stages.next(f"measuring trees T={temperature}")
     bounded = cfg.model_copy(update={"candidates": min(cfg.candidates, BOUNDED_CANDIDATES),
                                      "measure_rounds": BOUNDED_ROUNDS})
-    ask = choice_tokens(end - deadline.elapsed(), prof, pace, bounded.candidates, len(max(prompts, key=len)))
+    longest = len(max(prompts, key=len))
+    ask = choice_tokens((end - deadline.elapsed()) * (1 - CHECK_SHARE), prof, pace, bounded.candidates, longest)
     if ask < MIN_TOKENS:
         logger.warning("no time left to measure trees at T=%s; publishing the cost model's choice unmeasured", temperature)
         picks = {b: Picked(best, best, predicted) for b, (best, predicted) in choose_buckets(table, prof, tuple(prof.t)).items()}
@@ -472,10 +474,51 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
         params = SamplingParams(max_tokens=min(ask, cfg.validate_tokens), temperature=temperature)
         picks = plan_buckets(bounded, pair, prof, table, tuple(prof.t), prompts, params, measured_buckets=(1,),
                              calls=serving.calls)
+        models = (target_model(pair), pair.draft.model)
+        picks = check_buckets(picks, lambda choices, batch: measure_choices(
+            *models, choices, prompts, params.model_copy(update={"max_tokens": MIN_CHOICE_TOKENS}), batch=batch,
+            rounds=1), fits=lambda batch: check_seconds(prof, pace, batch, longest) <= end - deadline.elapsed())
     return [(PlannedTree(p.choice.plan, acceptance, p.choice.n, p.choice.d, table.value(p.choice.n, p.choice.d),
                          _provenance(cfg, pair, p, batch, prompts=used, tokens=tokens, threads=serving.threads,
                                      time_budget_s=serving.time_budget_s, source=source)),
              _result(prof, temperature, p)) for batch, p in picks.items()]
+
+
+def check_buckets(picks: dict[int, Picked], measure, fits) -> dict[int, Picked]:
+    """The larger buckets' trees checked against the target alone for real, largest bucket first: a bucket
+    whose tree measures slower than the target alone publishes the root-only tree (the planner finds the
+    crossover itself), and the check goes on to the next smaller bucket; the first bucket whose tree measures
+    faster ends it — speculation pays less as the batch grows (the target's forward gets cheaper per token,
+    the draft's levels and per-request costs do not), so the smaller buckets' trees pay too.
+    ``measure(choices, batch)`` -> [Measured] (the root-only choice first); ``fits(batch)``: whether a check
+    at that batch size fits the time left (one that does not is skipped: its pick stays unmeasured)."""
+    out = dict(picks)
+    for batch in sorted((b for b, p in picks.items() if b > 1 and p.choice.n > 1), reverse=True):
+        if not fits(batch):
+            logger.info("no time left to check bucket %d's tree against the target alone; publishing it unmeasured",
+                        batch)
+            continue
+        p = picks[batch]
+        root = next(c for c in p.predicted if c.n == 1)
+        measured = measure([root, p.choice], batch)
+        winner = pick(measured)
+        out[batch] = Picked(winner.choice, p.model_choice, p.predicted, winner, tuple(measured), p.overhead)
+        logger.info("bucket %d: n=%d d=%d measured %.2fx the target alone: %s", batch, p.choice.n, p.choice.d,
+                    measured[1].measured_speedup, "the tree" if winner.choice.n > 1 else "the target alone serves")
+        if winner.choice.n > 1:
+            break
+    return out
+
+
+def check_seconds(prof: HardwareProfile, pace: float, batch: int, prompt_len: int) -> float:
+    """A bound on one ``check_buckets`` measure at ``batch``: two runs (the target alone, the tree), each
+    prefilling ``batch`` prompts and stepping MIN_CHOICE_TOKENS times; a tree step counted as CHECK_TREE_STEPS
+    root-only steps (it yields more tokens, so fewer steps, but costs more), times ``pace``."""
+    alone = prof.target_step_s * prof.target_cost(batch, batch)
+    return pace * (2 * batch * _prefill_s(prof, prompt_len) + (1 + CHECK_TREE_STEPS) * MIN_CHOICE_TOKENS * alone)
+
+
+CHECK_TREE_STEPS = 1.5  # a tree run's steps, in root-only runs' time (measured here: 1.1x at batch 8, n = 2 d = 2)
 
 
 def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int) -> int:

@@ -362,3 +362,67 @@ def test_choice_tokens_fit_their_time():
     assert profiling.choice_tokens(28 + 14 * 5, prof, 1.0, 2, 10) == 5
     assert profiling.choice_tokens(2 * (28 + 14 * 5), prof, 2.0, 2, 10) == 5  # twice as slow as profiled
     assert profiling.choice_tokens(27, prof, 1.0, 2, 10) == 0
+
+
+# ---- the larger buckets' trees checked against the target alone -----------------------------------
+def _bucket_picks() -> dict[int, profiling.Picked]:
+    """A tree picked by the model at every bucket up to 8 (16: the target alone), as the bounded job has them."""
+    from sequoia_ray.hardware import Choice
+    from sequoia_ray.tree.plan import chain
+
+    def choice(batch: int, n: int) -> Choice:
+        return Choice(n, n, 1.0 + 0.3 * (n > 1), 1.0 + 0.1 * (n > 1), chain(n - 1), batch)
+
+    picks = {}
+    for batch, n in ((1, 8), (2, 6), (4, 4), (8, 2), (16, 1)):
+        predicted = [choice(batch, 1)] + ([choice(batch, n)] if n > 1 else [])
+        picks[batch] = profiling.Picked(predicted[-1], predicted[-1], predicted)
+    return picks
+
+
+def _measure_with(faster: dict[int, bool], calls: list):
+    """A fake ``measure``: the tree runs 1.2x (faster[batch]) or 0.8x the target alone's tokens/s."""
+    from sequoia_ray.measured_choice import Measured
+
+    def measure(choices, batch):
+        calls.append((batch, [c.n for c in choices]))
+        ratio = 1.2 if faster[batch] else 0.8
+        return [Measured(choices[0], 1.0, 10.0, 1.0), Measured(choices[1], ratio, 10.0 * ratio, 1.5)]
+    return measure
+
+
+def test_buckets_are_checked_from_the_largest_until_the_tree_pays():
+    calls = []
+    out = profiling.check_buckets(_bucket_picks(), _measure_with({8: False, 4: True, 2: True}, calls),
+                                  fits=lambda batch: True)
+    assert calls == [(8, [1, 2]), (4, [1, 4])]  # 16 serves the target alone already; 2 pays since 4 does
+    assert out[8].choice.n == 1 and out[8].model_choice.n == 2  # measured slower: the target alone serves
+    assert out[8].measured.measured_speedup == 1.0 and [m.choice.n for m in out[8].candidates] == [1, 2]
+    assert out[4].choice.n == 4 and out[4].measured.measured_speedup == pytest.approx(1.2)
+    assert out[2].measured is None and out[2].choice.n == 6 and out[16].choice.n == 1  # not measured
+    assert out[1].choice.n == 8 and out[1].measured is None  # batch 1: plan_buckets' measured choice, untouched
+
+
+def test_every_bucket_where_the_tree_loses_serves_the_target_alone():
+    calls = []
+    out = profiling.check_buckets(_bucket_picks(), _measure_with({8: False, 4: False, 2: False}, calls),
+                                  fits=lambda batch: True)
+    assert [b for b, _ in calls] == [8, 4, 2]
+    assert [out[b].choice.n for b in (1, 2, 4, 8, 16)] == [8, 1, 1, 1, 1]
+
+
+def test_a_check_that_does_not_fit_is_skipped_and_a_smaller_one_still_runs():
+    calls = []
+    out = profiling.check_buckets(_bucket_picks(), _measure_with({8: False, 4: False, 2: True}, calls),
+                                  fits=lambda batch: batch < 8)
+    assert [b for b, _ in calls] == [4, 2]
+    assert out[8].measured is None and out[8].choice.n == 2  # unmeasured: the model's pick stays
+    assert out[4].choice.n == 1 and out[2].choice.n == 6
+
+
+def test_check_seconds_counts_prefills_and_both_runs():
+    """1 s a target step, T_B(B) = 1 with the fake profile: 2 runs x B prompts of 10 tokens (2 s each) plus
+    (1 + 1.5) x 16 root-only steps."""
+    prof = _profile()
+    assert profiling.check_seconds(prof, 1.0, 4, 10) == pytest.approx(2 * 4 * 2 + 2.5 * 16 * prof.target_cost(4, 4))
+    assert profiling.check_seconds(prof, 2.0, 4, 10) == pytest.approx(2 * profiling.check_seconds(prof, 1.0, 4, 10))
