@@ -138,12 +138,14 @@ def read_stream(lines: Iterable[bytes], index: int, start: float) -> Result:
         event = json.loads(data)
         if "error" in event:
             return _failed(index, start, f"error event: {event['error']}")
+        usage = event.get("usage") or usage
+        if not event.get("choices"):  # a usage-only last event (vLLM's stream_options.include_usage)
+            continue
         choice = event["choices"][0]
-        piece = choice["text"] if "text" in choice else choice["delta"].get("content", "")
+        piece = choice["text"] if "text" in choice else choice["delta"].get("content") or ""
         if piece and ttft is None:
             ttft = time.perf_counter() - start
         pieces.append(piece)
-        usage = event.get("usage", usage)
     return _failed(index, start, "stream ended without [DONE]")
 
 
@@ -321,6 +323,9 @@ def main() -> int:
                     help="how long a forward may wait for the previous one's target-alone requests")
     ap.add_argument("--live-cost", action="store_true", help="serve the tree or the target alone per batch size, "
                     "whichever measures faster on live steps (ServeConfig.live_cost)")
+    ap.add_argument("--vllm", help="with --modes: then vLLM's OpenAI server (benchmarks/vllm_server.py) with these "
+                    "settings at the same client counts: plain and/or kK (chain speculation, K draft tokens), e.g. plain,k3")
+    ap.add_argument("--vllm-python", type=Path, help="the vLLM venv's python (default /work/.vllm-venv/bin/python)")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (requests in flight finish)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -349,6 +354,8 @@ def main() -> int:
     except ValueError as exc:
         raise SystemExit(f"load.py: {exc}") from None
     prompts = load_prompts(HERE / "prompts.jsonl")
+    if args.vllm and not args.modes:
+        raise SystemExit("load.py: --vllm needs --modes (vLLM's server runs after our modes, in the same sweep)")
     if args.modes:
         return run_sweep(args, cfg, prompts, counts)
     if len(counts) > 1:
@@ -376,17 +383,23 @@ def main() -> int:
 
 def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     from load_sweep import ratios, sweep
+    from vllm_server import parse_settings
 
     modes = [m.strip() for m in args.modes.split(",")]
     if bad := [m for m in modes if m not in ("a", "b", "c")]:
         raise SystemExit(f"--modes {args.modes!r}: {bad[0]!r} is not one of a, b, c")
     log(f"sweep {','.join(modes)} at {counts} clients: {cfg['draft']} -> {cfg['target']} ({cfg['dtype']})")
-    rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout)
+    try:
+        vllm = parse_settings(args.vllm) if args.vllm else []
+    except ValueError as exc:
+        raise SystemExit(f"load.py: --vllm: {exc}") from None
+    options = {"python": args.vllm_python} if args.vllm_python else {}
+    rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout, vllm, options)
     columns = ["mode", "clients", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
                "requests/forward", "target busy", "completed", "errors", "mismatches", "held after"]
     print_table(rows, columns)
     print()
-    print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)"])
+    print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(c)/vLLM best"])
     write_json(f"load-sweep-{'real' if args.real else 'tiny'}",
                {"config": cfg, "rows": rows, "ratios": ratios(rows), "prompts": len(prompts),
                 "duration s": args.duration, "max tokens": args.max_tokens}, args.out)

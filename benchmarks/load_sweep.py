@@ -11,7 +11,9 @@
 latency, p50 TTFT, tokens per step, requests per target forward (from rank 0's batcher), errors, and greedy
 texts that differ from the target alone (one request at a time, same dtype); in the JSON, after each (c)
 cell, the service's measured tree-or-target-alone choice so far (``step rates``, with ``live_cost``). Then
-the ratios (c)/(b) and (c)/(a) per client count.
+the ratios (c)/(b) and (c)/(a) per client count. With ``--vllm plain,k3``, vLLM's OpenAI server
+(``benchmarks/vllm_server.py``) then takes the same clients at the same counts, and (c) over vLLM's best
+setting is a third ratio.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import time
 import ray
 import requests
 
-from load import log, model_actors, references, run_clients, serving, summarize, wait_idle
+from load import MODEL, log, model_actors, references, run_clients, serving, summarize, wait_idle
+from vllm_server import USAGE, spec_counters, tokens_per_step, vllm_serving
 
 MODES = {"a": "target alone, batched", "b": "trees, 1 request/forward", "c": "batched trees, per-batch plans"}
 
@@ -72,9 +75,25 @@ def step_rates(url: str) -> dict | None:
         return None
 
 
+def vllm_point(url: str, prompts, refs: list[str], setting: str, clients: int, duration: float, max_tokens: int,
+               timeout: float) -> dict:
+    """One (vLLM setting, clients) measurement, as ``point`` (texts compared with our target alone's)."""
+    before = spec_counters(url)
+    log(f"(vLLM {setting}): {clients} clients for {duration:g} s")
+    results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, **USAGE)
+    mismatched = sum(r.ok and r.text != refs[r.prompt] for r in results)
+    s = summarize(results, [], mismatched, seconds, clients, duration, max_tokens)
+    return {"mode": f"vLLM {setting}", "clients": clients, "tokens/s": s["tokens/s"],
+            "p50 latency s": s["p50 latency s"], "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"],
+            "tokens/step": tokens_per_step(before, spec_counters(url)), "requests/forward": None,
+            "target busy": None, "completed": s["completed"], "errors": s["errors"], "mismatches": mismatched,
+            "held after": 0, "step rates": None}
+
+
 def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: float, max_tokens: int,
-          timeout: float) -> tuple[list[dict], list[str]]:
-    """Every mode at every client count; the references come from the first deployment."""
+          timeout: float, vllm: list[str] = (), vllm_options: dict | None = None) -> tuple[list[dict], list[str]]:
+    """Every mode at every client count, then every vLLM setting's server (``vllm_server``) at every client
+    count; the references come from the first deployment."""
     rows, refs = [], None
     # (b) is the service as it was before batching: trees at every step, whatever ``live_cost`` says for (c)
     # (measured in session 14 with it on: the target alone one request per forward, 8-9 tok/s from 2 clients)
@@ -93,17 +112,27 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
                 for mode in its_modes:
                     rows.append(point(url, prompts, refs, mode, clients, duration, max_tokens, timeout))
         time.sleep(2.0)
+    if vllm and refs is None:
+        raise ValueError("vLLM settings need at least one of our modes (its texts are compared with ours)")
+    for setting in vllm:
+        log(f"starting vLLM's server ({setting}); on CPU this takes minutes")
+        with vllm_serving(setting, model_name=MODEL, **(vllm_options or {})) as url:
+            run_clients(url, prompts, max(counts), 0.0, max_tokens, timeout, **USAGE)  # warm-up
+            rows += [vllm_point(url, prompts, refs, setting, clients, duration, max_tokens, timeout) for clients in counts]
     rows.sort(key=lambda r: (r["clients"], r["mode"]))
     return rows, refs
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """(c)/(b) and (c)/(a) in total tokens/s per client count (None where a mode was not run)."""
+    """(c)/(b), (c)/(a) and (c) over vLLM's best setting in total tokens/s per client count (None where a
+    mode was not run)."""
     by = {(r["mode"], r["clients"]): r["tokens/s"] for r in rows}
     out = []
     for clients in sorted({r["clients"] for r in rows}):
         c = by.get(("c", clients))
+        peers = [v for (mode, n), v in by.items() if n == clients and mode.startswith("vLLM ")]
         out.append({"clients": clients,
                     "(c)/(b)": c / by[("b", clients)] if c and by.get(("b", clients)) else None,
-                    "(c)/(a)": c / by[("a", clients)] if c and by.get(("a", clients)) else None})
+                    "(c)/(a)": c / by[("a", clients)] if c and by.get(("a", clients)) else None,
+                    "(c)/vLLM best": c / max(peers) if c and peers else None})
     return out

@@ -181,10 +181,15 @@ def worker_env() -> dict:
 
 # ---- the parent: one child per setting --------------------------------------------------------------
 def child_env(args: argparse.Namespace) -> dict[str, str]:
+    return vllm_env(args.threads_bind, args.kv_cache_gb, Path(sys.prefix))
+
+
+def vllm_env(threads_bind: str, kv_cache_gb: int, prefix: Path) -> dict[str, str]:
+    """The environment of a vLLM process run by the venv at ``prefix`` (see the module docstring)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", args.threads_bind)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+    iomp = prefix / "lib" / "libiomp5.so"
     if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
     return env

@@ -1,0 +1,89 @@
+"""The served-peer pieces of the load benchmark: the stream parser takes vLLM's stream shape as well as ours,
+the vLLM server's command and settings, its Prometheus counters, and the ratio over vLLM's best setting.
+(The servers themselves are started by the benchmark, not here: vLLM takes minutes to start on CPU.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from load import read_stream  # noqa: E402
+from load_sweep import ratios  # noqa: E402
+from vllm_server import parse_settings, parse_spec_counters, server_command, tokens_per_step  # noqa: E402
+
+
+def _events(*events) -> list[bytes]:
+    return [b"data: " + json.dumps(e).encode() for e in events] + [b"", b"data: [DONE]"]
+
+
+def test_read_stream_takes_vllm_usage_only_last_event():
+    lines = _events({"choices": [{"delta": {"role": "assistant", "content": ""}}], "usage": None},
+                    {"choices": [{"delta": {"content": "Hel"}}], "usage": None},
+                    {"choices": [{"delta": {"content": "lo"}, "finish_reason": "length"}], "usage": None},
+                    {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+    result = read_stream(lines, 3, 0.0)
+    assert result.ok, result.error
+    assert (result.prompt, result.text, result.tokens, result.tokens_per_step) == (3, "Hello", 2, None)
+    assert result.ttft is not None
+
+
+def test_read_stream_takes_ours_usage_on_the_last_text_event():
+    lines = _events({"choices": [{"text": "a"}]},
+                    {"choices": [{"text": "b"}], "usage": {"completion_tokens": 2, "speculative": {"tokens_per_step": 1.5}}})
+    result = read_stream(lines, 0, 0.0)
+    assert (result.ok, result.text, result.tokens, result.tokens_per_step) == (True, "ab", 2, 1.5)
+
+
+def test_read_stream_without_usage_is_an_error():
+    result = read_stream(_events({"choices": [{"text": "a"}], "usage": None}), 0, 0.0)
+    assert not result.ok and "usage" in result.error
+
+
+def test_settings_parse_and_name_a_bad_one():
+    assert parse_settings("plain, k3,k5") == ["plain", "k3", "k5"]
+    for bad in ("", "k0", "draft3", "plain,kx"):
+        with pytest.raises(ValueError, match="'plain' or kK"):
+            parse_settings(bad)
+
+
+def test_server_command_speculates_only_with_k():
+    plain = server_command(Path("/v/bin/python"), "plain", 8123, model_name="bench", target=Path("/t"), draft=Path("/d"))
+    assert plain[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--speculative-config" not in plain and "--no-enable-prefix-caching" in plain
+    assert plain[plain.index("--port") + 1] == "8123" and plain[plain.index("--served-model-name") + 1] == "bench"
+    k3 = server_command(Path("/v/bin/python"), "k3", 8123, model_name="bench", target=Path("/t"), draft=Path("/d"))
+    spec = json.loads(k3[k3.index("--speculative-config") + 1])
+    assert spec == {"method": "draft_model", "model": "/d", "num_speculative_tokens": 3}
+
+
+METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="bench"} 40.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="bench"} 1.7956517419757705e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="bench"} 120.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="bench"} 70.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="bench",position="0"} 30.0
+vllm:num_requests_running{engine="0",model_name="bench"} 0.0
+"""
+
+
+def test_spec_counters_and_tokens_per_step():
+    after = parse_spec_counters(METRICS)
+    assert after["drafts"] == 40 and after["draft_tokens"] == 120 and after["accepted_tokens"] == 70
+    assert set(after) == {"drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos"}
+    before = {"drafts": 20.0, "accepted_tokens": 30.0}
+    assert tokens_per_step(before, after) == pytest.approx(1 + 40 / 20)
+    assert tokens_per_step({}, parse_spec_counters("vllm:num_requests_running 0.0\n")) is None
+
+
+def test_ratio_over_the_best_vllm_setting_per_client_count():
+    rows = [{"mode": "a", "clients": 8, "tokens/s": 40.0}, {"mode": "c", "clients": 8, "tokens/s": 44.0},
+            {"mode": "vLLM plain", "clients": 8, "tokens/s": 50.0}, {"mode": "vLLM k3", "clients": 8, "tokens/s": 40.0},
+            {"mode": "c", "clients": 1, "tokens/s": 12.0}]
+    by = {r["clients"]: r for r in ratios(rows)}
+    assert by[8]["(c)/vLLM best"] == pytest.approx(44 / 50) and by[8]["(c)/(a)"] == pytest.approx(1.1)
+    assert by[1]["(c)/vLLM best"] is None and by[1]["(c)/(a)"] is None
