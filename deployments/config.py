@@ -75,8 +75,9 @@ class ServeConfig(BaseModel):
                                     "forward grows): continuous batching. 1 = one request per forward.")
     max_batch_tokens: int = Field(2048, ge=1, description="Tokens one forward may take (trees + prefill); a larger "
                                   "first request still runs, alone.")
-    batch_layout: str = Field("flat", description="How a batch's ragged requests share a forward: flat (one "
-                              "sequence, block mask; no padding) | padded (batch dimension, padded to the longest).")
+    batch_layout: str = Field("auto", description="How a batch's ragged requests share a forward: flat (one "
+                              "sequence, block mask; no padding) | padded (batch dimension, padded to the longest) "
+                              "| auto (padded when every request forwards one token, else flat).")
     batch_wait_ms: float = Field(0.0, ge=0, le=10_000, description="How long a forward may wait for the requests of "
                                  "the previous one that come straight back (target-alone steps), so they share "
                                  "forwards instead of alternating (0 = start each forward at once). Requests growing "

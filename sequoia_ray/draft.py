@@ -179,7 +179,7 @@ class DraftWorker(RequestTable):
 
     state_type = _Request
 
-    def __init__(self, model, *, support: int = DEFAULT_SUPPORT, layout: str = "flat",
+    def __init__(self, model, *, support: int = DEFAULT_SUPPORT, layout: str = "auto",
                  prefill_chunk: int | None = None, dynamic: DynamicTrees | None = None) -> None:
         super().__init__(model)
         self.support, self.layout = support, layout

@@ -68,7 +68,7 @@ SCHEMA_VERSION = 1
 DEFAULT_BUDGETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes with a plan of their own; a batch uses its bucket's
-BATCH_LAYOUT = "flat"  # hidden_many's layout when timing batches: the serving default
+BATCH_LAYOUT = "auto"  # hidden_many's layout when timing batches: the serving default
 
 
 class ProfileError(ValueError):

@@ -59,7 +59,7 @@ class TargetWorker(RequestTable):
 
     state_type = _TargetRequest
 
-    def __init__(self, model, *, layout: str = "flat", prefill_chunk: int | None = None,
+    def __init__(self, model, *, layout: str = "auto", prefill_chunk: int | None = None,
                  retry_alone: bool = True) -> None:
         super().__init__(model)
         self.layout = layout

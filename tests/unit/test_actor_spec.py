@@ -32,7 +32,7 @@ def test_serve_config_builds_the_actor_specs():
     ({"device": "tpu"}, "is not one of auto, cpu, cuda"),
     ({"device": "cuda"}, "set num_gpus: 1"),
     ({"num_gpus": 1, "draft_quantize": "int8"}, "runs on the CPU only"),
-    ({"batch_layout": "paged"}, "layout 'paged' must be one of flat, padded"),
+    ({"batch_layout": "paged"}, "layout 'paged' must be one of auto, flat, padded"),
     ({"max_batch_requests": 0}, "greater than or equal to 1"),
     ({"prefill_chunk": 0}, "greater than or equal to 1"),
 ])

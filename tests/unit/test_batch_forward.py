@@ -1,12 +1,14 @@
-"""Oracle for the batched forward: one forward over several sessions == each session's own forward, in both
-layouts, for ragged batches (different context lengths, trees, an empty cache, a prefill beside trees)."""
+"""Oracle for the batched forward: one forward over several sessions == each session's own forward, in every
+layout, for ragged batches (different context lengths, trees, an empty cache, a prefill beside trees) and for
+decode steps of one token each (which ``auto`` runs padded)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sequoia_ray.models.batch_forward import LAYOUTS, Segment, hidden_many
+from sequoia_ray.models import batch_forward
+from sequoia_ray.models.batch_forward import LAYOUTS, Segment, hidden_many, resolve_layout
 from sequoia_ray.models.tree_lm import KVSession
 from sequoia_ray.tree.plan import chain, from_nested, k_ary
 from tests.tiny import VOCAB, tiny_model
@@ -79,5 +81,53 @@ def test_a_request_never_sees_another_requests_tokens(layout):
 
 def test_unknown_layout_is_named():
     model = tiny_model("qwen2")
-    with pytest.raises(ValueError, match="layout 'paged' must be one of flat, padded"):
+    with pytest.raises(ValueError, match="layout 'paged' must be one of auto, flat, padded"):
         hidden_many(model, [], "paged")
+
+
+def _decode_sessions(model, seed: int):
+    """Single-token steps over ragged contexts (6, 0, 14 and 11 cached tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for prefix in (6, 0, 14, 11):
+        session = KVSession(model)
+        if prefix:
+            session.forward(torch.randint(0, VOCAB, (prefix,), generator=gen), torch.arange(prefix))
+        out.append(Segment(session, torch.randint(0, VOCAB, (1,), generator=gen), torch.tensor([prefix])))
+    return out
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_auto_runs_single_token_steps_padded_and_exact(attn, monkeypatch):
+    model = tiny_model("qwen2", attn=attn, seed=5)
+    expected = [s.session.hidden(s.tokens, s.positions) for s in _decode_sessions(model, 3)]
+    ran = []
+    padded = batch_forward._padded
+    monkeypatch.setattr(batch_forward, "_padded", lambda *a: ran.append("padded") or padded(*a))
+    monkeypatch.setattr(batch_forward, "_flat", lambda *a: ran.append("flat"))
+    segments = _decode_sessions(model, 3)
+    got = hidden_many(model, segments)  # the default layout: auto
+    assert ran == ["padded"]
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+    assert [s.session.length for s in segments] == [7, 1, 15, 12]
+
+
+def test_auto_flattens_any_batch_with_a_longer_segment():
+    model = tiny_model("qwen2")
+    ones = _decode_sessions(model, 1)
+    longer = Segment(KVSession(model), torch.tensor([1, 2, 3]), torch.arange(3))
+    assert resolve_layout("auto", ones) == "padded"
+    assert resolve_layout("auto", ones + [longer]) == "flat"
+    assert resolve_layout("flat", ones) == "flat" and resolve_layout("padded", [longer, *ones]) == "padded"
+
+
+def test_auto_flattens_when_one_long_context_would_pad_every_cache():
+    """Contexts 6, 0, 14, 11 (sum 31): padded copies 4 x 14 = 56 slots, within 2 x 31; one context of 40 more
+    (sum 71) would pad 5 x 40 = 200 slots, past 2 x 71 = 142."""
+    model = tiny_model("qwen2")
+    ones = _decode_sessions(model, 1)
+    session = KVSession(model)
+    session.forward(torch.arange(40) % VOCAB, torch.arange(40))
+    assert resolve_layout("auto", ones) == "padded"
+    assert resolve_layout("auto", ones + [Segment(session, torch.tensor([5]), torch.tensor([40]))]) == "flat"
