@@ -55,14 +55,23 @@ def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration:
     results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, speculative=mode != "a")
     target_busy = busy_share(rank0, busy)
     held = wait_idle(url, 30.0)
+    return _row(mode, results, refs, seconds, clients, duration, max_tokens, tokens_per_step=None,
+                requests_per_forward=mean_batch(before, forwards(rank0)), target_busy=target_busy,
+                held=sum(v for v in held.values() if v != "dead"), step_rates=step_rates(url) if mode == "c" else None)
+
+
+def _row(mode: str, results, refs: list[str], seconds: float, clients: int, duration: float, max_tokens: int, *,
+         tokens_per_step: float | None, requests_per_forward: float | None, target_busy: float | None, held: int,
+         step_rates: dict | None) -> dict:
+    """A sweep row: the cell's summary (texts compared with the target alone's ``refs``) and what was measured
+    beside it (``tokens_per_step`` None: the mean of the streams' own)."""
     mismatched = sum(r.ok and r.text != refs[r.prompt] for r in results)
     s = summarize(results, [], mismatched, seconds, clients, duration, max_tokens)
     return {"mode": mode, "clients": clients, "tokens/s": s["tokens/s"], "p50 latency s": s["p50 latency s"],
-            "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"], "tokens/step": s["tokens/step (mean)"],
-            "requests/forward": mean_batch(before, forwards(rank0)), "target busy": target_busy,
-            "completed": s["completed"],
-            "errors": s["errors"], "mismatches": mismatched, "held after": sum(v for v in held.values() if v != "dead"),
-            "step rates": step_rates(url) if mode == "c" else None}
+            "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"],
+            "tokens/step": s["tokens/step (mean)"] if tokens_per_step is None else tokens_per_step,
+            "requests/forward": requests_per_forward, "target busy": target_busy, "completed": s["completed"],
+            "errors": s["errors"], "mismatches": mismatched, "held after": held, "step rates": step_rates}
 
 
 def step_rates(url: str) -> dict | None:
@@ -81,13 +90,9 @@ def vllm_point(url: str, prompts, refs: list[str], setting: str, clients: int, d
     before = spec_counters(url)
     log(f"(vLLM {setting}): {clients} clients for {duration:g} s")
     results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, **USAGE)
-    mismatched = sum(r.ok and r.text != refs[r.prompt] for r in results)
-    s = summarize(results, [], mismatched, seconds, clients, duration, max_tokens)
-    return {"mode": f"vLLM {setting}", "clients": clients, "tokens/s": s["tokens/s"],
-            "p50 latency s": s["p50 latency s"], "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"],
-            "tokens/step": tokens_per_step(before, spec_counters(url)), "requests/forward": None,
-            "target busy": None, "completed": s["completed"], "errors": s["errors"], "mismatches": mismatched,
-            "held after": 0, "step rates": None}
+    return _row(f"vLLM {setting}", results, refs, seconds, clients, duration, max_tokens,
+                tokens_per_step=tokens_per_step(before, spec_counters(url)), requests_per_forward=None,
+                target_busy=None, held=0, step_rates=None)
 
 
 def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: float, max_tokens: int,

@@ -53,6 +53,7 @@ DRAFT = HF / "Qwen2.5-Coder-0.5B-Instruct"
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 GENERIC = "Engine core initialization failed"
+ALL_CORES = f"0-{(os.cpu_count() or 1) - 1}"  # VLLM_CPU_OMP_THREADS_BIND: every core for the model
 COLUMNS = ["setting", "batch", "requests", "tokens", "wall s", "tokens/s", "p50 latency s", "p99 latency s",
            "p50 TTFT s", "p99 TTFT s", "tokens/step", "acceptance", "same text as plain"]
 
@@ -293,7 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="only these settings, comma-separated (e.g. 'plain,draft k=3'; default all)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
-    p.add_argument("--threads-bind", default=f"0-{(os.cpu_count() or 1) - 1}",
+    p.add_argument("--threads-bind", default=ALL_CORES,
                    help="VLLM_CPU_OMP_THREADS_BIND if unset (default %(default)s: every core)")
     p.add_argument("--kv-cache-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE if unset (default 2)")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start, slower run)")

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,7 +29,8 @@ from pathlib import Path
 
 import requests
 
-from vllm_peer import DRAFT, TARGET, vllm_env
+from actors.target import free_port
+from vllm_peer import ALL_CORES, DRAFT, TARGET, log_tail, vllm_env
 
 VLLM_PYTHON = Path("/work/.vllm-venv/bin/python")
 SPEC_PREFIX = "vllm:spec_decode_num_"
@@ -65,13 +65,11 @@ def vllm_serving(setting: str, *, model_name: str, python: Path = VLLM_PYTHON, t
     stops it afterwards. A server that exits or does not come up raises with the tail of its log."""
     if not python.exists():
         raise FileNotFoundError(f"{python}: no vLLM virtual environment; make one with scripts/vllm_venv.sh")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log_dir = log_dir or Path(tempfile.gettempdir()) / "vllm-served"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"vllm-server-{setting}.log"
-    env = vllm_env(threads_bind or f"0-{(os.cpu_count() or 1) - 1}", kv_cache_gb, python.parent.parent)
+    env = vllm_env(threads_bind or ALL_CORES, kv_cache_gb, python.parent.parent)
     env.pop("PYTHONPATH", None)
     with open(log, "w") as fh:
         proc = subprocess.Popen(server_command(python, setting, port, model_name=model_name), env=env, stdout=fh,
@@ -109,8 +107,8 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def _tail(log: Path, lines: int = 25) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no log)"
+def _tail(log: Path) -> str:
+    return "\n".join(log_tail(log, 25)) if log.exists() else "(no log)"
 
 
 def spec_counters(url: str) -> dict[str, float]:

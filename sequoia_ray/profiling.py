@@ -311,6 +311,7 @@ MIN_TOKENS = 8  # fewer tokens than this per prompt measure nothing useful
 BOUNDED_CANDIDATES = 2  # trees measured for real at batch 1 under a time budget (besides the target alone)
 BOUNDED_ROUNDS = 2
 CHECK_SHARE = 0.3  # of a temperature's time after p: checking the larger buckets' trees against the target alone
+CHECK_TREE_STEPS = 1.5  # a tree run's steps, in root-only runs' time (measured here: 1.1x at batch 8, n = 2 d = 2)
 
 
 class BudgetExhausted(RuntimeError):
@@ -516,9 +517,6 @@ def check_seconds(prof: HardwareProfile, pace: float, batch: int, prompt_len: in
     root-only steps (it yields more tokens, so fewer steps, but costs more), times ``pace``."""
     alone = prof.target_step_s * prof.target_cost(batch, batch)
     return pace * (2 * batch * _prefill_s(prof, prompt_len) + (1 + CHECK_TREE_STEPS) * MIN_CHOICE_TOKENS * alone)
-
-
-CHECK_TREE_STEPS = 1.5  # a tree run's steps, in root-only runs' time (measured here: 1.1x at batch 8, n = 2 d = 2)
 
 
 def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int) -> int:

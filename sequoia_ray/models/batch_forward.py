@@ -16,8 +16,8 @@ Two layouts of the batch (``LAYOUTS``), both exact:
 
 - ``auto`` (the default): ``padded`` when every segment is one token (decode steps of the target alone, the
   draft's one-node levels), where nothing pads the queries and each token scores only its own context, unless
-  one long context would make the padded copies more than twice flat's; ``flat`` otherwise. Measured with the real pair on the 2-core EPYC, lockstep, 40 tokens a request, three
-  interleaved rounds: the target alone at B = 8 ran 72.2 tok/s padded against 61.8 flat (1.17x, every round;
+  one long context would make the padded copies more than twice flat's; ``flat`` otherwise. Measured with
+  the real pair on the 2-core EPYC, lockstep, 40 tokens a request, three interleaved rounds: the target alone at B = 8 ran 72.2 tok/s padded against 61.8 flat (1.17x, every round;
   under ``torch.profiler`` attention 3.3 against 11.2 ms a step, the K/V copies 4.8 against 7.3 ms); trees of
   2 nodes at B = 8 1.08x, of 4 at B = 4 1.02x; and ``benchmarks/layout.py`` found trees of 4 faster flat when
   contexts differ widely (64-420 tokens: 308 against 355 ms at B = 8).
