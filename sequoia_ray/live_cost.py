@@ -10,7 +10,9 @@ Per key (temperature bucket, batch bucket), steps run in *phases*. A served phas
 faster (at first: the tree) for ``probe_every`` rounds. A probe phase then runs the other arm for
 ``probe_rounds`` rounds, and the next served phase runs whichever is now faster. A round is as many steps as
 there are requests in flight, so every request steps about once per round. The first round of a phase is not
-measured: steps in flight straddle the switch, and a draft catching up on tokens it missed is slow once.
+measured: a draft catching up on tokens it missed is slow once. Nor is a step that overlapped another
+request's step of the other arm (a phase's switch reaches the requests one step apart, and a target-alone step
+beside a tree step shares its forwards and cores): each arm is measured beside its own kind only.
 
 The measure is a request's tokens per second of its whole step cycle (``seconds`` from the engine: from the
 previous verdict to this one, so Serve's costs are in), summed over an arm's measured steps in its last
@@ -32,6 +34,14 @@ probe_rounds)`` of the steps (3.8% with the defaults) run the slower arm, fallin
 costs more than its steps: every request's draft first catches up on all it missed since its last tree
 (measured through Serve at 4 clients, session 15: 60 tree steps begun in 1336, 26 of them measured).
 
+What a request costs beyond its steps is counted too. Its first step (its prompt's prefill) is not a sample,
+but its seconds are kept per arm, and once both arms have some, an arm's rate r becomes L / (L / r + B x its
+mean first step), L the tokens a request generates here (all tokens over all first steps, per temperature)
+and B the batch bucket: a request sees about B first steps, its own and the others' it waits beside. The
+tree's are the longer (the draft prefills too, and a joining request waits for longer steps). An arm whose
+probes saw no request begin, while the other's did, is probed again, up to ``FIRST_STEP_PROBES`` times
+(requests so long that none begins in that many probes make first steps a small cost anyway).
+
 A served phase ends early when, after a probe's worth of its own measured steps, its arm's rate has fallen
 below the other arm's: the other arm is probed again at once, and the faster then serves. A probe's few
 steps can mislead (seen through Serve at 2 clients: the tree chosen on 6 steps, then 117 steps at 0.77x the
@@ -49,9 +59,11 @@ The target alone is a root-only tree, verified like any other: choosing it never
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import mean
 
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import ROOT_ONLY, StepPolicy
@@ -62,6 +74,7 @@ from sequoia_ray.verify import Verdict
 
 TREE, ALONE = "tree", "alone"
 ARMS = (TREE, ALONE)
+FIRST_STEP_PROBES = 8  # probes a key runs for an arm with no request's first step seen (then goes on without)
 
 
 def _other(arm: str) -> str:
@@ -76,17 +89,22 @@ class CostSettings:
     min_steps: int = 3  # measured steps an arm needs before its rate counts
     backoff: int = 8  # confirmed served phases grow twice as long each time, up to this many probe_every
     phases: int = 2  # an arm's rate: its measured steps of its last this many phases (min_steps at least)
+    stale_s: float = 150.0  # a step not ended after this long (its request failed mid-step; a step lasts at most
+    # two calls of step_timeout_s) no longer marks the steps beside it
 
     def __post_init__(self) -> None:
         for name in ("probe_every", "probe_rounds", "window", "min_steps", "backoff", "phases"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.stale_s <= 0:
+            raise ValueError(f"stale_s {self.stale_s} must be > 0 (seconds)")
 
 
 @dataclass
 class _Key:
     """One key's state: the phase running and the measured steps per arm."""
 
+    key: tuple[str, int] = ("", 1)
     arm: str = TREE
     probing: bool = True  # the first phase measures the tree, the second the target alone
     phase: int = 0  # phase id: a step's sample counts only if its phase is still running when it ends
@@ -97,6 +115,8 @@ class _Key:
     served: str | None = None  # the arm of the last served phase (None: none yet)
     spacing: int = 1  # the next served phase lasts spacing x probe_every rounds (the backoff)
     samples: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(tokens, seconds, phase id)]
+    admits: dict[str, deque] = field(default_factory=dict)  # arm -> deque[seconds]: requests' first steps
+    first_probes: int = 0  # probes run for an arm with no first step measured yet
     begun: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ARMS, 0))  # arm -> steps run, all
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
@@ -115,6 +135,19 @@ class _Key:
         return sum(t for t, _ in got) / seconds if seconds > 0 else None
 
 
+@dataclass
+class Step:
+    """One request's step under ``StepRates``: its key, arm and phase, and whether it counts."""
+
+    key: tuple[str, int]
+    arm: str
+    phase: int
+    measured: bool  # not a phase's settling step
+    request: object  # who steps (any hashable: one step in flight per request)
+    began: float  # time.monotonic()
+    alike: bool = True  # no step of the other arm ran beside it (so far)
+
+
 class StepRates:
     """The arm to serve per (temperature bucket, batch bucket), from live steps (see the module docstring).
     Thread-safe: every request thread calls ``begin`` and ``record``."""
@@ -122,14 +155,18 @@ class StepRates:
     def __init__(self, settings: CostSettings = CostSettings()) -> None:
         self.settings = settings
         self._keys: dict[tuple[str, int], _Key] = {}
+        self._running: dict[object, Step] = {}  # request -> its step in flight
+        self._tokens: dict[str, int] = {}  # temperature bucket -> tokens of every step recorded
+        self._admitted: dict[str, int] = {}  # temperature bucket -> requests' first steps recorded
         self._lock = threading.Lock()
 
-    def begin(self, key: tuple[str, int], batch: int) -> tuple[str, int, bool]:
-        """A step begins under ``key`` with ``batch`` requests in flight: (arm, phase id, measured?)."""
+    def begin(self, key: tuple[str, int], batch: int, request: object) -> Step:
+        """``request``'s step begins under ``key`` with ``batch`` requests in flight: its arm, and whether it is
+        to be measured. End it with ``record`` (or ``end``)."""
         with self._lock:
             state = self._keys.get(key)
             if state is None:
-                state = self._keys[key] = _Key()
+                state = self._keys[key] = _Key(key)
                 if self._alone_below(key):  # serve the target alone first; the tree's probe comes later
                     state.arm, state.probing = ALONE, False
                 self._start(state, batch)
@@ -140,19 +177,72 @@ class StepRates:
                 self._start(state, batch)
             state.steps += 1
             state.begun[state.arm] += 1
-            return state.arm, state.phase, state.steps > state.settle
+            step = Step(key, state.arm, state.phase, state.steps > state.settle, request, time.monotonic())
+            self._overlap(step)
+            return step
 
-    def record(self, key: tuple[str, int], arm: str, phase: int, tokens: int, seconds: float) -> None:
-        """A measured step's tokens and cycle seconds; dropped if its phase has ended meanwhile."""
+    def record(self, step: Step, tokens: int, seconds: float, *, first: bool = False, counted: bool = True) -> None:
+        """A step ends with its tokens and cycle seconds. ``first``: its request's first step (its prefill),
+        which measures the arm's admission cost. Otherwise measured if it was to be, ``counted`` (not beside a
+        prefill, not cut short), overlapped no step of the other arm, and its phase still runs."""
         with self._lock:
-            state = self._keys.get(key)
-            if state is None or state.phase != phase or seconds <= 0:
+            self._end(step)
+            temperature = step.key[0]
+            self._tokens[temperature] = self._tokens.get(temperature, 0) + tokens
+            state = self._keys.get(step.key)
+            if first:
+                self._admitted[temperature] = self._admitted.get(temperature, 0) + 1
+                if state is not None and seconds > 0:
+                    state.admits.setdefault(step.arm, deque(maxlen=self.settings.window)).append(seconds)
                 return
-            state.samples.setdefault(arm, deque(maxlen=self.settings.window)).append((tokens, seconds, phase))
+            if (not counted or not step.measured or not step.alike or state is None or state.phase != step.phase
+                    or seconds <= 0):
+                return
+            state.samples.setdefault(step.arm, deque(maxlen=self.settings.window)).append(
+                (tokens, seconds, step.phase))
             state.recorded += 1
 
+    def end(self, step: Step) -> None:
+        """A step ends without a verdict (its request failed): it no longer marks the steps beside it."""
+        with self._lock:
+            self._end(step)
+
+    def _overlap(self, step: Step) -> None:
+        """Mark ``step`` and the steps running beside it of the other arm as not alike (not measured)."""
+        stale = step.began - self.settings.stale_s  # a step never ended (its request failed): forget it
+        self._running = {r: s for r, s in self._running.items() if s.began > stale and r is not step.request}
+        for other in self._running.values():
+            if other.arm != step.arm:
+                other.alike = step.alike = False
+        self._running[step.request] = step
+
+    def _end(self, step: Step) -> None:
+        if self._running.get(step.request) is step:
+            del self._running[step.request]
+
     def _rate(self, state: _Key, arm: str, min_steps: int | None = None) -> float | None:
-        return state.rate(arm, self.settings.min_steps if min_steps is None else min_steps, self.settings.phases)
+        """``arm``'s tokens/s a request, its admission cost included (see ``_admission``)."""
+        rate = state.rate(arm, self.settings.min_steps if min_steps is None else min_steps, self.settings.phases)
+        admission = self._admission(state)
+        if rate is None or admission is None:
+            return rate
+        tokens, batch = admission
+        return tokens / (tokens / rate + batch * mean(state.admits[arm]))
+
+    def _admission(self, state: _Key) -> tuple[float, int] | None:
+        """(tokens a request generates, requests in the batch) when both arms' first steps are measured here.
+
+        Each request's first step prefills its prompt, and every other request of the batch waits beside it:
+        in a batch of B, a request of L tokens sees about B first steps (its own and B - 1 others'), so an
+        arm's rate r becomes L / (L / r + B x its mean first step). The tree's first step is the longer (the
+        draft prefills too, and a joining request waits for longer steps): through Serve at 2 clients, 48
+        tokens, the tree's steps ran at 9.6 tokens/s a request and the target alone's at ~10, while the
+        service gave 8.0 against 9.3 — the steps beside the first steps, not measured, made the difference."""
+        temperature, batch = state.key
+        admitted = self._admitted.get(temperature, 0)
+        if admitted == 0 or any(len(state.admits.get(arm, ())) == 0 for arm in ARMS):
+            return None
+        return max(1.0, self._tokens.get(temperature, 0) / admitted), batch
 
     def best(self, state: _Key) -> str:
         """The faster arm (the tree until the target alone measured faster)."""
@@ -186,6 +276,10 @@ class StepRates:
     def _next(self, state: _Key, batch: int) -> None:
         best = self.best(state)
         missing = next((a for a in ARMS if self._rate(state, a) is None), None)
+        if missing is None and any(state.admits.values()) and state.first_probes < FIRST_STEP_PROBES:
+            # one arm's first steps are measured: the other's too?
+            missing = next((a for a in ARMS if not state.admits.get(a)), None)
+            state.first_probes += missing is not None
         if missing is not None:  # an arm not measured enough yet (the first phases): measure it
             state.arm, state.probing = missing, True
         elif state.probing or state.arm != best:  # a probe ended: serve the faster arm
@@ -197,15 +291,18 @@ class StepRates:
         self._start(state, batch)
 
     def summary(self) -> dict[str, dict]:
-        """Per key ``t0.0-b8``: the arm served, each arm's measured tokens/s per request and measured steps (the
-        window's), and the steps each arm has run (``begun``: measured or not, since the start)."""
+        """Per key ``t0.0-b8``: the arm served, each arm's measured tokens/s per request (first steps included
+        once both arms have some) and measured steps (the window's), each arm's mean first step (seconds), and
+        the steps each arm has run (``begun``: measured or not, since the start)."""
         with self._lock:
             out = {}
             for (temperature, bucket), state in sorted(self._keys.items()):
                 rates = {arm: self._rate(state, arm, 1) for arm in ARMS}
+                admits = {a: round(mean(state.admits[a]), 3) if state.admits.get(a) else None for a in ARMS}
                 out[f"{temperature}-b{bucket}"] = {
                     "serving": state.arm if not state.probing else self.best(state),
                     "tok_s": {a: None if r is None else round(r, 3) for a, r in rates.items()},
+                    "first_step_s": admits,
                     "steps": {a: len(state.samples.get(a, ())) for a in ARMS}, "begun": dict(state.begun)}
             return out
 
@@ -218,21 +315,24 @@ class StepRates:
 class _RequestArm:
     def __init__(self, rates: StepRates, temperature: str, batch: Callable[[], int], inner: StepPolicy | None) -> None:
         self.rates, self.temperature, self.batch, self.inner = rates, temperature, batch, inner
-        self.step, self.key, self.arm, self.phase, self.measured = 0, None, TREE, 0, False
+        self.steps, self.step = 0, None
 
     def plan(self, base: TreePlan) -> TreePlan:
         batch = max(1, self.batch())
-        self.key = (self.temperature, batch_bucket(batch))
-        self.arm, self.phase, self.measured = self.rates.begin(self.key, batch)
-        self.step += 1
-        if self.arm == ALONE:
+        if self.step is not None:  # the previous step was never observed (its verdict failed)
+            self.rates.end(self.step)
+        self.step = self.rates.begin((self.temperature, batch_bucket(batch)), batch, self)
+        self.steps += 1
+        if self.step.arm == ALONE:
             return ROOT_ONLY
         return self.inner.plan(base) if self.inner is not None else base
 
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
+        step, self.step = self.step, None
         # not the first step (the prefill), a step beside another's prefill, nor a tree cut to the root (the
         # request's last token)
-        if self.measured and self.step > 1 and not verdict.prefill_beside and (self.arm == ALONE or plan.n > 1):
-            self.rates.record(self.key, self.arm, self.phase, len(verdict.tokens), seconds)
+        if step is not None:
+            counted = not verdict.prefill_beside and (step.arm == ALONE or plan.n > 1)
+            self.rates.record(step, len(verdict.tokens), seconds, first=self.steps == 1, counted=counted)
         if self.inner is not None:
             self.inner.observe(plan, verdict, seconds)

@@ -23,13 +23,12 @@ def drive(rates: StepRates, key, batch: int, rounds: int, rate: dict[str, float]
     the arm of every step."""
     arms, pending = [], []
     for _ in range(rounds):
-        for _ in range(batch):
-            arm, phase, measured = rates.begin(key, batch)
-            arms.append(arm)
-            pending.append((arm, phase, measured))
-        for arm, phase, measured in pending:  # the round's steps end after all of them began
-            if measured:
-                rates.record(key, arm, phase, 1, 1.0 / rate[arm])
+        for request in range(batch):
+            step = rates.begin(key, batch, request)
+            arms.append(step.arm)
+            pending.append(step)
+        for step in pending:  # the round's steps end after all of them began
+            rates.record(step, 1, 1.0 / rate[step.arm])
         pending.clear()
     return arms
 
@@ -59,19 +58,132 @@ def test_keys_learn_apart_and_follow_a_change():
     assert last.count(TREE) >= len(last) - 2 * (1 + SETTINGS.probe_rounds) * 8
 
 
+def _step(rates: StepRates, key, request, tokens: int | None = None, arm: str | None = None):
+    """One step of ``request`` at batch 1, ended with ``tokens`` in 1 s (None: left running)."""
+    step = rates.begin(key, 1, request)
+    assert arm is None or step.arm == arm
+    if tokens is not None:
+        rates.record(step, tokens, 1.0)
+    return step
+
+
 def test_a_step_that_ends_after_its_phase_is_not_measured():
-    rates = StepRates(CostSettings(probe_every=1, probe_rounds=1, window=8, min_steps=1))
-    key = ("t0.0", 1)
-    arm, phase, measured = rates.begin(key, 1)  # the settle step of the first phase
-    assert (arm, measured) == (TREE, False)
-    arm, phase, measured = rates.begin(key, 1)
-    assert measured
-    rates.begin(key, 1)  # the phase ends: the next one (the target alone) starts
-    rates.record(key, arm, phase, 5, 1.0)
-    assert rates.summary()["t0.0-b1"]["steps"] == {TREE: 0, ALONE: 0}
+    """Even when the next phase runs the same arm: the target alone's probe wins, and its last step ends after
+    the target alone's served phase began."""
+    rates, key = StepRates(CostSettings(probe_every=1, probe_rounds=2, window=8, min_steps=1)), ("t0.0", 1)
+    for arm, tokens, steps in ((TREE, 5, 3), (ALONE, 1, 3), (TREE, 5, 2)):  # 2 probes; the tree serves (5 > 1)
+        for _ in range(steps):
+            _step(rates, key, "a", tokens, arm)
+    assert rates.summary()["t0.0-b1"]["serving"] == TREE
+    _step(rates, key, "a", 0, ALONE)  # the next probe of the target alone: its settle step
+    _step(rates, key, "a", 20, ALONE)  # its last 2 phases: 22 tokens in 3 s, now above the tree's 5/s
+    late = _step(rates, key, "a", None, ALONE)
+    _step(rates, key, "b", None, ALONE)  # the probe has ended: the target alone serves
+    assert rates.summary()["t0.0-b1"]["serving"] == ALONE
+    rates.record(late, 100, 1.0)  # the same arm beside it, but its phase has ended
+    assert rates.summary()["t0.0-b1"]["steps"] == {TREE: 3, ALONE: 3}
 
 
-@pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"window": 0}, {"min_steps": 0}])
+def test_a_step_beside_a_step_of_the_other_arm_is_not_measured():
+    """A phase's switch reaches the requests one step apart: while ``a`` still runs its tree step, ``b``'s
+    target-alone steps share its forwards. Neither counts; steps beside their own kind do. Fails if steps
+    of the two arms that overlap are measured."""
+    rates, key = StepRates(CostSettings(probe_every=50, probe_rounds=3, window=64, min_steps=1)), ("t0.0", 2)
+    settle = [rates.begin(key, 2, r) for r in "ab"]
+    for step in settle:
+        rates.record(step, 1, 1.0)
+    a, b = (rates.begin(key, 2, r) for r in "ab")  # measured tree steps, side by side
+    assert (a.arm, b.arm, a.measured, b.measured) == (TREE, TREE, True, True)
+    rates.record(b, 3, 1.0)
+    for _ in range(4):  # b's tree steps go on beside a's long one, to the end of the tree's probe
+        rates.record(rates.begin(key, 2, "b"), 3, 1.0)
+    for _ in range(2):  # the target alone's probe: its settle steps
+        step = rates.begin(key, 2, "b")
+        assert (step.arm, step.measured) == (ALONE, False)
+        rates.record(step, 1, 1.0)
+    alone = rates.begin(key, 2, "b")
+    assert (alone.arm, alone.measured) == (ALONE, True)
+    rates.record(alone, 1, 0.5)  # beside a's tree step: not counted
+    rates.record(a, 3, 9.0)  # the tree step that straddled the switch (its phase has ended, too)
+    assert rates.summary()["t0.0-b2"]["steps"] == {TREE: 5, ALONE: 0}
+    both = [rates.begin(key, 2, r) for r in "ab"]  # both on the target alone now: measured
+    for step in both:
+        rates.record(step, 1, 0.1)
+    assert rates.summary()["t0.0-b2"]["steps"] == {TREE: 5, ALONE: 2}
+
+
+def test_a_step_never_ended_stops_marking_others_once_stale():
+    """A request that failed mid-step never ends its step: after ``stale_s`` it no longer keeps the other arm's
+    steps from being measured."""
+    settings = CostSettings(probe_every=50, probe_rounds=1, window=8, min_steps=1, stale_s=0.2)
+    rates, key = StepRates(settings), ("t0.0", 2)
+    for request in ("a", "lost", "a", "a"):  # the tree's probe: 2 settle steps, 2 measured
+        step = rates.begin(key, 2, request)
+        if request == "a":
+            rates.record(step, 1, 1.0)  # "lost" never ends its step
+    for _ in range(3):  # the target alone's probe: 2 settle steps, then one beside the lost tree step
+        step = rates.begin(key, 2, "a")
+        assert step.arm == ALONE
+        rates.record(step, 1, 1.0)
+    assert rates.summary()["t0.0-b2"]["steps"] == {TREE: 2, ALONE: 0}
+    time.sleep(0.3)
+    rates.record(rates.begin(key, 2, "a"), 1, 1.0)
+    assert rates.summary()["t0.0-b2"]["steps"] == {TREE: 2, ALONE: 1}
+
+
+FIRST_STEP_S = {TREE: 1.2, ALONE: 0.35}  # a request's first step (its prefill): the tree's draft prefills too
+
+
+def _serve(rates: StepRates, seconds: float, tokens: int = 48) -> dict[str, int]:
+    """Two clients, each sending requests of ``tokens`` tokens one after another, in simulated time for
+    ``seconds``; each step's cost is fixed when it begins. A request's first step gives 1 token in
+    ``FIRST_STEP_S[arm]``, and a step beginning beside it waits as long (not counted: beside a prefill). A
+    tree step gives 3 tokens in 0.3 s (10 tokens/s), a target-alone step 1 token in 0.11 s (9.1/s). With the
+    first steps, a request of 48 tokens takes ~7.1 s with the tree and ~5.9 s with the target alone. Steps
+    run per arm."""
+    running: dict[str, tuple] = {}  # client -> (end time, seconds, step, tokens, first, counted)
+    left = dict.fromkeys("ab", 0)  # client -> tokens its request still generates (0: a new one begins)
+    now, runs = 0.0, dict.fromkeys((TREE, ALONE), 0)
+
+    def start(client: str) -> None:
+        first = left[client] == 0
+        left[client] = left[client] or tokens
+        step = rates.begin(("t0.0", 2), 2, client)
+        beside_first = any(r[4] for c, r in running.items() if c != client)
+        if first or beside_first:
+            took, got = FIRST_STEP_S[step.arm], 1
+        else:
+            took, got = (0.3, 3) if step.arm == TREE else (0.11, 1)
+        got = min(got, left[client])
+        running[client] = (now + took, took, step, got, first, not beside_first)
+        runs[step.arm] += 1
+
+    for client in "ab":
+        start(client)
+    while now < seconds:
+        client = min(running, key=lambda c: running[c][0])
+        now, took, step, got, first, counted = running.pop(client)
+        rates.record(step, got, took, first=first, counted=counted)
+        left[client] -= got
+        start(client)
+    return runs
+
+
+def test_the_arm_with_the_cheaper_first_steps_wins_when_they_outweigh_its_slower_steps():
+    """The tree's steps are faster (10 against 9.1 tokens/s) but its first steps cost 1.2 s against 0.35, and
+    48-token requests see about two each: the target alone serves ~1.2x more, and is served (1200 simulated
+    s, ~10000 steps); the tree runs at most its probes' share of the steps. Fails if the first steps are
+    left out: then the tree measures faster and serves."""
+    rates = StepRates(SETTINGS)
+    runs = _serve(rates, 1200.0)
+    summary = rates.summary()["t0.0-b2"]
+    assert summary["serving"] == ALONE, summary
+    assert summary["first_step_s"] == pytest.approx(FIRST_STEP_S, rel=0.01)
+    assert runs[TREE] < 0.15 * (runs[TREE] + runs[ALONE]), runs
+
+
+@pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"window": 0}, {"min_steps": 0},
+                                 {"stale_s": 0}])
 def test_settings_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         CostSettings(**bad)
@@ -125,6 +237,7 @@ def test_the_engine_measures_cycles_and_moves_to_the_target_alone_when_it_is_fas
     out = decoder.generate([1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
     summary = rates.summary()["t0.0-b1"]
     assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > 2 * summary["tok_s"][TREE]
+    assert summary["first_step_s"][TREE] > 0 and summary["first_step_s"][ALONE] is None  # its one request's
     steps_alone = out.token_ids.count(6)  # a step of the target alone gives token 6, a tree step 4, 5
     steps_tree = (len(out.token_ids) - steps_alone) // 2
     assert steps_alone > 2 * steps_tree, (steps_alone, steps_tree)

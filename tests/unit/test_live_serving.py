@@ -141,9 +141,7 @@ def test_the_step_rates_are_exported_as_metrics():
     rates = StepRates(CostSettings(probe_every=1, probe_rounds=1, window=8, min_steps=1))
     key = ("t0.6", 4)
     for tokens, seconds in ((3, 1.0), (3, 1.0), (1, 0.25), (1, 0.25)):  # one phase per pair of steps (batch 1)
-        arm, phase, measured = rates.begin(key, 1)
-        if measured:
-            rates.record(key, arm, phase, tokens, seconds)
+        rates.record(rates.begin(key, 1, "a"), tokens, seconds)
     metrics = ServiceMetrics()
     metrics.step_rate, metrics.speculating = _Recorder(), _Recorder()
     metrics.step_rates(rates.summary())
