@@ -78,6 +78,9 @@ class ServeConfig(BaseModel):
     batch_layout: str = Field("auto", description="How a batch's ragged requests share a forward: flat (one "
                               "sequence, block mask; no padding) | padded (batch dimension, padded to the longest) "
                               "| auto (padded when every request forwards one token, else flat).")
+    batch_hold_s: float = Field(1.0, ge=0, le=60, description="After a request ends, steps go on planning for the "
+                                "batch it left (its plan, its live_cost arm) this long: a client's next request "
+                                "usually arrives within it (0: plan for the requests in flight right now).")
     batch_wait_ms: float = Field(0.0, ge=0, le=10_000, description="How long a forward may wait for the requests of "
                                  "the previous one that come straight back (target-alone steps), so they share "
                                  "forwards instead of alternating (0 = start each forward at once). Requests growing "

@@ -29,6 +29,7 @@ from deployments.metrics import ServiceMetrics
 from deployments.service import LivePlanner, PlanProvider, Runner, TreeFamilies
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
+from sequoia_ray.in_flight import InFlight
 from sequoia_ray.live_cost import CostSettings, StepRates
 from sequoia_ray.local import encode
 
@@ -141,7 +142,7 @@ class OpenAIIngress:
         self.draft_deployment, self.target_deployment = draft, target
         self.tokenizer = load_tokenizer(self.cfg.target, progress=False)
         self.runner = Runner(self.cfg.max_concurrent)
-        self.active = 0
+        self.in_flight = InFlight(self.cfg.batch_hold_s)  # requests in flight; the batch a step plans for
         self.plans: PlanProvider | None = None
         self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
         self.families: TreeFamilies | None = None  # a tree per request (cfg.request_trees)
@@ -151,6 +152,11 @@ class OpenAIIngress:
         self.metrics = ServiceMetrics()
         key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
         self.expected_auth = f"Bearer {key}".encode() if key else None
+
+    @property
+    def active(self) -> int:
+        """Requests in flight on this replica now."""
+        return self.in_flight.count
 
     # ---- HTTP -----------------------------------------------------------------------------------
     @app.get("/health")
@@ -312,7 +318,7 @@ class OpenAIIngress:
         if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
                                     "retry later", type="rate_limit_error", code="overloaded")
-        self.active += 1
+        self.in_flight.enter()
         self.metrics.active.set(self.active)
         start, first = time.perf_counter(), None
         try:
@@ -321,8 +327,8 @@ class OpenAIIngress:
             self.metrics.plan.set(active.planned.plan.n, tags={"hardware": plans.hardware, "source": active.source,
                                                                "bucket": f"{params.temperature:.1f}"})
             family = await asyncio.to_thread(self.families.get, params.temperature) if self.families else None
-            decoder = await self._decoder(lambda: plans.get(params.temperature, self.active).planned.plan, speculate,
-                                          family)
+            decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,
+                                          speculate, family)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
@@ -335,7 +341,7 @@ class OpenAIIngress:
             logger.error("request %s failed: %s", rid, exc)
             raise _unavailable("the target model failed while generating (it is being restarted)") from None
         finally:
-            self.active -= 1
+            self.in_flight.leave()
             self.metrics.active.set(self.active)
 
     async def _decoder(self, plan, speculate: bool, family=None) -> SpeculativeDecoder:
@@ -362,7 +368,7 @@ class OpenAIIngress:
             return None
 
         def policy(params: SamplingParams):
-            batch = lambda: self.active  # noqa: E731
+            batch = self.in_flight.batch
             inner = family.policy(params, batch) if family is not None else None
             return self.rates.policy(params, batch, inner) if self.rates is not None else inner
 
