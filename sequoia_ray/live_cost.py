@@ -318,11 +318,14 @@ class _RequestArm:
         self.steps, self.step = 0, None
 
     def plan(self, base: TreePlan) -> TreePlan:
-        batch = max(1, self.batch())
         if self.step is not None:  # the previous step was never observed (its verdict failed)
             self.rates.end(self.step)
-        self.step = self.rates.begin((self.temperature, batch_bucket(batch)), batch, self)
+            self.step = None
         self.steps += 1
+        if base.n <= 1:  # the bucket's plan is the target alone already (the planner measured it faster):
+            return base  # no arm to choose, nothing to measure, and no key claiming to speculate
+        batch = max(1, self.batch())
+        self.step = self.rates.begin((self.temperature, batch_bucket(batch)), batch, self)
         if self.step.arm == ALONE:
             return ROOT_ONLY
         return self.inner.plan(base) if self.inner is not None else base

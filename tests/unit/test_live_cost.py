@@ -243,6 +243,19 @@ def test_the_engine_measures_cycles_and_moves_to_the_target_alone_when_it_is_fas
     assert steps_alone > 2 * steps_tree, (steps_alone, steps_tree)
 
 
+def test_a_bucket_whose_plan_is_the_target_alone_has_nothing_to_choose():
+    """The planner published the target alone for the bucket: every step is root-only, and no key appears
+    (before, the key's "tree" arm was that root-only plan, never measured, and reported as speculating)."""
+    target, draft = agreeing_pair()
+    params = SamplingParams(max_tokens=12, seed=0, ignore_eos=True)
+    rates = StepRates(SETTINGS)
+    out = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), ROOT_ONLY, policy=rates.policy).generate(
+        [3, 1, 4], params)
+    alone = SpeculativeDecoder(TargetWorker(target), None, ROOT_ONLY).generate([3, 1, 4], params)
+    assert out.token_ids == alone.token_ids and out.stats.steps == 12
+    assert rates.summary() == {}
+
+
 def test_greedy_text_is_the_target_alones_whatever_the_arms():
     target, draft = agreeing_pair()
     params = SamplingParams(max_tokens=40, seed=0)
