@@ -22,9 +22,13 @@ Two layouts of the batch (``LAYOUTS``), both exact:
   2 nodes at B = 8 1.08x, of 4 at B = 4 1.02x; and ``benchmarks/layout.py`` found trees of 4 faster flat when
   contexts differ widely (64-420 tokens: 308 against 355 ms at B = 8).
 
-Both copy every session's K/V into one temporary cache per step (``torch.cat``) and the new K/V back out:
-the sessions stay the single home of each request's state, untouched when the forward fails (a failed batch
-can be retried request by request). A single segment skips all of it (``KVSession.hidden`` directly).
+Both copy every session's K/V into one temporary cache per step and the new K/V back out: the sessions stay
+the single home of each request's state, untouched when the forward fails (a failed batch can be retried
+request by request). A session's cache is one ``KVStore`` (``sequoia_ray.models.kv_store``: every layer in
+one buffer), so each copy is one op per request for keys and one for values, not one per layer: at B = 8
+decode steps of the 1.5B target that took a step from 104-107 to 95-98 ms (interleaved, two rounds), the
+~2,000 small ``cat``s, copies and fills become ~30 copies; what remains is the data itself (~6 ms of copies
+a step at contexts ~130). A single segment skips all of it (``KVSession.hidden`` directly).
 
 Devices: all tensors are built on the model's device; segments must carry tensors already on it.
 """
@@ -32,10 +36,14 @@ Devices: all tensors are built on the model's device; segments must carry tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from sequoia_ray.models.tree_lm import KVSession, new_cache
+
+if TYPE_CHECKING:
+    from sequoia_ray.models.kv_store import KVStore
 
 LAYOUTS = ("auto", "flat", "padded")
 
@@ -101,27 +109,23 @@ def hidden_many(model, segments: list[Segment], layout: str = "auto") -> list[to
         return run(model, segments, device)
 
 
-def _cached_kv(segments: list[Segment], layer: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    out = []
-    for s in segments:
-        cache_layer = s.session.cache.layers[layer]
-        out.append((cache_layer.keys, cache_layer.values) if getattr(cache_layer, "is_initialized", False)
-                   and s.session.length else None)
-    return out
+def store_of(cache) -> KVStore | None:
+    from sequoia_ray.models.kv_store import store_of as of  # transformers: only where a forward runs
+
+    return of(cache)
 
 
-def _layer_shape(segments: list[Segment], layer: int):
-    for kv in _cached_kv(segments, layer):
-        if kv is not None:
-            return kv[0].shape[1], kv[0].shape[3], kv[0].dtype
-    return None
+def _stores(segments: list[Segment]) -> list[KVStore]:
+    stores = [store_of(s.session.cache) for s in segments]
+    if any(store is None for store in stores):
+        raise ValueError("a batched forward needs sessions whose cache is one KVStore (KVSession makes them: every "
+                         "layer full-attention)")
+    return stores
 
 
-def _append(segments: list[Segment], new_kv) -> None:
-    """``new_kv[layer] = [(k_b, v_b) for each segment]``, each ``[1, heads, q_b, dim]``: append to the sessions."""
-    for layer, per_segment in enumerate(new_kv):
-        for s, (k, v) in zip(segments, per_segment):
-            s.session.cache.layers[layer].update(k, v)
+def _like(stores: list[KVStore]) -> KVStore | None:
+    """A store that has buffers (their layer count, heads, sizes and dtypes), if any has."""
+    return next((store for store in stores if store.keys is not None), None)
 
 
 def _run_decoder(model, ids, positions, mask, cache, past: int, q: int, device):
@@ -147,19 +151,21 @@ def _padded(model, segments: list[Segment], device) -> list[torch.Tensor]:
         rows[:, : pasts[i]].masked_fill_(seen[:, : pasts[i]], 0)
         rows[:, p : p + qs[i]] = 0
         rows[:, p : p + qs[i]].masked_fill_(~seen[:, pasts[i] :], blocked)
-    cache = new_cache(model)
-    if p:
-        for layer in range(len(cache.layers)):
-            heads, dim, kv_dtype = _layer_shape(segments, layer)
-            keys = torch.zeros(b, heads, p, dim, dtype=kv_dtype, device=device)  # [B, heads, P, dim]
-            values = torch.zeros_like(keys)
-            for i, kv in enumerate(_cached_kv(segments, layer)):
-                if kv is not None:
-                    keys[i, :, : pasts[i]], values[i, :, : pasts[i]] = kv[0][0], kv[1][0]
-            cache.layers[layer].update(keys, values)
+    stores, cache = _stores(segments), new_cache(model)
+    like = _like(stores)
+    if p:  # one copy per request of its whole context: [layers, B, heads, P + Q, dim], padding zeroed
+        keys = like.keys.new_empty(like.keys.shape[0], b, like.keys.shape[2], p + q, like.keys.shape[4])
+        values = like.values.new_empty(like.values.shape[0], b, like.values.shape[2], p + q, like.values.shape[4])
+        for i, (store, past) in enumerate(zip(stores, pasts)):
+            if past:
+                keys[:, i : i + 1, :, :past], values[:, i : i + 1, :, :past] = _filled(store, past)
+            keys[:, i, :, past:p], values[:, i, :, past:p] = 0, 0  # finite, and masked
+        store_of(cache).keys, store_of(cache).values = keys, values
+        store_of(cache).lengths = [p] * len(cache.layers)
     hidden = _run_decoder(model, ids, positions, mask, cache, p, q, device)  # [B, Q, H]
-    _append(segments, [[(layer.keys[i : i + 1, :, p : p + qs[i]], layer.values[i : i + 1, :, p : p + qs[i]])
-                        for i in range(b)] for layer in cache.layers])
+    temp = store_of(cache)
+    for i, store in enumerate(stores):
+        store.append(temp.keys[:, i : i + 1, :, p : p + qs[i]], temp.values[:, i : i + 1, :, p : p + qs[i]])
     return [hidden[i, : qs[i]] for i in range(b)]
 
 
@@ -179,13 +185,23 @@ def _flat(model, segments: list[Segment], device) -> list[torch.Tensor]:
         rows[:, new_at[i] : new_at[i] + qs[i]].masked_fill_(seen[:, pasts[i] :], 0)
     ids = torch.cat([s.tokens for s in segments])[None]  # [1, sum q]
     positions = torch.cat([s.positions for s in segments])[None]  # [1, sum q]
-    cache = new_cache(model)
-    if p:
-        for layer in range(len(cache.layers)):
-            cached = [kv for kv in _cached_kv(segments, layer) if kv is not None]
-            cache.layers[layer].update(torch.cat([k for k, _ in cached], dim=-2),
-                                       torch.cat([v for _, v in cached], dim=-2))
+    stores, cache = _stores(segments), new_cache(model)
+    like = _like(stores)
+    if p:  # one copy per request of its whole context, one after another: [layers, 1, heads, sum past + sum q, dim]
+        keys = like.keys.new_empty(like.keys.shape[0], 1, like.keys.shape[2], p + q, like.keys.shape[4])
+        values = like.values.new_empty(like.values.shape[0], 1, like.values.shape[2], p + q, like.values.shape[4])
+        for at, past, store in zip(past_at, pasts, stores):
+            if past:
+                keys[:, :, :, at : at + past], values[:, :, :, at : at + past] = _filled(store, past)
+        store_of(cache).keys, store_of(cache).values = keys, values
+        store_of(cache).lengths = [p] * len(cache.layers)
     hidden = _run_decoder(model, ids, positions, mask, cache, p, q, device)[0]  # [sum q, H]
-    _append(segments, [[(layer.keys[:, :, a : a + n], layer.values[:, :, a : a + n]) for a, n in zip(new_at, qs)]
-                       for layer in cache.layers])
+    temp = store_of(cache)
+    for at, n, store in zip(new_at, qs, stores):
+        store.append(temp.keys[:, :, :, at : at + n], temp.values[:, :, :, at : at + n])
     return list(hidden.split(qs))
+
+
+def _filled(store: KVStore, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A store's first ``length`` slots, every layer: ``[layers, 1, heads, length, dim]`` keys and values."""
+    return store.keys[..., :length, :], store.values[..., :length, :]

@@ -1,7 +1,7 @@
 """Tree forward passes and KV compaction over any transformers causal LM that accepts 4D masks.
 
-One ``KVSession`` per request and model: a ``DynamicCache`` whose first ``length`` slots hold the K/V of
-committed tokens. ``forward`` appends q new tokens that may attend to every cached slot plus the new
+One ``KVSession`` per request and model: a ``DynamicCache`` (its layers views of one ``KVStore``) whose first
+``length`` slots hold the K/V of committed tokens. ``forward`` appends q new tokens that may attend to every cached slot plus the new
 tokens allowed by ``allowed`` (a tree: each node sees its ancestors), with explicit positions; the mask is a
 *float additive* 4D mask (0 = attend, finfo.min = blocked), correct under both eager and SDPA attention.
 ``keep`` compacts the cache to a chosen list of slots (the accepted path), contiguous, in place.
@@ -22,10 +22,15 @@ if TYPE_CHECKING:  # transformers is imported where a cache is made: a process t
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty transformers cache for ``model``."""
+    """An empty transformers cache for ``model``; its layers share one ``KVStore`` when they are all
+    full-attention (``sequoia_ray.models.kv_store``: appends in place, one copy per request per step)."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    from sequoia_ray.models.kv_store import use_store
+
+    cache = DynamicCache(config=model.config)
+    use_store(cache)
+    return cache
 
 
 @dataclass
@@ -99,6 +104,12 @@ class KVSession:
         assert slots.ndim == 1 and (slots.numel() < 2 or bool((slots[1:] > slots[:-1]).all()))
         if slots.numel() == self.length and bool((slots == torch.arange(self.length, device=slots.device)).all()):
             return
+        from sequoia_ray.models.kv_store import store_of
+
+        store = store_of(self.cache)
+        if store is not None:
+            store.keep(slots)
+            return
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", False):
                 continue
@@ -110,6 +121,12 @@ class KVSession:
         """Drop every slot at or after ``length``."""
         if length >= self.length:
             return
-        self.keep(torch.arange(min(length, self.length), device=self.device))
+        from sequoia_ray.models.kv_store import store_of
+
+        store = store_of(self.cache)
+        if store is not None:
+            store.truncate(length)
+        else:
+            self.keep(torch.arange(min(length, self.length), device=self.device))
 
 
