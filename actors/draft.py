@@ -21,7 +21,7 @@ class DraftActor(ModelActor):
         loaded = self.compute.run(load_model, spec.source, dtype=spec.dtype, quantize=spec.quantize, progress=False,
                                   device=device, linears=spec.linears)
         self.worker = self.compute.run(DraftWorker, loaded.model, layout=spec.batch_layout,
-                                       prefill_chunk=spec.prefill_chunk)
+                                       prefill_chunk=spec.prefill_chunk, prefix_cache=spec.prefix_cache())
         self.meta = model_meta(loaded, device)
         self.share = ThreadShare(spec.threads)
         self._start_batcher(self._run_batch, self._run)

@@ -30,6 +30,8 @@ class ModelActorSpec:
     batch_layout: str = "auto"  # auto | flat | padded (sequoia_ray.models.batch_forward)
     prefill_chunk: int | None = None  # longest prefill forwarded in one step (None: a whole prompt at once)
     batch_wait_s: float = 0.0  # how long a forward may wait for the previous forward's target-alone requests
+    prefix_cache_tokens: int = 0  # prompt-prefix K/V kept across requests (sequoia_ray.prefix_cache; 0: none)
+    prefix_block: int = 16  # tokens per cached block
 
     def __post_init__(self) -> None:
         from sequoia_ray.models.batch_forward import check_layout
@@ -42,12 +44,21 @@ class ModelActorSpec:
         check_layout(self.batch_layout)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {self.prefill_chunk} must be >= 1 (or None: no chunking)")
+        self.prefix_cache()  # checks the prefix cache's sizes
         if self.threads < 1:
             raise ValueError(f"threads {self.threads} must be >= 1")
         if self.quantize is not None and self.device == "cuda":
             raise ValueError(f"quantize {self.quantize!r} (dynamic int8) runs on the CPU only; use device cpu, "
                              "or no quantisation and dtype bfloat16/float16 for a GPU model")
 
+
+    def prefix_cache(self):
+        """A new ``PrefixCache`` of this spec's sizes, or None (``prefix_cache_tokens`` 0)."""
+        from sequoia_ray.prefix_cache import PrefixCache
+
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens {self.prefix_cache_tokens} must be >= 0 (0: no prefix cache)")
+        return PrefixCache(self.prefix_block, self.prefix_cache_tokens) if self.prefix_cache_tokens else None
 
     def limits(self):
         from sequoia_ray.batching import BatchLimits

@@ -58,7 +58,8 @@ class TargetRank(ModelActor):
         self.loaded = self.compute.run(self._load)
         check_sharded(self.loaded.model, self.world)
         return self.compute.run(TargetWorker, self.loaded.model, layout=self.spec.batch_layout,
-                                prefill_chunk=self.spec.prefill_chunk, retry_alone=self.world == 1)
+                                prefill_chunk=self.spec.prefill_chunk, retry_alone=self.world == 1,
+                                prefix_cache=self.spec.prefix_cache())
 
     def _load(self):
         from sequoia_ray.models.loading import load_model

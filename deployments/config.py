@@ -87,6 +87,11 @@ class ServeConfig(BaseModel):
                                  "trees are not waited for: they alternate, one group drafting while another verifies.")
     prefill_chunk: int | None = Field(256, ge=1, description="Prefill a long prompt this many tokens per step beside "
                                       "the others' decoding (None: the whole prompt in one step).")
+    prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt-prefix K/V each model actor keeps across "
+                                     "requests (a system prompt or chat template is prefilled once; least recently "
+                                     "used blocks go first). 0 = off.")
+    prefix_block: int = Field(16, ge=1, description="Tokens per cached prompt-prefix block (a prompt reuses whole "
+                              "blocks only).")
     max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted (tokens).")
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
     request_idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0, description="Free a request's KV state after this idle time.")
@@ -133,6 +138,13 @@ class ServeConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _prefix(self):
+        if 0 < self.prefix_cache_tokens < self.prefix_block:
+            raise ValueError(f"prefix_cache_tokens {self.prefix_cache_tokens} holds no block of prefix_block "
+                             f"{self.prefix_block} tokens; give >= {self.prefix_block} (or 0: no prefix cache)")
+        return self
+
+    @model_validator(mode="after")
     def _live(self):
         most = self.live_half_life / math.log(2)  # the effective sample size decay lets a rank reach
         if self.live_acceptance and most < self.live_min_samples:
@@ -157,7 +169,8 @@ class ServeConfig(BaseModel):
                               collective_timeout_s=self.collective_timeout_s,
                               max_batch_requests=self.max_batch_requests, max_batch_tokens=self.max_batch_tokens,
                               batch_layout=self.batch_layout, prefill_chunk=self.prefill_chunk,
-                              batch_wait_s=self.batch_wait_ms / 1000)
+                              batch_wait_s=self.batch_wait_ms / 1000,
+                              prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block)
 
     def plan_hardware_id(self, threads: int, accelerator: str | None = None, cpu: str | None = None) -> str:
         """The hardware id plans are published and looked up by: the override, else the configured

@@ -57,6 +57,7 @@ import torch
 from sequoia_ray.batching import NOT_YET
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.models.batch_forward import Segment, hidden_many
+from sequoia_ray.prefix_cache import PrefixCache
 from sequoia_ray.request_state import RequestState, RequestTable
 from sequoia_ray.sampling import (
     SparseDist,
@@ -180,8 +181,9 @@ class DraftWorker(RequestTable):
     state_type = _Request
 
     def __init__(self, model, *, support: int = DEFAULT_SUPPORT, layout: str = "auto",
-                 prefill_chunk: int | None = None, dynamic: DynamicTrees | None = None) -> None:
-        super().__init__(model)
+                 prefill_chunk: int | None = None, dynamic: DynamicTrees | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        super().__init__(model, prefix_cache)
         self.support, self.layout = support, layout
         self.dynamic = dynamic  # None: every tree is its plan (see the module docstring)
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
@@ -191,7 +193,8 @@ class DraftWorker(RequestTable):
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
         super().start(request_id, prompt, params, seed)
-        self.requests[request_id].prefill_mark = self.prefilled
+        req = self.requests[request_id]
+        req.prefill_mark, req.cached = self.prefilled, req.session.length  # past a cached prefix, if any
 
     def grow(self, request_id: str, plan: TreePlan, commits=()) -> DraftTree:
         """Apply ``commits`` (see ``commit``), then grow ``plan``'s tree on the draft's device; returns it as

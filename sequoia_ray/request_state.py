@@ -8,12 +8,16 @@ verified tree on the host, so its generator is a host generator."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.models.tree_lm import KVSession, new_cache
 from sequoia_ray.request_errors import UnknownRequest
+
+if TYPE_CHECKING:
+    from sequoia_ray.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -29,10 +33,12 @@ class RequestTable:
 
     state_type: type[RequestState] = RequestState
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, prefix_cache: PrefixCache | None = None) -> None:
         check_full_attention(model)
         self.model = model
         self.requests: dict[str, RequestState] = {}
+        self.prefix_cache = prefix_cache  # K/V of prompt prefixes shared across requests (None: none)
+        self._prompts: dict[str, int] = {}  # request -> its prompt's length (what the prefix cache may keep)
 
     @property
     def device(self) -> torch.device:
@@ -46,10 +52,21 @@ class RequestTable:
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
         gen = torch.Generator(device=self.generator_device).manual_seed(seed)
-        self.requests[request_id] = self.state_type(KVSession(self.model), list(prompt), params, gen)
+        session = KVSession(self.model)
+        if self.prefix_cache is not None:  # the session starts past its prompt's cached prefix
+            from sequoia_ray.models.kv_store import store_of
+
+            for block in self.prefix_cache.lookup(prompt):
+                store_of(session.cache).append(block.keys, block.values)
+            self._prompts[request_id] = len(prompt)
+        self.requests[request_id] = self.state_type(session, list(prompt), params, gen)
 
     def finish(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        req, prompt = self.requests.pop(request_id, None), self._prompts.pop(request_id, None)
+        if req is not None and prompt is not None:
+            from sequoia_ray.models.kv_store import store_of
+
+            self.prefix_cache.insert(req.committed[:prompt], store_of(req.session.cache))
 
     def get(self, request_id: str) -> RequestState:
         try:

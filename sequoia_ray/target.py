@@ -31,6 +31,7 @@ from sequoia_ray.batching import NOT_YET
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
 from sequoia_ray.models.batch_forward import Segment, hidden_many
+from sequoia_ray.prefix_cache import PrefixCache
 from sequoia_ray.request_state import RequestState, RequestTable
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict, verify_tree
@@ -60,8 +61,8 @@ class TargetWorker(RequestTable):
     state_type = _TargetRequest
 
     def __init__(self, model, *, layout: str = "auto", prefill_chunk: int | None = None,
-                 retry_alone: bool = True) -> None:
-        super().__init__(model)
+                 retry_alone: bool = True, prefix_cache: PrefixCache | None = None) -> None:
+        super().__init__(model, prefix_cache)
         self.layout = layout
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
         # A failed batched forward is retried request by request, unless this is one rank of a tensor-parallel

@@ -16,7 +16,8 @@ def test_serve_config_builds_the_actor_specs():
     draft, target = cfg.actor_spec("draft"), cfg.actor_spec("target")
     assert draft == ModelActorSpec("d", dtype="float32", quantize="int8", device="auto", threads=3,
                                    idle_timeout_s=7.0, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-                                   prefill_chunk=cfg.prefill_chunk)
+                                   prefill_chunk=cfg.prefill_chunk, prefix_cache_tokens=cfg.prefix_cache_tokens,
+                                   prefix_block=cfg.prefix_block)
     assert target.source == "t" and target.quantize is None  # only the draft is quantised
     batched = ServeConfig(max_batch_requests=1, max_batch_tokens=64, batch_layout="flat", prefill_chunk=32)
     spec = batched.actor_spec("target")
