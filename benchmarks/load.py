@@ -394,6 +394,7 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     except ValueError as exc:
         raise SystemExit(f"load.py: --vllm: {exc}") from None
     options = {"python": args.vllm_python} if args.vllm_python else {}
+    options["prefix_caching"] = cfg.get("prefix_cache_tokens", ServeConfig().prefix_cache_tokens) > 0  # as ours
     rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout, vllm, options)
     columns = ["mode", "clients", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
                "requests/forward", "target busy", "completed", "errors", "mismatches", "held after"]

@@ -6,9 +6,10 @@ to set beside our in-process ones. A user choosing a service compares services: 
 ``vllm.entrypoints.openai.api_server`` (the ``vllm serve`` entry point) on loopback, and the load
 benchmark's clients send it the same prompts, at the same client counts, for the same time as our service,
 in the same run. Settings: ``plain`` (the target alone) and ``kK`` (vLLM's chain speculation with the same
-draft, ``num_speculative_tokens`` K). Both engines serve bfloat16, greedy, without prefix caching (the
-clients cycle over 12 prompts: a prefix cache would skip the prefills ours pays), ``max_model_len``
-2048. Each request asks for ``stream_options.include_usage`` so the stream ends with its token count, as
+draft, ``num_speculative_tokens`` K). Both engines serve bfloat16, greedy, ``max_model_len`` 2048, and
+prefix caching as ours is set (``prefix_caching``: load.py passes whether our service's ``prefix_cache_tokens``
+is above 0): the clients cycle over 12 prompts, so a cache on one side only would skip prefills the other
+pays. Each request asks for ``stream_options.include_usage`` so the stream ends with its token count, as
 ours does. The speculative settings' tokens/step come from vLLM's Prometheus counters (``/metrics``).
 
 The child's environment is vllm_peer's (``VLLM_CPU_OMP_THREADS_BIND`` = every core, the KV-cache space,
@@ -47,10 +48,11 @@ def parse_settings(text: str) -> list[str]:
 
 
 def server_command(python: Path, setting: str, port: int, *, model_name: str, target: Path = TARGET,
-                   draft: Path = DRAFT, max_model_len: int = 2048) -> list[str]:
+                   draft: Path = DRAFT, max_model_len: int = 2048, prefix_caching: bool = False) -> list[str]:
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
            "--served-model-name", model_name, "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
-           "--host", "127.0.0.1", "--port", str(port), "--seed", "0", "--no-enable-prefix-caching",
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
            "--uvicorn-log-level", "warning"]
     if setting != "plain":
         spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": int(setting[1:])}
@@ -60,7 +62,8 @@ def server_command(python: Path, setting: str, port: int, *, model_name: str, ta
 
 @contextlib.contextmanager
 def vllm_serving(setting: str, *, model_name: str, python: Path = VLLM_PYTHON, threads_bind: str | None = None,
-                 kv_cache_gb: int = 2, start_timeout: float = 1800.0, log_dir: Path | None = None) -> Iterator[str]:
+                 kv_cache_gb: int = 2, start_timeout: float = 1800.0, log_dir: Path | None = None,
+                 prefix_caching: bool = False) -> Iterator[str]:
     """The server for ``setting`` on a free loopback port; yields its base URL once ``/health`` answers,
     stops it afterwards. A server that exits or does not come up raises with the tail of its log."""
     if not python.exists():
@@ -72,7 +75,8 @@ def vllm_serving(setting: str, *, model_name: str, python: Path = VLLM_PYTHON, t
     env = vllm_env(threads_bind or ALL_CORES, kv_cache_gb, python.parent.parent)
     env.pop("PYTHONPATH", None)
     with open(log, "w") as fh:
-        proc = subprocess.Popen(server_command(python, setting, port, model_name=model_name), env=env, stdout=fh,
+        proc = subprocess.Popen(server_command(python, setting, port, model_name=model_name,
+                                               prefix_caching=prefix_caching), env=env, stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -58,6 +58,8 @@ def test_server_command_speculates_only_with_k():
     k3 = server_command(Path("/v/bin/python"), "k3", 8123, model_name="bench", target=Path("/t"), draft=Path("/d"))
     spec = json.loads(k3[k3.index("--speculative-config") + 1])
     assert spec == {"method": "draft_model", "model": "/d", "num_speculative_tokens": 3}
+    cached = server_command(Path("/v/bin/python"), "plain", 8123, model_name="bench", prefix_caching=True)
+    assert "--enable-prefix-caching" in cached and "--no-enable-prefix-caching" not in cached
 
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
