@@ -152,7 +152,7 @@ def _padded(model, segments: list[Segment], device) -> list[torch.Tensor]:
         rows[:, p : p + qs[i]] = 0
         rows[:, p : p + qs[i]].masked_fill_(~seen[:, pasts[i] :], blocked)
     stores, cache = _stores(segments), new_cache(model)
-    like = _like(stores)
+    like, temp = _like(stores), store_of(cache)  # the step's temporary cache: its K/V, then the new tokens'
     if p:  # one copy per request of its whole context: [layers, B, heads, P + Q, dim], padding zeroed
         keys = like.keys.new_empty(like.keys.shape[0], b, like.keys.shape[2], p + q, like.keys.shape[4])
         values = like.values.new_empty(like.values.shape[0], b, like.values.shape[2], p + q, like.values.shape[4])
@@ -160,10 +160,8 @@ def _padded(model, segments: list[Segment], device) -> list[torch.Tensor]:
             if past:
                 keys[:, i : i + 1, :, :past], values[:, i : i + 1, :, :past] = _filled(store, past)
             keys[:, i, :, past:p], values[:, i, :, past:p] = 0, 0  # finite, and masked
-        store_of(cache).keys, store_of(cache).values = keys, values
-        store_of(cache).lengths = [p] * len(cache.layers)
+        temp.hold(keys, values, p)
     hidden = _run_decoder(model, ids, positions, mask, cache, p, q, device)  # [B, Q, H]
-    temp = store_of(cache)
     for i, store in enumerate(stores):
         store.append(temp.keys[:, i : i + 1, :, p : p + qs[i]], temp.values[:, i : i + 1, :, p : p + qs[i]])
     return [hidden[i, : qs[i]] for i in range(b)]
@@ -186,17 +184,15 @@ def _flat(model, segments: list[Segment], device) -> list[torch.Tensor]:
     ids = torch.cat([s.tokens for s in segments])[None]  # [1, sum q]
     positions = torch.cat([s.positions for s in segments])[None]  # [1, sum q]
     stores, cache = _stores(segments), new_cache(model)
-    like = _like(stores)
+    like, temp = _like(stores), store_of(cache)  # the step's temporary cache: its K/V, then the new tokens'
     if p:  # one copy per request of its whole context, one after another: [layers, 1, heads, sum past + sum q, dim]
         keys = like.keys.new_empty(like.keys.shape[0], 1, like.keys.shape[2], p + q, like.keys.shape[4])
         values = like.values.new_empty(like.values.shape[0], 1, like.values.shape[2], p + q, like.values.shape[4])
         for at, past, store in zip(past_at, pasts, stores):
             if past:
                 keys[:, :, :, at : at + past], values[:, :, :, at : at + past] = _filled(store, past)
-        store_of(cache).keys, store_of(cache).values = keys, values
-        store_of(cache).lengths = [p] * len(cache.layers)
+        temp.hold(keys, values, p)
     hidden = _run_decoder(model, ids, positions, mask, cache, p, q, device)[0]  # [sum q, H]
-    temp = store_of(cache)
     for at, n, store in zip(new_at, qs, stores):
         store.append(temp.keys[:, :, :, at : at + n], temp.values[:, :, :, at : at + n])
     return list(hidden.split(qs))

@@ -28,12 +28,12 @@ class KVStore:
         self.values: torch.Tensor | None = None  # [layers, batch, heads, capacity, value dim]
         self.lengths = [0] * layers  # filled slots per layer (equal between forwards)
 
-    @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> KVStore:
-        """A store over ``keys`` / ``values`` whose first ``length`` slots are filled (the next writes go after)."""
-        store = cls(keys.shape[0])
-        store.keys, store.values, store.lengths = keys, values, [length] * keys.shape[0]
-        return store
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take ``keys`` / ``values`` (``[layers, batch, heads, capacity, dim]``) as the buffers, their first
+        ``length`` slots filled: the next writes go after them."""
+        layers = len(self.lengths)
+        assert keys.shape[0] == layers, f"{keys.shape[0]} layers of K/V for a {layers}-layer store"
+        self.keys, self.values, self.lengths = keys, values, [length] * layers
 
     @property
     def length(self) -> int:
@@ -49,9 +49,9 @@ class KVStore:
         if self.keys is not None:
             if _rows(self.keys) != _rows(key_states, stored=False) or _rows(self.values) != _rows(value_states,
                                                                                             stored=False):
-                raise ValueError(f"K/V {tuple(key_states.shape)} / {tuple(value_states.shape)} do not match the cache's "
-                                 f"{tuple(self.keys.shape)} / {tuple(self.values.shape)} ([layers, batch, heads, slots, "
-                                 f"dim]): every layer needs the same K/V heads and size")
+                raise ValueError(f"K/V {tuple(key_states.shape)} / {tuple(value_states.shape)} do not match the "
+                                 f"cache's {tuple(self.keys.shape)} / {tuple(self.values.shape)} ([layers, batch, "
+                                 "heads, slots, dim]): every layer needs the same K/V heads and size")
             if end <= self.capacity:
                 return
         capacity = max(end, 2 * self.length, MIN_CAPACITY)
@@ -87,7 +87,8 @@ class KVStore:
 
 
 def _rows(t: torch.Tensor, stored: bool = True) -> tuple:
-    """(batch, heads, dim, dtype) of a store's ``[layers, batch, heads, slots, dim]`` or new ``[batch, heads, q, dim]``."""
+    """(batch, heads, dim, dtype) of a store's ``[layers, batch, heads, slots, dim]``, or of new K/V
+    ``[batch, heads, q, dim]``."""
     b, h, d = (t.shape[1], t.shape[2], t.shape[4]) if stored else (t.shape[0], t.shape[1], t.shape[3])
     return b, h, d, t.dtype
 
