@@ -10,8 +10,9 @@ Devices: the tree is grown on the draft model's device, with the request's gener
 returns it as host tensors (``DraftTree.to("cpu")``), which is what crosses to the target (a Ray actor sends
 host tensors), and the target places it on its own device on arrival.
 
-Dynamic trees (``DraftWorker(..., dynamic=DynamicTrees(threshold, extend))``, EAGLE-2's idea with the DP's plan
-as prior and budget). A node's *path probability* v is the product of the draft's probabilities of the tokens
+Dynamic trees (``DraftWorker(..., dynamic=DynamicTrees(threshold, extend))`` for every tree, or a ``rule`` per
+``grow`` call, e.g. the cost model's for the plan served: ``DynamicRules``), EAGLE-2's idea with the DP's plan
+as prior and budget. A node's *path probability* v is the product of the draft's probabilities of the tokens
 on its path (D at the request's temperature; greedy: the draft's softmax at T = 1) — the draft's estimate that
 the target accepts the whole path, i.e. the node's expected gain in tokens. At a node with k planned children
 the draft draws the k tokens in draw order and keeps children while ``v · E_i >= threshold`` (it stops at the
@@ -196,11 +197,12 @@ class DraftWorker(RequestTable):
         req = self.requests[request_id]
         req.prefill_mark, req.cached = self.prefilled, req.session.length  # past a cached prefix, if any
 
-    def grow(self, request_id: str, plan: TreePlan, commits=()) -> DraftTree:
-        """Apply ``commits`` (see ``commit``), then grow ``plan``'s tree on the draft's device; returns it as
-        host tensors (what crosses processes)."""
+    def grow(self, request_id: str, plan: TreePlan, commits=(), rule: DynamicTrees | None = None) -> DraftTree:
+        """Apply ``commits`` (see ``commit``), then grow ``plan``'s tree on the draft's device — pruned and
+        extended by ``rule`` (None: the worker's ``dynamic``); returns it as host tensors (what crosses
+        processes)."""
         while True:  # a long prompt takes one step per prefill chunk
-            (result,) = self.grow_batch([(request_id, plan, commits)])
+            (result,) = self.grow_batch([(request_id, plan, commits, rule)])
             if isinstance(result, Exception):
                 raise result
             if not isinstance(result, str):
@@ -211,14 +213,15 @@ class DraftWorker(RequestTable):
         req, plan = self.get(request_id), args[0]
         unsent = sum(len(tokens) for _, tokens, at in (args[1] if len(args) > 1 else ()) if at >= len(req.committed))
         pending = len(req.committed) + unsent - req.cached
-        extra = self.dynamic.extend if self.dynamic is not None else 0
+        rule = self._rule(args[2] if len(args) > 2 else None)
+        extra = rule.extend if rule is not None else 0
         return self.prefill_chunk if self._chunked(pending) else pending + plan.n + extra
 
     def _chunked(self, pending: int) -> bool:
         return self.prefill_chunk is not None and pending > self.prefill_chunk
 
     def grow_batch(self, calls: list[tuple]) -> list[DraftTree | Exception | str]:
-        """``calls``: ``(request_id, plan[, commits])``. Every call's tree (host tensors), the exception that ended
+        """``calls``: ``(request_id, plan[, commits[, rule]])``. Every call's tree (host tensors), the exception that ended
         it, or ``NOT_YET`` (a chunk of its prompt was prefilled; call again). A forward that fails as a whole is
         retried request by request (each regrows from its committed tokens; commits apply once)."""
         try:
@@ -233,11 +236,11 @@ class DraftWorker(RequestTable):
         results: list[DraftTree | Exception | str | None] = [None] * len(calls)
         growing: dict[int, _Growth] = {}
         segments: dict[int, Segment] = {}
-        for i, (request_id, plan, *commits) in enumerate(calls):
+        for i, (request_id, plan, *rest) in enumerate(calls):
             try:
-                for path, tokens, at in commits[0] if commits else ():
+                for path, tokens, at in rest[0] if rest else ():
                     self.commit(request_id, path, tokens, at)
-                growing[i], segments[i] = self._start_growth(request_id, plan)
+                growing[i], segments[i] = self._start_growth(request_id, plan, rest[1] if len(rest) > 1 else None)
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                 results[i] = exc
         logits = self._forward(segments, last_only=True)  # [1, V] at each root
@@ -261,7 +264,7 @@ class DraftWorker(RequestTable):
             logits = self._forward(segments, last_only=False)
         return results
 
-    def _start_growth(self, request_id: str, plan: TreePlan) -> tuple[_Growth, Segment]:
+    def _start_growth(self, request_id: str, plan: TreePlan, rule: DynamicTrees | None) -> tuple[_Growth, Segment]:
         req, device = self.get(request_id), self.device
         req.session.truncate(req.cached)
         pending = req.committed[req.cached :]
@@ -276,11 +279,15 @@ class DraftWorker(RequestTable):
         req.base = len(req.committed) - 1
         segment = Segment(req.session, torch.tensor(pending, device=device),
                           torch.arange(req.cached, req.base + 1, device=device))
-        return self._new_growth(req, plan), segment
+        return self._new_growth(req, plan, self._rule(rule)), segment
 
-    def _new_growth(self, req: _Request, plan: TreePlan) -> _Growth:
-        """Static: the plan's tree. Dynamic: the root alone, room for ``plan.n + extend`` nodes."""
-        rule = self.dynamic if self.dynamic is not None and not self._is_static(self.dynamic) else None
+    def _rule(self, rule: DynamicTrees | None) -> DynamicTrees | None:
+        """The rule a tree grows by: the call's, else the worker's; None for a static tree."""
+        rule = rule if rule is not None else self.dynamic
+        return None if rule is None or self._is_static(rule) else rule
+
+    def _new_growth(self, req: _Request, plan: TreePlan, rule: DynamicTrees | None) -> _Growth:
+        """Static (``rule`` None): the plan's tree. Dynamic: the root alone, room for ``plan.n + extend`` nodes."""
         cap = plan.n + (rule.extend if rule is not None else 0)
         tokens = torch.zeros(cap, dtype=torch.long, device=self.device)
         tokens[0] = req.committed[-1]

@@ -16,13 +16,13 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.draft import DraftTree
+from sequoia_ray.draft import DraftTree, DynamicTrees
 from sequoia_ray.stopping import StopChecker
 from sequoia_ray.tree.plan import TreePlan, first_levels
 from sequoia_ray.verify import Verdict
@@ -34,10 +34,12 @@ logger = logging.getLogger(__name__)
 class Draft(Protocol):
     """``grow`` first applies ``commits`` — the verdicts since the last grow, as ``(path, tokens, at)`` with ``at``
     the request's token count before them — so a step costs one draft call, not two. Its tree is opaque to
-    the engine: whatever ``Target.verify`` accepts (a ``DraftTree``, or a reference to one in an object store)."""
+    the engine: whatever ``Target.verify`` accepts (a ``DraftTree``, or a reference to one in an object store).
+    ``rule``, passed only when the decoder has one for the step: prune and extend the plan's tree by it."""
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None: ...
-    def grow(self, request_id: str, plan: TreePlan, commits: list[tuple[list[int], list[int], int]] = ()) -> DraftTree: ...
+    def grow(self, request_id: str, plan: TreePlan, commits: list[tuple[list[int], list[int], int]] = (),
+             rule: DynamicTrees | None = None) -> DraftTree: ...
     def finish(self, request_id: str) -> None: ...
 
 
@@ -69,6 +71,7 @@ class Stats:
     total_s: float = 0.0
     plan_nodes: int = 0
     plan_levels: int = 0
+    tree_nodes: int = 0  # nodes of every tree verified, roots included (dynamic trees: as grown)
     draft_failures: int = 0  # 1 if the draft failed and the request finished with the target alone
 
     @property
@@ -85,7 +88,8 @@ class Stats:
             "tokens_per_second": self.tokens_per_second, "draft_s": self.draft_s, "verify_s": self.verify_s,
             "total_s": self.total_s, "accepted_histogram": {int(k): v for k, v in sorted(self.accepted_hist.items())},
             "root_rank_histogram": {int(k): v for k, v in sorted(self.root_rank_hist.items())},
-            "plan_nodes": self.plan_nodes, "plan_levels": self.plan_levels, "draft_failures": self.draft_failures,
+            "plan_nodes": self.plan_nodes, "plan_levels": self.plan_levels, "tree_nodes": self.tree_nodes,
+            "draft_failures": self.draft_failures,
         }
 
 
@@ -150,16 +154,19 @@ class SpeculativeDecoder:
     ``on_verdict(plan, verdict, params)``: called after every step with the tree verified and its verdict
     (e.g. to learn the acceptance vector from live traffic); its failures are logged, never the request's.
     ``policy(params)``: a ``StepPolicy`` per request, which may change each step's tree (a failing policy is
-    logged and the step keeps the plan)."""
+    logged and the step keeps the plan). ``dynamic(plan)``: the ``DynamicTrees`` rule the draft grows each step's
+    tree by (e.g. ``DynamicRules.for_planned``), None for the plan's tree as it is; an extension never takes a
+    tree deeper than the tokens the request has left (a failing ``dynamic`` is logged, the step grows the plan)."""
 
     def __init__(self, target: Target, draft: Draft | None, plan: TreePlan | Callable[[], TreePlan], *,
                  tokenizer=None, eos_ids: tuple[int, ...] = (), max_context: int | None = None,
                  on_verdict: Callable[[TreePlan, Verdict, SamplingParams], None] | None = None,
-                 policy: Callable[[SamplingParams], StepPolicy] | None = None) -> None:
+                 policy: Callable[[SamplingParams], StepPolicy] | None = None,
+                 dynamic: Callable[[TreePlan], DynamicTrees | None] | None = None) -> None:
         self.target, self.draft = target, draft
         self.plan_for_step = plan if callable(plan) else (lambda: plan)
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
-        self.on_verdict, self.policy = on_verdict, policy
+        self.on_verdict, self.policy, self.dynamic = on_verdict, policy, dynamic
 
     @property
     def plan(self) -> TreePlan:
@@ -200,13 +207,15 @@ class SpeculativeDecoder:
         while True:
             planned = policy.plan(self.plan_for_step())
             stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
-            plan = first_levels(planned, params.max_tokens - stats.tokens) if draft.alive else ROOT_ONLY
-            verdict, plan = self._step(rid, plan, stats, last_token, draft, commits)
+            left = params.max_tokens - stats.tokens
+            plan = first_levels(planned, left) if draft.alive else ROOT_ONLY
+            verdict, plan = self._step(rid, plan, stats, last_token, draft, commits, self._rule(plan, left))
             commits.append((verdict.path, verdict.tokens, length))
             length += len(verdict.tokens)
             stats.draft_failures = draft.failures
             last_token = verdict.tokens[-1]
             stats.steps += 1
+            stats.tree_nodes += verdict.nodes or plan.n
             stats.accepted_hist[len(verdict.path) - 1] += 1
             if plan.n > 1:
                 stats.root_rank_hist[_root_rank(plan, verdict)] += 1
@@ -223,10 +232,25 @@ class SpeculativeDecoder:
             if ids or text:
                 yield Chunk(ids, text)
 
+    def _rule(self, plan: TreePlan, left: int) -> DynamicTrees | None:
+        """The step's dynamic-tree rule, its extension capped so the tree's deepest path (plus the bonus token)
+        fits the ``left`` tokens; None: the plan's tree."""
+        if self.dynamic is None or plan.n <= 1:
+            return None
+        try:
+            rule = self.dynamic(plan)
+        except Exception as exc:  # noqa: BLE001 - pruning is an optimisation, never a request failure
+            logger.warning("dynamic rule failed (%s: %s); the step grows the plan", type(exc).__name__, exc)
+            return None
+        if rule is not None and rule.extend > left - plan.num_levels:
+            rule = replace(rule, extend=max(0, left - plan.num_levels))
+        return rule
+
     def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int, draft: _DraftLink,
-              commits: list) -> tuple[Verdict, TreePlan]:
+              commits: list, rule: DynamicTrees | None = None) -> tuple[Verdict, TreePlan]:
         t0 = time.perf_counter()
-        tree = draft.call("grow", plan, list(commits)) if plan.n > 1 else None
+        grow = (plan, list(commits)) + ((rule,) if rule is not None else ())
+        tree = draft.call("grow", *grow) if plan.n > 1 else None
         if tree is not None:
             commits.clear()  # the draft has applied them
         if tree is None:  # no draft, a root-only plan, or the draft just failed: the target alone

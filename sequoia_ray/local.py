@@ -43,11 +43,13 @@ class LocalPair:
                   for m, name in ((target, "tiny-target"), (draft, "tiny-draft"))]
         return cls(*loaded)
 
-    def decoder(self, plan: TreePlan, *, speculate: bool = True, policy=None) -> SpeculativeDecoder:
-        """``policy``: a per-request ``StepPolicy`` factory (e.g. ``RequestTrees.policy``), see the engine."""
+    def decoder(self, plan: TreePlan, *, speculate: bool = True, policy=None, dynamic=None) -> SpeculativeDecoder:
+        """``policy``: a per-request ``StepPolicy`` factory (e.g. ``RequestTrees.policy``); ``dynamic``: each
+        step's dynamic-tree rule (e.g. ``DynamicRules.for_planned``); see the engine."""
         draft = DraftWorker(self.draft.model) if speculate and self.draft is not None else None
         return SpeculativeDecoder(TargetWorker(self.target.model), draft, plan, tokenizer=self.target.tokenizer,
-                                  eos_ids=self.target.eos_ids, max_context=self.target.max_context, policy=policy)
+                                  eos_ids=self.target.eos_ids, max_context=self.target.max_context, policy=policy,
+                                  dynamic=dynamic)
 
     def encode(self, prompt: str | list[dict], *, chat: bool) -> list[int]:
         return encode(self.target.tokenizer, prompt, chat=chat)

@@ -35,6 +35,7 @@ class Verdict:
     # or one its call queued behind; 0 when none): a prefill chunk costs several decode forwards, so such a
     # step's time says little about its own tree (``live_cost`` does not measure it).
     prefill_beside: int = field(default=0, compare=False)  # not the verdict itself: batched == alone
+    nodes: int = field(default=0, compare=False)  # the verified tree's nodes, root included (0: not told)
 
 
 def verify_tree(
@@ -72,7 +73,7 @@ def _walk(plan: TreePlan, tree_tokens: list[int], step) -> Verdict:
             ranks.append((len(kids), 0 if chosen is None else chosen + 1))
         if chosen is None:
             out.append(token)
-            return Verdict(path, out, tuple(ranks))
+            return Verdict(path, out, tuple(ranks), nodes=plan.n)
         node = kids[chosen]
         path.append(node)
         out.append(child_tokens[chosen])

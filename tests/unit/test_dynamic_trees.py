@@ -146,3 +146,26 @@ def test_the_level_rule_stops_where_the_level_is_worth_less_than_a_draft_forward
         assert torch.equal(stopped[rid].tokens, unbounded[rid].tokens[: short.n])
         shorter += short.num_levels < full.num_levels
     assert shorter, "the level rule must cut some tree for the test to bite"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_calls_rule_overrides_the_workers_and_one_batch_mixes_rules(models, temperature):
+    """``grow_batch`` calls carry their own rule (what serving sends): a static call and two dynamic ones in one
+    batch give each the tree a worker with that rule grows alone; the batcher's token count has the call's
+    extension."""
+    _, draft = models
+    plan = k_ary(2, 3)
+    rules = {"a": DynamicTrees(0.005, extend=3, extend_threshold=0.001), "b": None, "c": DynamicTrees(0.05)}
+    params = SamplingParams(max_tokens=50, temperature=temperature)
+    mixed = DraftWorker(draft, dynamic=DynamicTrees(0.5))  # the worker's own rule: for calls without one
+    for seed, (rid, prompt) in enumerate(PROMPTS.items()):
+        mixed.start(rid, prompt, params, seed)
+    assert mixed.tokens_of("grow", "a", (plan, (), rules["a"])) == len(PROMPTS["a"]) + plan.n + 3
+    assert mixed.tokens_of("grow", "b", (plan, ())) == len(PROMPTS["b"]) + plan.n
+    together = dict(zip(PROMPTS, mixed.grow_batch([("a", plan, (), rules["a"]), ("b", plan, ()),
+                                                   ("c", plan, (), rules["c"])])))
+    for seed, (rid, prompt) in enumerate(PROMPTS.items()):
+        alone = DraftWorker(draft, dynamic=rules[rid] or DynamicTrees(0.5))
+        alone.start(rid, prompt, params, seed)
+        assert same_tree(alone.grow(rid, plan), together[rid], atol=1e-5), rid
+    assert len({(together[r].plan or plan).n for r in PROMPTS}) == 3, "the three rules should give three sizes"

@@ -65,11 +65,12 @@ class RecordingDraft(DraftWorker):
 
     def __init__(self, model, **kw) -> None:
         super().__init__(model, **kw)
-        self.shapes = []
+        self.shapes, self.rules = [], []
 
-    def grow(self, request_id, plan, commits=()):
-        tree = super().grow(request_id, plan, commits)
+    def grow(self, request_id, plan, commits=(), rule=None):
+        tree = super().grow(request_id, plan, commits, rule)
         self.shapes.append((plan, tree.plan or plan))
+        self.rules.append((rule, len(self.requests[request_id].committed)))  # tokens committed at the grow
         return tree
 
 
@@ -92,6 +93,37 @@ def test_greedy_dynamic_trees_are_token_for_token_the_target(models, plan_name, 
     assert any(t.n < p.n for p, t in shapes), "no tree was pruned: the test would not bite"
     if rule != "pruned" and which == "good":
         assert any(t.num_levels > p.num_levels for p, t in shapes), "no tree was extended"
+
+
+def test_a_decoders_rule_reaches_the_draft_and_never_extends_past_the_tokens_left(models):
+    """``dynamic``: every step's rule goes with its grow; its extension is cut so the deepest path plus the bonus
+    token fits what the request has left; greedy stays the target's."""
+    target, good, _ = models
+    rule, plan, prompt = DynamicTrees(0.02, extend=3, extend_threshold=0.005), PLANS["binary3"], [5, 3, 8, 1]
+    draft = RecordingDraft(good)
+    spec = SpeculativeDecoder(TargetWorker(target), draft, plan, dynamic=lambda p: rule)
+    got = spec.generate(prompt, SamplingParams(max_tokens=12, seed=0))
+    assert got.token_ids == target_greedy(target, prompt, 12)
+    for (sent, committed), (asked, grown) in zip(draft.rules, draft.shapes):
+        left = 12 - (committed - len(prompt))
+        assert sent.threshold == rule.threshold and sent.extend == min(3, max(0, left - asked.num_levels))
+        assert grown.num_levels <= left
+    assert {sent.extend for sent, _ in draft.rules} > {3}, "no step had its extension cut: the test would not bite"
+    assert got.stats.tree_nodes == sum(grown.n for _, grown in draft.shapes)
+
+
+def test_a_failing_rule_is_logged_and_the_step_grows_its_plan(models, caplog):
+    target, good, _ = models
+    draft = RecordingDraft(good)
+
+    def broken(plan):
+        raise KeyError("no profile bucket")
+
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"], dynamic=broken)
+    got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
+    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
+    assert all(rule is None for rule, _ in draft.rules) and all(a == g for a, g in draft.shapes)
+    assert "dynamic rule failed (KeyError" in caplog.text
 
 
 @pytest.mark.parametrize("cut", [1, 4, 7, 13])
