@@ -12,7 +12,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from actors.spec import STEP_TIMEOUT_S
 
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.draft import DraftTree
+from sequoia_ray.draft import DraftTree, DynamicTrees
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict
 
@@ -39,9 +39,9 @@ class ActorDraft:
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
         self._call("start", request_id, prompt, params, seed)
 
-    def grow(self, request_id: str, plan: TreePlan, commits=()) -> ray.ObjectRef:
+    def grow(self, request_id: str, plan: TreePlan, commits=(), rule: DynamicTrees | None = None) -> ray.ObjectRef:
         """The tree as a reference: the target's rank 0 fetches it from the draft actor directly."""
-        done, tree = self.actor.grow.remote(request_id, plan, commits)
+        done, tree = self.actor.grow.remote(request_id, plan, commits, rule)
         try:
             ray.get(done, timeout=self.timeout_s)  # raises the draft's failure; the tree itself stays remote
         except GetTimeoutError:

@@ -31,7 +31,7 @@ class DraftActor(ModelActor):
         return self.batcher.call(method, request_id, *args)
 
     @ray.method(num_returns=2)
-    def grow(self, request_id: str, plan, commits=()):
+    def grow(self, request_id: str, plan, commits=(), rule=None):
         """``(True, tree)`` as two objects: the caller waits on the small first one and hands the second, by
         reference, to the target, so the tree goes from this actor to the target without a stop at the caller."""
-        return True, self.batcher.call("grow", request_id, plan, commits)
+        return True, self.batcher.call("grow", request_id, plan, commits, rule)

@@ -70,6 +70,12 @@ class ServeConfig(BaseModel):
                                 "acceptance picks the cost model's tree for it (deeper for predictable text, "
                                 "shallower for unsure), from the served plan's vector tilted to its p[1] and the "
                                 "store's hardware profile (without one, the served plan).")
+    dynamic_trees: bool = Field(False, description="Trees that adapt inside a request: the draft drops branches whose "
+                                "path probability is worth less than their cost, and stops at a level worth less than "
+                                "a draft forward (thresholds from the store's hardware profile and the served plan; "
+                                "without a profile, the plan's tree).")
+    dynamic_extend: int = Field(0, ge=0, le=16, description="With dynamic_trees: levels a confident path may grow beyond "
+                                "the plan's depth (0: prune only).")
     max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")
     max_batch_requests: int = Field(16, ge=1, description="Requests whose trees one forward verifies (and one draft "
                                     "forward grows): continuous batching. 1 = one request per forward.")

@@ -26,7 +26,7 @@ from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
 from deployments import openai_api as api
 from deployments.config import ServeConfig
 from deployments.metrics import ServiceMetrics
-from deployments.service import LivePlanner, PlanProvider, Runner, TreeFamilies
+from deployments.service import GrowRules, LivePlanner, PlanProvider, Runner, TreeFamilies
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
 from sequoia_ray.in_flight import InFlight
@@ -146,6 +146,7 @@ class OpenAIIngress:
         self.plans: PlanProvider | None = None
         self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
         self.families: TreeFamilies | None = None  # a tree per request (cfg.request_trees)
+        self.rules: GrowRules | None = None  # trees that adapt inside a request (cfg.dynamic_trees)
         self.rates = StepRates(CostSettings(self.cfg.live_cost_probe_every, self.cfg.live_cost_probe_rounds,
                                             backoff=self.cfg.live_cost_backoff)
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
@@ -173,7 +174,8 @@ class OpenAIIngress:
                 "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()},
                 "plan_store_errors": plans.errors, "plan_store_last_error": plans.last_error,
                 "live_acceptance": self.live.summary() if self.live else None,
-                "step_rates": self.rates.summary() if self.rates else None}
+                "step_rates": self.rates.summary() if self.rates else None,
+                "dynamic_trees": self.rules.summary() if self.rules else None}
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "sequoia-ray",
                                             "metadata": meta}]}
 
@@ -276,6 +278,8 @@ class OpenAIIngress:
                 asyncio.get_running_loop().create_task(self._refresh_plans())
                 if self.cfg.request_trees:
                     self.families = TreeFamilies(self.plans, self.cfg.live_max_depth)
+                if self.cfg.dynamic_trees:
+                    self.rules = await asyncio.to_thread(GrowRules, self.plans, self.cfg.dynamic_extend)
                 if self.cfg.live_acceptance:
                     self.live = LivePlanner(self.cfg, self.plans)
                     asyncio.get_running_loop().create_task(self._live_replans())
@@ -296,6 +300,11 @@ class OpenAIIngress:
                 await asyncio.to_thread(self.plans.refresh)
             except Exception:  # noqa: BLE001 - a refresh must never kill serving; logged
                 logger.exception("plan refresh failed; keeping the current plans")
+            if self.rules is not None:
+                try:
+                    await asyncio.to_thread(self.rules.refresh)
+                except Exception:  # noqa: BLE001 - the rules keep the last profile; logged
+                    logger.exception("reading the hardware profile for dynamic trees failed; keeping the last")
             if self.rates is not None:
                 self.metrics.step_rates(self.rates.summary())
             if self.plans.errors > reported:
@@ -327,8 +336,9 @@ class OpenAIIngress:
             self.metrics.plan.set(active.planned.plan.n, tags={"hardware": plans.hardware, "source": active.source,
                                                                "bucket": f"{params.temperature:.1f}"})
             family = await asyncio.to_thread(self.families.get, params.temperature) if self.families else None
+            rules = self.rules.for_request(params.temperature, self.in_flight.batch) if self.rules else None
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,
-                                          speculate, family)
+                                          speculate, family, rules)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
@@ -344,10 +354,11 @@ class OpenAIIngress:
             self.in_flight.leave()
             self.metrics.active.set(self.active)
 
-    async def _decoder(self, plan, speculate: bool, family=None) -> SpeculativeDecoder:
+    async def _decoder(self, plan, speculate: bool, family=None, rules=None) -> SpeculativeDecoder:
         """``plan``: each step's tree — the plan of the batch-size bucket of the requests in flight here now
         (trees are regrown every step, so a request's tree follows the batch as it grows and shrinks).
-        ``family``: the request's tree from its own acceptance (``RequestTrees``) instead of the plan's."""
+        ``family``: the request's tree from its own acceptance (``RequestTrees``) instead of the plan's.
+        ``rules``: each step's dynamic-tree rule (``GrowRules``), None for the plan's tree as it is."""
         timeout = self.cfg.step_timeout_s
         target = await self._target_actors()
         draft = None
@@ -359,7 +370,8 @@ class OpenAIIngress:
         policy = self._policy(family) if draft is not None else None
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
                                   eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
-                                  on_verdict=self.live.observe if self.live else None, policy=policy)
+                                  on_verdict=self.live.observe if self.live else None, policy=policy,
+                                  dynamic=rules)
 
     def _policy(self, family):
         """Each request's step policy: its own tree (``family``), inside the measured choice between the tree

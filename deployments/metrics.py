@@ -18,6 +18,9 @@ class ServiceMetrics:
         self.tokens = metrics.Counter("sequoia_generated_tokens", "Tokens generated.")
         self.tokens_per_step = metrics.Histogram("sequoia_tokens_per_step", "Tokens per target call, per request.",
                                                  boundaries=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12])
+        self.tree_nodes = metrics.Histogram("sequoia_tree_nodes_per_step", "Tree nodes verified per target call (root "
+                                            "included; dynamic trees as grown), per request.",
+                                            boundaries=[1, 2, 4, 6, 8, 12, 16, 24, 32, 64])
         self.acceptance = metrics.Gauge("sequoia_acceptance_rate",
                                         "Share of verification steps that accepted >= 1 draft token (last request).")
         self.ttft = metrics.Histogram("sequoia_time_to_first_token_s", "Seconds to the first token.",
@@ -72,6 +75,7 @@ class ServiceMetrics:
             self.tokens.inc(stats.tokens)
         if stats.steps:
             self.tokens_per_step.observe(stats.tokens_per_step)
+            self.tree_nodes.observe(stats.tree_nodes / stats.steps)
             accepted = sum(v for k, v in stats.accepted_hist.items() if k > 0)
             self.acceptance.set(accepted / stats.steps)
             self.draft_step.observe(stats.draft_s / stats.steps)

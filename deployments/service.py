@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from deployments.config import ServeConfig
 from sequoia_ray import live_acceptance
 from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DynamicTrees
+from sequoia_ray.dynamic_rules import DynamicRules
 from sequoia_ray.engine import Chunk, SpeculativeDecoder
 from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, batch_bucket
 from sequoia_ray.live_acceptance import LiveAcceptance, LiveSettings
@@ -228,6 +230,39 @@ class TreeFamilies:
                 found = self.families[name] = (active.source, RequestTrees(active.planned, self.plans.profile(),
                                                                            max_depth=self.max_depth))
             return found[1]
+
+
+class GrowRules:
+    """The dynamic-tree rules of the served plans (``cfg.dynamic_trees``): ``DynamicRules`` on the store's
+    hardware profile, read again at every plan refresh (never per request); without one, no rule (every step
+    grows its plan's tree)."""
+
+    def __init__(self, plans: PlanProvider, extend: int) -> None:
+        self.plans, self.extend = plans, extend
+        self.rules: DynamicRules | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        profile = self.plans.profile()
+        if profile is None:
+            self.rules = None
+        elif self.rules is None or self.rules.profile != profile:
+            self.rules = DynamicRules(profile, extend=self.extend)
+
+    def summary(self) -> dict:
+        """For /v1/models: the profile that prices the trees (None: none, each step grows its plan), the extension."""
+        rules = self.rules
+        profile = None if rules is None else rules.profile.timestamp or rules.profile.hardware_id
+        return {"profile": profile, "extend": self.extend}
+
+    def for_request(self, temperature: float, batch: Callable[[], int]) -> Callable[[TreePlan], DynamicTrees | None]:
+        """A decoder's ``dynamic``: each step's rule for the plan of its temperature and batch bucket."""
+
+        def rule(plan: TreePlan) -> DynamicTrees | None:
+            rules, size = self.rules, batch()
+            return None if rules is None else rules.of(plan, size, self.plans.get(temperature, size).planned)
+
+        return rule
 
 
 class Runner:

@@ -167,3 +167,34 @@ def test_tree_families_follow_the_served_plan_and_read_the_profile_once_per_plan
     plans.refresh()
     second = families.get(0.0)
     assert second is not first and second.profile is not None and second.planned.plan == plans.get(0.0).planned.plan
+
+
+def test_grow_rules_read_the_profile_at_refresh_and_follow_the_served_plan(tmp_path):
+    """``dynamic_trees``: no profile, no rule (the plan's tree); once one is published, a refresh builds the
+    rules and each step gets the rule for its bucket's plan; an unchanged profile keeps the cached rules."""
+    from deployments.service import GrowRules
+    from sequoia_ray.dynamic_rules import DynamicRules
+    from sequoia_ray.hardware import HardwareProfile
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(builtin_plan(0.0), KEY)
+    plans = PlanProvider(config(str(tmp_path)), HW)
+    rules = GrowRules(plans, extend=2)
+    batch = [1]
+    rule = rules.for_request(0.0, lambda: batch[0])
+    plan = plans.get(0.0).planned.plan
+    assert rules.rules is None and rule(plan) is None
+    t = {n: 1 + 0.01 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)}
+    prof = HardwareProfile(HW, t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32")
+    store.publish_profile(prof)
+    rules.refresh()
+    built = rules.rules
+    assert built is not None and built.extend == 2
+    assert rule(plan) == DynamicRules(prof, extend=2).of(plan, 1, plans.get(0.0).planned) and rule(plan).extend == 2
+    batch[0] = 4  # bucket 4 has no plan of its own here: it follows batch 1's, costed at batch 4
+    assert rule(plan) == DynamicRules(prof, extend=2).of(plan, 4, plans.get(0.0, 4).planned) != rules.rules.of(
+        plan, 1, plans.get(0.0).planned)
+    batch[0] = 8  # 8 trees of 16 nodes: beyond the profile's 64 tokens, so no rule (the plan's tree)
+    assert rule(plan) is None
+    rules.refresh()
+    assert rules.rules is built  # the same profile: its cached rules stay
