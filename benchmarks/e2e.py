@@ -12,7 +12,10 @@ in one run per temperature: the target alone; assisted generation with the same 
 and num_assistant_tokens 3, 5, 8, constant); every fixed Sequoia plan of the hindsight grid (the DP's tree for
 the served acceptance vector at n in --grid-n, d in --grid-d); the built-in plan; the served plan (and the cost
 model's own pick when the measured choice published another); ADAPTIVE: the served plan with a tree per
-request (``RequestTrees``: each request's own p̂[1] picks the cost model's tree for its tilted vector). tokens/s = total tokens / total wall time
+request (``RequestTrees``: each request's own p̂[1] picks the cost model's tree for its tilted vector); DYNAMIC:
+the served plan grown as a dynamic tree by the cost model's rule (``DynamicRules``: the draft drops branches
+and levels worth less than their cost, and with --dynamic-extend extends a confident path); ADAPTIVE+DYNAMIC:
+both. tokens/s = total tokens / total wall time
 (prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
 (the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
 beside its measured one. Writes benchmarks/results/e2e.json.
@@ -36,6 +39,7 @@ from common import print_table, write_json  # noqa: E402
 
 from sequoia_ray.config import ProfileJobConfig, SamplingParams  # noqa: E402
 from sequoia_ray.devices import DEVICE_CHOICES, synchronize  # noqa: E402
+from sequoia_ray.dynamic_rules import DynamicRules  # noqa: E402
 from sequoia_ray.hardware import HardwareProfile, accelerator_name, hardware_id  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.plan_store import PlanKey, PlanStore  # noqa: E402
@@ -51,8 +55,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_ours(pair: LocalPair, plan, prompts, *, temperature: float, max_tokens: int, speculate: bool = True,
-             policy=None):
-    decoder = pair.decoder(plan, speculate=speculate, policy=policy)
+             policy=None, dynamic=None):
+    decoder = pair.decoder(plan, speculate=speculate, policy=policy, dynamic=dynamic)
     tokens = steps = 0
     seconds = 0.0
     for i, prompt in enumerate(prompts):
@@ -127,8 +131,11 @@ def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, plann
     configs = [(name, functools.partial(run_ours, pair, plan, temperature=temperature, max_tokens=args.max_tokens))
                for name, plan in plans]
     family = RequestTrees(planned, profile, max_depth=max(args.grid_d))  # the served plan, a tree per request
-    configs.append((f"ADAPTIVE from n={result.n} d={result.d}", functools.partial(
-        run_ours, pair, planned.plan, temperature=temperature, max_tokens=args.max_tokens, policy=family.policy)))
+    rules = DynamicRules(profile, extend=args.dynamic_extend).for_planned(planned)  # the served plan, pruned
+    for name, kw in (("ADAPTIVE", {"policy": family.policy}), ("DYNAMIC", {"dynamic": rules}),
+                     ("ADAPTIVE+DYNAMIC", {"policy": family.policy, "dynamic": rules})):
+        configs.append((f"{name} from n={result.n} d={result.d}", functools.partial(
+            run_ours, pair, planned.plan, temperature=temperature, max_tokens=args.max_tokens, **kw)))
     return configs
 
 
@@ -152,6 +159,8 @@ def main() -> None:
     ap.add_argument("--grid-n", default="4,8,16,32", help="tree sizes n of the hindsight grid")
     ap.add_argument("--grid-d", default="4,6,8,10,12", help="max depths d of the hindsight grid")
     ap.add_argument("--profile-seconds", type=float, default=120.0, help="the bounded profile's budget")
+    ap.add_argument("--dynamic-extend", type=int, default=0, help="DYNAMIC: levels a confident path may grow "
+                    "beyond the served plan (the serving config's dynamic_extend)")
     ap.add_argument("--plan-store", help="publish the served plans here (default: a scratch directory); "
                     "benchmarks/load.py --plan-store serves them")
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto = a GPU if torch sees one")
@@ -184,8 +193,9 @@ def main() -> None:
     print_table(rows, ["T", "kind", "config", "tok/s", "x target", "x assisted", "x best fixed", "tok/step", "tokens"])
     summary = summarize(rows, served)
     print()
-    print_table(summary, ["T", "kind", "served", "x target", "x assisted", "x best fixed", "best fixed", "predicted",
-                          "adaptive x target", "adaptive x assisted", "adaptive x best fixed"])
+    print_table(summary, ["T", "kind", "served", "x target", "x assisted", "x best fixed", "best fixed", "predicted"]
+                + [f"{name} {col}" for name in ("adaptive", "dynamic", "both") for col in ("x target", "x assisted",
+                                                                                      "x best fixed")])
     record["rows"], record["summary"] = rows, summary
     write_json("e2e", record, args.out)
 
@@ -211,13 +221,14 @@ def summarize(rows: list[dict], served) -> list[dict]:
     for (temperature, kind) in sorted({(r["T"], r["kind"]) for r in rows}):
         sub = [r for r in rows if (r["T"], r["kind"]) == (temperature, kind)]
         mine = next(r for r in sub if r["config"].startswith("SERVED"))
-        adaptive = next(r for r in sub if r["config"].startswith("ADAPTIVE"))
         best = max((r for r in sub if r["config"].startswith("grid")), key=lambda r: r["tok/s"])
-        out.append({"T": temperature, "kind": kind, "served": mine["config"][7:], "x target": mine["x target"],
-                    "x assisted": mine["x assisted"], "x best fixed": mine["x best fixed"], "best fixed": best["config"][5:],
-                    "predicted": served[temperature][0].predicted_speedup,
-                    "adaptive x target": adaptive["x target"], "adaptive x assisted": adaptive["x assisted"],
-                    "adaptive x best fixed": adaptive["x best fixed"]})
+        row = {"T": temperature, "kind": kind, "served": mine["config"][7:], "x target": mine["x target"],
+               "x assisted": mine["x assisted"], "x best fixed": mine["x best fixed"], "best fixed": best["config"][5:],
+               "predicted": served[temperature][0].predicted_speedup}
+        for name, prefix in (("adaptive", "ADAPTIVE from"), ("dynamic", "DYNAMIC"), ("both", "ADAPTIVE+DYNAMIC")):
+            found = next(r for r in sub if r["config"].startswith(prefix))
+            row |= {f"{name} {col}": found[col] for col in ("x target", "x assisted", "x best fixed")}
+        out.append(row)
     return out
 
 

@@ -314,7 +314,7 @@ def main() -> int:
     pair.add_argument("--tiny", action="store_true", help="tiny random models, float32 (the default)")
     pair.add_argument("--real", action="store_true", help="the default pair default-draft -> default-target")
     ap.add_argument("--clients", default="16", help="concurrent clients; with --modes a list: 1,2,4,8")
-    ap.add_argument("--modes", help="compare batching modes side by side (benchmarks/load_sweep.py): any of a,b,c")
+    ap.add_argument("--modes", help="compare batching modes side by side (benchmarks/load_sweep.py): any of a,b,c,d")
     ap.add_argument("--plan-store", help="plan store URI the service reads its (per-batch-size) plans from")
     ap.add_argument("--batch-layout", choices=["auto", "padded", "flat"], help="how a batch shares a forward")
     ap.add_argument("--prefill-chunk", type=int, help="prefill long prompts this many tokens per step")
@@ -386,8 +386,8 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     from vllm_server import parse_settings
 
     modes = [m.strip() for m in args.modes.split(",")]
-    if bad := [m for m in modes if m not in ("a", "b", "c")]:
-        raise SystemExit(f"--modes {args.modes!r}: {bad[0]!r} is not one of a, b, c")
+    if bad := [m for m in modes if m not in ("a", "b", "c", "d")]:
+        raise SystemExit(f"--modes {args.modes!r}: {bad[0]!r} is not one of a, b, c, d")
     log(f"sweep {','.join(modes)} at {counts} clients: {cfg['draft']} -> {cfg['target']} ({cfg['dtype']})")
     try:
         vllm = parse_settings(args.vllm) if args.vllm else []
@@ -400,7 +400,7 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
                "requests/forward", "target busy", "completed", "errors", "mismatches", "held after"]
     print_table(rows, columns)
     print()
-    print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(c)/vLLM best"])
+    print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(d)/(c)", "(c)/vLLM best"])
     write_json(f"load-sweep-{'real' if args.real else 'tiny'}",
                {"config": cfg, "rows": rows, "ratios": ratios(rows), "prompts": len(prompts),
                 "duration s": args.duration, "max tokens": args.max_tokens}, args.out)

@@ -5,13 +5,15 @@
 - (b) trees, one request per forward, as before batching: the same service with ``max_batch_requests: 1``
   and every step a tree (``live_cost`` off);
 - (c) batched trees with the plan of the current batch size (``plan_store`` given: the store's per-bucket
-  plans; else the built-in plan at every batch size).
+  plans; else the built-in plan at every batch size);
+- (d) as (c), with dynamic trees (``dynamic_trees: true``: each step's tree pruned by the cost model's rule;
+  it needs the store's hardware profile, else (d) is (c)).
 
-(a) and (c) share one deployment, (b) has its own. For each client count and mode: total tokens/s, p50/p99
+(a) and (c) share one deployment, (b) and (d) each have their own. For each client count and mode: total tokens/s, p50/p99
 latency, p50 TTFT, tokens per step, requests per target forward (from rank 0's batcher), errors, and greedy
 texts that differ from the target alone (one request at a time, same dtype); in the JSON, after each (c)
 cell, the service's measured tree-or-target-alone choice so far (``step rates``, with ``live_cost``). Then
-the ratios (c)/(b) and (c)/(a) per client count. With ``--vllm plain,k3``, vLLM's OpenAI server
+the ratios (c)/(b), (c)/(a) and (d)/(c) per client count. With ``--vllm plain,k3``, vLLM's OpenAI server
 (``benchmarks/vllm_server.py``) then takes the same clients at the same counts, and (c) over vLLM's best
 setting is a third ratio.
 """
@@ -26,7 +28,8 @@ import requests
 from load import MODEL, log, model_actors, references, run_clients, serving, summarize, wait_idle
 from vllm_server import USAGE, spec_counters, tokens_per_step, vllm_serving
 
-MODES = {"a": "target alone, batched", "b": "trees, 1 request/forward", "c": "batched trees, per-batch plans"}
+MODES = {"a": "target alone, batched", "b": "trees, 1 request/forward", "c": "batched trees, per-batch plans",
+         "d": "batched trees, dynamic"}
 
 
 def forwards(actor) -> dict[int, int]:
@@ -57,7 +60,7 @@ def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration:
     held = wait_idle(url, 30.0)
     return _row(mode, results, refs, seconds, clients, duration, max_tokens, tokens_per_step=None,
                 requests_per_forward=mean_batch(before, forwards(rank0)), target_busy=target_busy,
-                held=sum(v for v in held.values() if v != "dead"), step_rates=step_rates(url) if mode == "c" else None)
+                held=sum(v for v in held.values() if v != "dead"), step_rates=step_rates(url) if mode in "cd" else None)
 
 
 def _row(mode: str, results, refs: list[str], seconds: float, clients: int, duration: float, max_tokens: int, *,
@@ -104,7 +107,8 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
     # (measured in session 14 with it on: the target alone one request per forward, 8-9 tok/s from 2 clients)
     before = {**cfg, "max_concurrent": max(counts), "max_batch_requests": 1, "live_cost": False}
     deployments = [({**cfg, "max_concurrent": max(counts)}, [m for m in modes if m in "ac"]),
-                   (before, [m for m in modes if m == "b"])]
+                   (before, [m for m in modes if m == "b"]),
+                   ({**cfg, "max_concurrent": max(counts), "dynamic_trees": True}, [m for m in modes if m == "d"])]
     for deployment, its_modes in deployments:
         if not its_modes:
             continue
@@ -129,8 +133,8 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """(c)/(b), (c)/(a) and (c) over vLLM's best setting in total tokens/s per client count (None where a
-    mode was not run)."""
+    """(c)/(b), (c)/(a), (d)/(c) and (c) over vLLM's best setting in total tokens/s per client count (None
+    where a mode was not run)."""
     by = {(r["mode"], r["clients"]): r["tokens/s"] for r in rows}
     out = []
     for clients in sorted({r["clients"] for r in rows}):
@@ -139,5 +143,6 @@ def ratios(rows: list[dict]) -> list[dict]:
         out.append({"clients": clients,
                     "(c)/(b)": c / by[("b", clients)] if c and by.get(("b", clients)) else None,
                     "(c)/(a)": c / by[("a", clients)] if c and by.get(("a", clients)) else None,
+                    "(d)/(c)": by[("d", clients)] / c if c and by.get(("d", clients)) else None,
                     "(c)/vLLM best": c / max(peers) if c and peers else None})
     return out

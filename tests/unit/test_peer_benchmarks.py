@@ -85,7 +85,8 @@ def test_spec_counters_and_tokens_per_step():
 def test_ratio_over_the_best_vllm_setting_per_client_count():
     rows = [{"mode": "a", "clients": 8, "tokens/s": 40.0}, {"mode": "c", "clients": 8, "tokens/s": 44.0},
             {"mode": "vLLM plain", "clients": 8, "tokens/s": 50.0}, {"mode": "vLLM k3", "clients": 8, "tokens/s": 40.0},
-            {"mode": "c", "clients": 1, "tokens/s": 12.0}]
+            {"mode": "c", "clients": 1, "tokens/s": 12.0}, {"mode": "d", "clients": 1, "tokens/s": 15.0}]
     by = {r["clients"]: r for r in ratios(rows)}
     assert by[8]["(c)/vLLM best"] == pytest.approx(44 / 50) and by[8]["(c)/(a)"] == pytest.approx(1.1)
+    assert by[1]["(d)/(c)"] == pytest.approx(1.25) and by[8]["(d)/(c)"] is None
     assert by[1]["(c)/vLLM best"] is None and by[1]["(c)/(a)"] is None
