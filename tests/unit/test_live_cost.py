@@ -9,7 +9,7 @@ import pytest
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree, DraftWorker
 from sequoia_ray.engine import ROOT_ONLY, SpeculativeDecoder
-from sequoia_ray.live_cost import ALONE, TREE, CostSettings, StepRates
+from sequoia_ray.live_cost import ALONE, FIRST_STEP_PROBES, TREE, CostSettings, StepRates
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import k_ary
 from sequoia_ray.verify import Verdict
@@ -180,6 +180,24 @@ def test_the_arm_with_the_cheaper_first_steps_wins_when_they_outweigh_its_slower
     assert summary["serving"] == ALONE, summary
     assert summary["first_step_s"] == pytest.approx(FIRST_STEP_S, rel=0.01)
     assert runs[TREE] < 0.15 * (runs[TREE] + runs[ALONE]), runs
+
+
+def test_a_first_request_alone_runs_mostly_the_faster_tree_while_the_first_step_probes_wait():
+    """A fresh service's one request (the main job's demo): its first step is the tree's, and no request begins
+    in the target alone's probes. Those probes come after short served phases of the tree (probe_every // 8 =
+    12 rounds), not back to back: of its first 48 steps at most 12 run the target alone — the first probe and
+    two more (back to back, 40 did). The probes for first steps stop after FIRST_STEP_PROBES."""
+    rates, key = StepRates(CostSettings()), ("t0.0", 1)
+    arms = []
+    for i in range(400):
+        step = rates.begin(key, 1, "only")
+        arms.append(step.arm)
+        rates.record(step, 3 if step.arm == TREE else 1, 0.3 if step.arm == TREE else 0.11, first=i == 0)
+    assert arms[:4] == [TREE] * 4 and arms[4:8] == [ALONE] * 4  # the first two probes measure both arms
+    assert arms[:48].count(ALONE) <= 12, arms[:48]
+    probes = sum(1 for i in range(1, 400) if arms[i] == ALONE and arms[i - 1] == TREE)
+    assert probes == 1 + FIRST_STEP_PROBES, probes  # then one per probe_every rounds: none more in 400 steps
+    assert rates.summary()["t0.0-b1"]["serving"] == TREE
 
 
 @pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"window": 0}, {"min_steps": 0},
