@@ -221,9 +221,9 @@ class DraftWorker(RequestTable):
         return self.prefill_chunk is not None and pending > self.prefill_chunk
 
     def grow_batch(self, calls: list[tuple]) -> list[DraftTree | Exception | str]:
-        """``calls``: ``(request_id, plan[, commits[, rule]])``. Every call's tree (host tensors), the exception that ended
-        it, or ``NOT_YET`` (a chunk of its prompt was prefilled; call again). A forward that fails as a whole is
-        retried request by request (each regrows from its committed tokens; commits apply once)."""
+        """``calls``: ``(request_id, plan[, commits[, rule]])``. Every call's tree (host tensors), the exception
+        that ended it, or ``NOT_YET`` (a chunk of its prompt was prefilled; call again). A forward that fails as a
+        whole is retried request by request (each regrows from its committed tokens; commits apply once)."""
         try:
             return self._grow_batch(calls)
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
@@ -240,7 +240,8 @@ class DraftWorker(RequestTable):
             try:
                 for path, tokens, at in rest[0] if rest else ():
                     self.commit(request_id, path, tokens, at)
-                growing[i], segments[i] = self._start_growth(request_id, plan, rest[1] if len(rest) > 1 else None)
+                rule = rest[1] if len(rest) > 1 else None
+                growing[i], segments[i] = self._start_growth(request_id, plan, rule)
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                 results[i] = exc
         logits = self._forward(segments, last_only=True)  # [1, V] at each root

@@ -112,6 +112,31 @@ def test_a_decoders_rule_reaches_the_draft_and_never_extends_past_the_tokens_lef
     assert got.stats.tree_nodes == sum(grown.n for _, grown in draft.shapes)
 
 
+def test_a_rule_prunes_the_tree_the_step_policy_chose(models):
+    """A step policy (a tree per request) and a rule compose: the rule is asked for, and grows, the policy's tree."""
+    target, good, _ = models
+    draft, chosen, rule = RecordingDraft(good), PLANS["deep-ragged"], DynamicTrees(0.03)
+    asked = []
+
+    class Policy:
+        def plan(self, base):
+            return chosen
+
+        def observe(self, plan, verdict, seconds):
+            pass
+
+    def dynamic(plan):
+        asked.append(plan)
+        return rule
+
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["wide"], policy=lambda params: Policy(),
+                              dynamic=dynamic)
+    got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
+    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
+    assert asked and all(p == chosen or p.n < chosen.n for p in asked)  # the last steps: its first levels
+    assert [a for a, _ in draft.shapes] == asked and all(r is rule for r, _ in draft.rules)
+
+
 def test_a_failing_rule_is_logged_and_the_step_grows_its_plan(models, caplog):
     target, good, _ = models
     draft = RecordingDraft(good)
