@@ -14,8 +14,8 @@ the served acceptance vector at n in --grid-n, d in --grid-d); the built-in plan
 model's own pick when the measured choice published another); ADAPTIVE: the served plan with a tree per
 request (``RequestTrees``: each request's own p̂[1] picks the cost model's tree for its tilted vector); DYNAMIC:
 the served plan grown as a dynamic tree by the cost model's rule (``DynamicRules``: the draft drops branches
-and levels worth less than their cost, and with --dynamic-extend extends a confident path); ADAPTIVE+DYNAMIC:
-both. tokens/s = total tokens / total wall time
+and levels worth less than their cost); ADAPTIVE+DYNAMIC: both; with --dynamic-extend K, DYNAMIC+EXTEND K: a
+confident path may also grow K levels beyond the plan. tokens/s = total tokens / total wall time
 (prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
 (the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
 beside its measured one. Writes benchmarks/results/e2e.json.
@@ -131,9 +131,13 @@ def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, plann
     configs = [(name, functools.partial(run_ours, pair, plan, temperature=temperature, max_tokens=args.max_tokens))
                for name, plan in plans]
     family = RequestTrees(planned, profile, max_depth=max(args.grid_d))  # the served plan, a tree per request
-    rules = DynamicRules(profile, extend=args.dynamic_extend).for_planned(planned)  # the served plan, pruned
-    for name, kw in (("ADAPTIVE", {"policy": family.policy}), ("DYNAMIC", {"dynamic": rules}),
-                     ("ADAPTIVE+DYNAMIC", {"policy": family.policy, "dynamic": rules})):
+    rules = DynamicRules(profile).for_planned(planned)  # the served plan, pruned
+    variants = [("ADAPTIVE", {"policy": family.policy}), ("DYNAMIC", {"dynamic": rules}),
+                ("ADAPTIVE+DYNAMIC", {"policy": family.policy, "dynamic": rules})]
+    if args.dynamic_extend:  # and extended: a confident path grows up to that many levels beyond the plan
+        extended = DynamicRules(profile, extend=args.dynamic_extend).for_planned(planned)
+        variants.append((f"DYNAMIC+EXTEND {args.dynamic_extend}", {"dynamic": extended}))
+    for name, kw in variants:
         configs.append((f"{name} from n={result.n} d={result.d}", functools.partial(
             run_ours, pair, planned.plan, temperature=temperature, max_tokens=args.max_tokens, **kw)))
     return configs
@@ -159,8 +163,8 @@ def main() -> None:
     ap.add_argument("--grid-n", default="4,8,16,32", help="tree sizes n of the hindsight grid")
     ap.add_argument("--grid-d", default="4,6,8,10,12", help="max depths d of the hindsight grid")
     ap.add_argument("--profile-seconds", type=float, default=120.0, help="the bounded profile's budget")
-    ap.add_argument("--dynamic-extend", type=int, default=0, help="DYNAMIC: levels a confident path may grow "
-                    "beyond the served plan (the serving config's dynamic_extend)")
+    ap.add_argument("--dynamic-extend", type=int, default=0, help="also DYNAMIC+EXTEND: the dynamic tree whose "
+                    "confident path may grow this many levels beyond the served plan (dynamic_extend)")
     ap.add_argument("--plan-store", help="publish the served plans here (default: a scratch directory); "
                     "benchmarks/load.py --plan-store serves them")
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto = a GPU if torch sees one")
@@ -225,7 +229,7 @@ def summarize(rows: list[dict], served) -> list[dict]:
         row = {"T": temperature, "kind": kind, "served": mine["config"][7:], "x target": mine["x target"],
                "x assisted": mine["x assisted"], "x best fixed": mine["x best fixed"], "best fixed": best["config"][5:],
                "predicted": served[temperature][0].predicted_speedup}
-        for name, prefix in (("adaptive", "ADAPTIVE from"), ("dynamic", "DYNAMIC"), ("both", "ADAPTIVE+DYNAMIC")):
+        for name, prefix in (("adaptive", "ADAPTIVE from"), ("dynamic", "DYNAMIC from"), ("both", "ADAPTIVE+DYNAMIC")):
             found = next(r for r in sub if r["config"].startswith(prefix))
             row |= {f"{name} {col}": found[col] for col in ("x target", "x assisted", "x best fixed")}
         out.append(row)

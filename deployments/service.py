@@ -234,8 +234,8 @@ class TreeFamilies:
 
 class GrowRules:
     """The dynamic-tree rules of the served plans (``cfg.dynamic_trees``): ``DynamicRules`` on the store's
-    hardware profile, read again at every plan refresh (never per request); without one, no rule (every step
-    grows its plan's tree)."""
+    hardware profile, read again at every plan refresh (never per request); until one is read, no rule (every
+    step grows its plan's tree). A read that finds none (or fails) keeps the rules of the last one read."""
 
     def __init__(self, plans: PlanProvider, extend: int) -> None:
         self.plans, self.extend = plans, extend
@@ -244,13 +244,11 @@ class GrowRules:
 
     def refresh(self) -> None:
         profile = self.plans.profile()
-        if profile is None:
-            self.rules = None
-        elif self.rules is None or self.rules.profile != profile:
+        if profile is not None and (self.rules is None or self.rules.profile != profile):
             self.rules = DynamicRules(profile, extend=self.extend)
 
     def summary(self) -> dict:
-        """For /v1/models: the profile that prices the trees (None: none, each step grows its plan), the extension."""
+        """For /v1/models: the profile pricing the trees (None: none yet, each step grows its plan), the extension."""
         rules = self.rules
         profile = None if rules is None else rules.profile.timestamp or rules.profile.hardware_id
         return {"profile": profile, "extend": self.extend}

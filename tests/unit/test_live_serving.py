@@ -198,3 +198,7 @@ def test_grow_rules_read_the_profile_at_refresh_and_follow_the_served_plan(tmp_p
     assert rule(plan) is None
     rules.refresh()
     assert rules.rules is built  # the same profile: its cached rules stay
+    plans.cfg = config(str(tmp_path / "gone"))  # the store unreadable: the last profile's rules stay
+    rules.plans.store = None
+    rules.refresh()
+    assert rules.rules is built and rules.summary()["extend"] == 2
