@@ -9,13 +9,15 @@ tree token and the cost c of one more draft level into the draft's thresholds (s
 - delta_B = T_B(B·n + 1) - T_B(B·n): one more token in the batch's target forward (the profile's slope there);
 - c_B = C_B(B) / B: a request's share of a draft forward one node wide in each request.
 At B = 1 these are G / S, t(n + 1) - t(n) and c(1). A rule is computed once per (acceptance vector, overhead,
-tree, batch bucket) and cached. The verifier is exact for any grown tree, so a rule only moves speed.
+tree, batch bucket) and cached (the ``MAX_RULES`` most recently used: live re-plans bring new vectors). The
+verifier is exact for any grown tree, so a rule only moves speed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 from sequoia_ray.draft import DynamicTrees
@@ -25,6 +27,7 @@ from sequoia_ray.tree.plan import TreePlan, expected_tokens
 from sequoia_ray.tree.plan_file import PlannedTree
 
 MAX_EXTEND = 16
+MAX_RULES = 1024  # cached rules (a few trees per bucket and temperature; each live re-plan adds its own)
 logger = logging.getLogger(__name__)
 
 
@@ -36,7 +39,7 @@ class DynamicRules:
         if not 0 <= extend <= MAX_EXTEND:
             raise ValueError(f"extend {extend} must be in [0, {MAX_EXTEND}] (levels beyond the plan's depth)")
         self.profile, self.extend = profile, extend
-        self._rules: dict[tuple, DynamicTrees | None] = {}
+        self._rules: OrderedDict[tuple, DynamicTrees | None] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
 
     def rule(self, plan: TreePlan, batch: int, acceptance: AcceptanceVector,
@@ -48,9 +51,13 @@ class DynamicRules:
         bucket = batch_bucket(max(1, batch), self.profile.buckets())
         key = (plan, bucket, acceptance, overhead)
         with self._lock:
-            if key not in self._rules:
-                self._rules[key] = self._solve(plan, bucket, acceptance, overhead)
-            return self._rules[key]
+            if key in self._rules:
+                self._rules.move_to_end(key)
+                return self._rules[key]
+            rule = self._rules[key] = self._solve(plan, bucket, acceptance, overhead)
+            if len(self._rules) > MAX_RULES:
+                self._rules.popitem(last=False)
+            return rule
 
     def of(self, plan: TreePlan, batch: int, planned: PlannedTree) -> DynamicTrees | None:
         """``rule`` with the acceptance vector and the step overhead of the plan served (``planned``)."""

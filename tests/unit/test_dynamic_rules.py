@@ -63,6 +63,18 @@ def test_the_largest_profiled_tree_takes_the_slope_below_it_and_root_only_has_no
     assert rules.rule(plan, 1, other).threshold < rule.threshold  # a worse draft: each tree is worth less
 
 
+def test_the_cache_keeps_the_most_recently_used_rules(monkeypatch):
+    monkeypatch.setattr("sequoia_ray.dynamic_rules.MAX_RULES", 2)
+    rules, plan = DynamicRules(profile()), k_ary(2, 1)
+    vectors = [AcceptanceVector.from_p([p, 0.1]) for p in (0.5, 0.6, 0.7)]
+    first = rules.rule(plan, 1, vectors[0])
+    second = rules.rule(plan, 1, vectors[1])
+    assert rules.rule(plan, 1, vectors[0]) is first  # used again: now the most recent
+    rules.rule(plan, 1, vectors[2])  # evicts the least recently used: vectors[1]'s
+    assert rules.rule(plan, 1, vectors[0]) is first and rules.rule(plan, 1, vectors[1]) is not second
+    assert rules.rule(plan, 1, vectors[1]) == second  # recomputed, equal
+
+
 def test_for_planned_reads_the_plans_vector_and_overhead_and_bad_extend_is_refused():
     overhead = StepOverhead(tree=(1.0, 0.2))
     planned = plan_for(P, 8, 4, Provenance(overhead=overhead.to_dict()))[0]
