@@ -154,8 +154,7 @@ def _padded(model, segments: list[Segment], device) -> list[torch.Tensor]:
     stores, cache = _stores(segments), new_cache(model)
     like, temp = _like(stores), store_of(cache)  # the step's temporary cache: its K/V, then the new tokens'
     if p:  # one copy per request of its whole context: [layers, B, heads, P + Q, dim], padding zeroed
-        keys = like.keys.new_empty(like.keys.shape[0], b, like.keys.shape[2], p + q, like.keys.shape[4])
-        values = like.values.new_empty(like.values.shape[0], b, like.values.shape[2], p + q, like.values.shape[4])
+        keys, values = _buffers(like, b, p + q)
         for i, (store, past) in enumerate(zip(stores, pasts)):
             if past:
                 keys[:, i : i + 1, :, :past], values[:, i : i + 1, :, :past] = _filled(store, past)
@@ -186,8 +185,7 @@ def _flat(model, segments: list[Segment], device) -> list[torch.Tensor]:
     stores, cache = _stores(segments), new_cache(model)
     like, temp = _like(stores), store_of(cache)  # the step's temporary cache: its K/V, then the new tokens'
     if p:  # one copy per request of its whole context, one after another: [layers, 1, heads, sum past + sum q, dim]
-        keys = like.keys.new_empty(like.keys.shape[0], 1, like.keys.shape[2], p + q, like.keys.shape[4])
-        values = like.values.new_empty(like.values.shape[0], 1, like.values.shape[2], p + q, like.values.shape[4])
+        keys, values = _buffers(like, 1, p + q)
         for at, past, store in zip(past_at, pasts, stores):
             if past:
                 keys[:, :, :, at : at + past], values[:, :, :, at : at + past] = _filled(store, past)
@@ -196,6 +194,12 @@ def _flat(model, segments: list[Segment], device) -> list[torch.Tensor]:
     for at, n, store in zip(new_at, qs, stores):
         store.append(temp.keys[:, :, :, at : at + n], temp.values[:, :, :, at : at + n])
     return list(hidden.split(qs))
+
+
+def _buffers(like: KVStore, batch: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty keys and values like ``like``'s (layers, heads, dim, dtype, device):
+    ``[layers, batch, heads, slots, dim]``."""
+    return tuple(t.new_empty(t.shape[0], batch, t.shape[2], slots, t.shape[4]) for t in (like.keys, like.values))
 
 
 def _filled(store: KVStore, length: int) -> tuple[torch.Tensor, torch.Tensor]:
