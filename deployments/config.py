@@ -66,6 +66,9 @@ class ServeConfig(BaseModel):
     live_cost_probe_rounds: int = Field(3, ge=1, description="Measured rounds of a probe (one more settles the switch).")
     live_cost_backoff: int = Field(8, ge=1, description="A probe that confirms the served arm doubles the next served "
                                    "phase, up to this many times live_cost_probe_every rounds (1: no backoff).")
+    live_cost_wide: float = Field(0.7, ge=0.0, le=1.0, description="A probed arm slower than this fraction of the "
+                                  "served arm's rate backs off fully at once (live_cost_backoff times "
+                                  "live_cost_probe_every rounds); 0: always double.")
     request_trees: bool = Field(False, description="A tree per request: after a few steps each request's own "
                                 "acceptance picks the cost model's tree for it (deeper for predictable text, "
                                 "shallower for unsure), from the served plan's vector tilted to its p[1] and the "

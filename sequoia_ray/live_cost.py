@@ -27,8 +27,11 @@ the cell at 0.79x the target alone's throughput. A prompt the draft prefills bes
 (the tree arm may look slower than it is).
 
 Probes back off: a served phase after a probe that confirmed its arm lasts twice as long as the one before,
-up to ``backoff`` x ``probe_every`` rounds; a probe whose arm wins, or a served phase that ends early, brings
-it back to ``probe_every``. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 +
+up to ``backoff`` x ``probe_every`` rounds, and at once that long when the probed arm ran below ``wide`` x the
+served arm's rate (a loss that wide takes a large change of host or traffic to turn; probing it again soon
+costs more than it can find: at 8 clients through Serve the tree ran at 0.62x the target alone's rate a
+request, and each of its probes first catches up every request's draft and splits the batch, session 18); a
+probe whose arm wins, or a served phase that ends early, brings it back to ``probe_every``. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 +
 probe_rounds)`` of the steps (3.8% with the defaults) run the slower arm, falling to ``(1 + probe_rounds) /
 (backoff x probe_every + 1 + probe_rounds)`` (0.5%) while the served arm stays the faster one. Each tree probe
 costs more than its steps: every request's draft first catches up on all it missed since its last tree
@@ -93,6 +96,7 @@ class CostSettings:
     window: int = 256  # measured steps kept per arm and key (the most recent)
     min_steps: int = 3  # measured steps an arm needs before its rate counts
     backoff: int = 8  # confirmed served phases grow twice as long each time, up to this many probe_every
+    wide: float = 0.7  # a probed arm slower than this fraction of the served arm's rate: back off fully at once
     phases: int = 2  # an arm's rate: its measured steps of its last this many phases (min_steps at least)
     stale_s: float = 150.0  # a step not ended after this long (its request failed mid-step; a step lasts at most
     # two calls of step_timeout_s) no longer marks the steps beside it
@@ -103,6 +107,8 @@ class CostSettings:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.stale_s <= 0:
             raise ValueError(f"stale_s {self.stale_s} must be > 0 (seconds)")
+        if not 0 <= self.wide <= 1:
+            raise ValueError(f"wide {self.wide} must be in [0, 1] (a fraction of the served arm's rate; 0: never)")
 
 
 @dataclass
@@ -296,12 +302,20 @@ class StepRates:
             state.arm, state.probing = missing, True
         elif state.probing or state.arm != best:  # a probe ended: serve the faster arm
             confirmed = state.probing and best == state.served  # the probed arm lost again: back off
-            state.spacing = min(2 * state.spacing, self.settings.backoff) if confirmed else 1
+            state.spacing = self._spacing(state) if confirmed else 1
             state.arm, state.probing = best, False
         else:  # a served phase ended: probe the other arm
             state.first_probes += self._first_steps_wanted(state, state.arm)
             state.arm, state.probing = _other(best), True
         self._start(state, batch)
+
+    def _spacing(self, state: _Key) -> int:
+        """The backoff after a probe of ``state.arm`` that the served arm won: doubled, or the cap
+        at once when the probed arm's rate was below ``wide`` x the served arm's."""
+        probed, served = self._rate(state, state.arm), self._rate(state, _other(state.arm))
+        if probed is not None and served and probed < self.settings.wide * served:
+            return self.settings.backoff
+        return min(2 * state.spacing, self.settings.backoff)
 
     def summary(self) -> dict[str, dict]:
         """Per key ``t0.0-b8``: the arm served, each arm's measured tokens/s per request (first steps included

@@ -201,7 +201,7 @@ def test_a_first_request_alone_runs_mostly_the_faster_tree_while_the_first_step_
 
 
 @pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"window": 0}, {"min_steps": 0},
-                                 {"stale_s": 0}])
+                                 {"stale_s": 0}, {"wide": -0.1}, {"wide": 1.5}])
 def test_settings_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         CostSettings(**bad)
@@ -362,8 +362,9 @@ def test_probes_that_confirm_the_served_arm_back_off_and_a_winning_probe_resets_
     """The tree stays faster: each served phase after a confirming probe lasts twice the one before (the
     settle step, then 20, 40, 80, 80 rounds with ``backoff`` 4), each probe 1 + ``probe_rounds`` steps. Then
     the target alone turns faster: the next probes find it (its rate over its last 2 phases), it serves, and
-    its served phases start again at ``probe_every``."""
-    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4)
+    its served phases start again at ``probe_every``. (``wide`` 0: every confirming probe doubles, however wide
+    its loss; the next test covers ``wide``.)"""
+    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4, wide=0.0)
     rates, key = StepRates(settings), ("t0.0", 1)
     runs = _runs(drive(rates, key, 1, 6 + 21 + 3 + 41 + 3 + 81 + 3 + 81 + 3 + 81, {TREE: 3.0, ALONE: 2.0}))
     probe = 1 + settings.probe_rounds
@@ -375,11 +376,24 @@ def test_probes_that_confirm_the_served_arm_back_off_and_a_winning_probe_resets_
     assert runs == [(ALONE, probe + 21), (TREE, probe), (ALONE, 41), (TREE, probe)]
 
 
+@pytest.mark.parametrize("alone, served", [(2.0, [21, 81, 81]), (2.4, [21, 41, 81])])
+def test_a_probe_that_loses_widely_backs_off_fully_at_once(alone, served):
+    """The tree serves at 3.0 tok/s. A target alone at 2.0 (0.67x, below ``wide`` 0.7) lost widely: after its
+    first confirming probe the served phase is ``backoff`` x ``probe_every`` at once. At 2.4 (0.8x) it doubles
+    (20, 40, 80 rounds, plus the settle step)."""
+    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4, wide=0.7)
+    rates, key = StepRates(settings), ("t0.0", 1)
+    probe = 1 + settings.probe_rounds
+    runs = _runs(drive(rates, key, 1, 2 * probe + sum(served) + 2 * probe, {TREE: 3.0, ALONE: alone}))
+    assert runs == [(TREE, probe), (ALONE, probe), (TREE, served[0]), (ALONE, probe), (TREE, served[1]),
+                    (ALONE, probe), (TREE, served[2])]
+
+
 def test_a_served_phase_that_ends_early_resets_the_backoff():
     """A served arm that turns slower ends its backed-off phase early; the probe then confirms it after all
     (the other arm is slower still), and the next served phase is twice ``probe_every`` (backoff from 1
-    again), not twice the backed-off one."""
-    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4)
+    again), not twice the backed-off one. (``wide`` 0: the probes' losses here are wide.)"""
+    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4, wide=0.0)
     rates, key = StepRates(settings), ("t0.0", 1)
     drive(rates, key, 1, 6 + 21 + 3 + 41 + 3, {TREE: 3.0, ALONE: 2.0})  # served phase 3 (81 steps) begins
     slow = 0
