@@ -115,8 +115,12 @@ class PlanStore:
         path = self._latest(key.folder(), f"no plan for hardware {key.hardware!r}, pair {key.draft!r} -> "
                                           f"{key.target!r}, temperature {key.temperature}, batch bucket {key.batch}; "
                                           "run tuning/profile.py")
+        return self.read_plan(path), path
+
+    def read_plan(self, path: str) -> PlannedTree:
+        """The plan at ``path`` (one of ``list_plans``); StoreError if corrupt or unreadable."""
         try:
-            return PlannedTree.loads(self._read(path), source=self._display(path)), path
+            return PlannedTree.loads(self._read(path), source=self._display(path))
         except PlanFormatError as exc:
             raise StoreError(str(exc)) from None
 
