@@ -202,14 +202,14 @@ class SpeculativeDecoder:
         commits: list[tuple[list[int], list[int], int]] = []  # verdicts the draft has not been sent yet
         stats = Stats()
         stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
-        policy = _Policy(self.policy, params)
+        policy, rules = _Policy(self.policy, params), _Rules(self.dynamic)
         start = last = time.perf_counter()
         while True:
             planned = policy.plan(self.plan_for_step())
             stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
             left = params.max_tokens - stats.tokens
             plan = first_levels(planned, left) if draft.alive else ROOT_ONLY
-            verdict, plan = self._step(rid, plan, stats, last_token, draft, commits, self._rule(plan, left))
+            verdict, plan = self._step(rid, plan, stats, last_token, draft, commits, rules.of(plan, left))
             commits.append((verdict.path, verdict.tokens, length))
             length += len(verdict.tokens)
             stats.draft_failures = draft.failures
@@ -231,20 +231,6 @@ class SpeculativeDecoder:
                 return
             if ids or text:
                 yield Chunk(ids, text)
-
-    def _rule(self, plan: TreePlan, left: int) -> DynamicTrees | None:
-        """The step's dynamic-tree rule, its extension capped so the tree's deepest path (plus the bonus token)
-        fits the ``left`` tokens; None: the plan's tree."""
-        if self.dynamic is None or plan.n <= 1:
-            return None
-        try:
-            rule = self.dynamic(plan)
-        except Exception as exc:  # noqa: BLE001 - pruning is an optimisation, never a request failure
-            logger.warning("dynamic rule failed (%s: %s); the step grows the plan", type(exc).__name__, exc)
-            return None
-        if rule is not None and rule.extend > left - plan.num_levels:
-            rule = replace(rule, extend=max(0, left - plan.num_levels))
-        return rule
 
     def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int, draft: _DraftLink,
               commits: list, rule: DynamicTrees | None = None) -> tuple[Verdict, TreePlan]:
@@ -306,6 +292,30 @@ class _Policy:
             logger.warning("step policy failed (%s: %s); the request goes on with the plan", type(exc).__name__, exc)
             self.policy = None
             return None
+
+
+class _Rules:
+    """A request's dynamic-tree rules (``SpeculativeDecoder(dynamic=...)``), guarded like ``_Policy``: a failing
+    rule is logged once and dropped for the request (its steps grow their plans), never its failure."""
+
+    def __init__(self, dynamic: Callable[[TreePlan], DynamicTrees | None] | None) -> None:
+        self.dynamic = dynamic
+
+    def of(self, plan: TreePlan, left: int) -> DynamicTrees | None:
+        """The step's rule, its extension capped so the tree's deepest path (plus the bonus token) fits the
+        ``left`` tokens; None: the plan's tree."""
+        if self.dynamic is None or plan.n <= 1:
+            return None
+        try:
+            rule = self.dynamic(plan)
+        except Exception as exc:  # noqa: BLE001 - pruning is an optimisation, never a request failure
+            logger.warning("dynamic rule failed (%s: %s); the request's steps grow their plans",
+                           type(exc).__name__, exc)
+            self.dynamic = None
+            return None
+        if rule is not None and rule.extend > left - plan.num_levels:
+            rule = replace(rule, extend=max(0, left - plan.num_levels))
+        return rule
 
 
 def _root_rank(plan: TreePlan, verdict: Verdict) -> int:

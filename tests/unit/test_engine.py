@@ -137,18 +137,23 @@ def test_a_rule_prunes_the_tree_the_step_policy_chose(models):
     assert [a for a, _ in draft.shapes] == asked and all(r is rule for r, _ in draft.rules)
 
 
-def test_a_failing_rule_is_logged_and_the_step_grows_its_plan(models, caplog):
+def test_a_failing_rule_is_logged_once_and_the_requests_steps_grow_their_plans(models, caplog):
     target, good, _ = models
     draft = RecordingDraft(good)
+    calls = []
 
     def broken(plan):
+        calls.append(plan)
         raise KeyError("no profile bucket")
 
     spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"], dynamic=broken)
-    got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
-    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
+    for request in range(2):
+        got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
+        assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
     assert all(rule is None for rule, _ in draft.rules) and all(a == g for a, g in draft.shapes)
-    assert "dynamic rule failed (KeyError" in caplog.text
+    assert len(draft.shapes) > 2 * 2, "too few steps: the test would not bite"
+    assert len(calls) == 2  # once per request: dropped after its failure
+    assert caplog.text.count("dynamic rule failed (KeyError") == 2
 
 
 @pytest.mark.parametrize("cut", [1, 4, 7, 13])
