@@ -115,18 +115,36 @@ class Generation:
 class _DraftLink:
     """One request's draft. Speculation is an optimisation, so a failing draft (a dead actor, a lost node)
     never fails the request: the failure is logged and the request goes on with the target alone, whose
-    output is the same (greedy) or has the same law (sampling)."""
+    output is the same (greedy) or has the same law (sampling).
 
-    def __init__(self, draft: Draft | None, request_id: str) -> None:
+    The draft is started lazily, by the request's first ``grow`` (its commits then catch it up on every token
+    since the prompt): a request whose steps run the target alone — a batch bucket that serves it, a
+    ``live_cost`` phase — never waits for a draft call before its first token, and the draft never holds it.
+    Served, that call is a round trip to the draft actor, queued behind any forward it is running."""
+
+    def __init__(self, draft: Draft | None, request_id: str, opening: tuple) -> None:
         self.draft, self.request_id, self.failures = draft, request_id, 0
+        self.opening, self.started = opening, False  # the draft's start arguments: (prompt, params, seed)
 
     @property
     def alive(self) -> bool:
         return self.draft is not None
 
+    def finish(self) -> None:
+        if self.started:
+            self.call("finish")
+
     def call(self, method: str, *args):
         if self.draft is None:
             return None
+        if not self.started:
+            self.started = True
+            self._call("start", *self.opening)
+            if self.draft is None:  # the start failed
+                return None
+        return self._call(method, *args)
+
+    def _call(self, method: str, *args):
         try:
             return getattr(self.draft, method)(self.request_id, *args)
         except Exception as exc:  # noqa: BLE001 - any draft failure degrades to target-only decoding
@@ -187,15 +205,14 @@ class SpeculativeDecoder:
         rid = request_id or uuid.uuid4().hex
         seed = params.seed
         self.target.start(rid, prompt, params, _salt(seed, "verify"))
-        draft = _DraftLink(self.draft, rid)
-        draft.call("start", prompt, params, _salt(seed, "draft"))
+        draft = _DraftLink(self.draft, rid, (prompt, params, _salt(seed, "draft")))
         try:
             yield from self._loop(rid, params, prompt, draft)
         finally:
             try:
                 self.target.finish(rid)
             finally:
-                draft.call("finish")  # even when the target has failed
+                draft.finish()  # even when the target has failed (if it was started)
 
     def _loop(self, rid: str, params: SamplingParams, prompt: list[int], draft: _DraftLink) -> Iterator[Chunk]:
         last_token, length = prompt[-1], len(prompt)

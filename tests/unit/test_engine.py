@@ -310,3 +310,69 @@ def test_a_dying_draft_degrades_to_the_target_alone_with_the_same_tokens(models,
     # target alone (0 accepted draft tokens, 1 token)
     assert out.stats.accepted_hist[0] >= 40 - 4 * (fail_at - 1)
     assert not t.requests  # the target's state is freed although the draft's finish failed
+
+
+class CallLog(DraftWorker):
+    """Records the request calls the engine makes (start, grow, finish); ``fail`` makes one of them raise."""
+
+    def __init__(self, model, fail: str | None = None) -> None:
+        super().__init__(model)
+        self.calls, self.fail = [], fail
+
+    def _log(self, method: str) -> None:
+        self.calls.append(method)
+        if method == self.fail:
+            raise RuntimeError(f"draft {method} broke")
+
+    def start(self, request_id, prompt, params, seed):
+        self._log("start")
+        super().start(request_id, prompt, params, seed)
+
+    def grow(self, request_id, plan, commits=(), rule=None):
+        self._log("grow")
+        return super().grow(request_id, plan, commits, rule)
+
+    def finish(self, request_id):
+        self._log("finish")
+        super().finish(request_id)
+
+
+class AloneFirst:
+    """A step policy: the target alone for the first ``steps`` steps, then the plan."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+
+    def plan(self, base):
+        self.left -= 1
+        return chain(0) if self.left >= 0 else base
+
+    def observe(self, plan, verdict, seconds) -> None:
+        pass
+
+
+@pytest.mark.parametrize("alone_steps", [0, 3, 1000])
+def test_the_draft_starts_at_the_first_grow_and_only_then(models, alone_steps):
+    """The draft is started by the request's first tree step (its commits then catch it up), so steps of the
+    target alone before it wait for no draft call, and a request that never grows a tree never starts (or
+    finishes) the draft. Greedy tokens are the target alone's either way."""
+    target, good, _ = models
+    draft = CallLog(good)
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"], policy=lambda params: AloneFirst(alone_steps))
+    got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=16, seed=0))
+    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 16)
+    if alone_steps == 1000:
+        assert draft.calls == [] and not draft.requests
+    else:
+        grows = got.stats.steps - alone_steps
+        assert draft.calls == ["start"] + ["grow"] * grows + ["finish"] and grows > 0
+        assert got.stats.accepted_hist.total() - got.stats.accepted_hist[0] > 0  # the late draft caught up
+
+
+def test_a_draft_whose_start_fails_leaves_the_request_to_the_target_alone(models):
+    target, good, _ = models
+    draft = CallLog(good, fail="start")
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"])
+    got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
+    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
+    assert draft.calls == ["start"] and got.stats.draft_failures == 1
