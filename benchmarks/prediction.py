@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     if not rows:
         raise SystemExit("prediction.py: no batch-1 plan with measured candidates in the stores given")
     print_table(rows, COLUMNS)
-    summary = {name: {"median": statistics.median(r[name] for r in rows), "mean": statistics.mean(r[name] for r in rows),
+    summary = {name: {"median": statistics.median(r[name] for r in rows),
+                      "mean": statistics.mean(r[name] for r in rows),
                       "within 10%": sum(abs(r[name]) <= 0.10 for r in rows)}
                for name in ("G err", "step err", "err")}
     for name, s in summary.items():

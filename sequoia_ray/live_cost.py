@@ -26,27 +26,28 @@ target alone's steps in one phase measured 2.2 tokens/s a request against 5.0 be
 the cell at 0.79x the target alone's throughput. A prompt the draft prefills beside tree steps is not seen
 (the tree arm may look slower than it is).
 
-Probes back off: a served phase after a probe that confirmed its arm lasts twice as long as the one before,
-up to ``backoff`` x ``probe_every`` rounds, and at once that long when the probed arm ran below ``wide`` x the
-served arm's rate (a loss that wide takes a large change of host or traffic to turn; probing it again soon
-costs more than it can find: at 8 clients through Serve the tree ran at 0.62x the target alone's rate a
-request, and each of its probes first catches up every request's draft and splits the batch, session 18); a
-probe whose arm wins, or a served phase that ends early, brings it back to ``probe_every``. The cost of probing: at most ``(1 + probe_rounds) / (probe_every + 1 +
-probe_rounds)`` of the steps (3.8% with the defaults) run the slower arm, falling to ``(1 + probe_rounds) /
-(backoff x probe_every + 1 + probe_rounds)`` (0.5%) while the served arm stays the faster one. Each tree probe
-costs more than its steps: every request's draft first catches up on all it missed since its last tree
-(measured through Serve at 4 clients, session 15: 60 tree steps begun in 1336, 26 of them measured).
+Probes back off: a served phase after a probe that confirmed its arm lasts twice as long as the one before, up to
+``backoff`` x ``probe_every`` rounds, and at once that long when the probed arm ran below ``wide`` x the served
+arm's rate (a loss that wide takes a large change of host or traffic to turn; probing it again soon costs more
+than it can find: at 8 clients through Serve the tree ran at 0.62x the target alone's rate a request, and each of
+its probes first catches up every request's draft and splits the batch, session 18); a probe whose arm wins, or a
+served phase that ends early, brings it back to ``probe_every``. The cost of probing: at most ``(1 +
+probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps (3.8% with the defaults) run the slower arm,
+falling to ``(1 + probe_rounds) / (backoff x probe_every + 1 + probe_rounds)`` (0.5%) while the served arm stays
+the faster one. Each tree probe costs more than its steps: every request's draft first catches up on all it
+missed since its last tree (measured through Serve at 4 clients, session 15: 60 tree steps begun in 1336, 26 of
+them measured).
 
-What a request costs beyond its steps is counted too. Its first step (its prompt's prefill) is not a sample,
-but its seconds are kept per arm, and once both arms have some, an arm's rate r becomes L / (L / r + B x its
-mean first step), L the tokens a request generates here (all tokens over all first steps, per temperature)
-and B the batch bucket: a request sees about B first steps, its own and the others' it waits beside. The
-tree's are the longer (the draft prefills too, and a joining request waits for longer steps). While one arm's
-first steps are measured and the other's are not, the first one's served phases last ``probe_every //
-FIRST_STEP_PROBES`` rounds, so the other arm is probed sooner, up to ``FIRST_STEP_PROBES`` times (requests so long that none
-begins in that many probes make first steps a small cost anyway). Those probes are spaced, not back to back:
-a service's first request, which nothing begins beside, ran 32 of its first 40 steps with the target alone
-when they were (the main job's demo through Serve: 2.0 against 4.8 tokens/step with the tree, session 18).
+What a request costs beyond its steps is counted too. Its first step (its prompt's prefill) is not a sample, but
+its seconds are kept per arm, and once both arms have some, an arm's rate r becomes L / (L / r + B x its mean
+first step), L the tokens a request generates here (all tokens over all first steps, per temperature) and B the
+batch bucket: a request sees about B first steps, its own and the others' it waits beside. The tree's are the
+longer (the draft prefills too, and a joining request waits for longer steps). While one arm's first steps are
+measured and the other's are not, the first one's served phases last ``probe_every // FIRST_STEP_PROBES`` rounds,
+so the other arm is probed sooner, up to ``FIRST_STEP_PROBES`` times (requests so long that none begins in that
+many probes make first steps a small cost anyway). Those probes are spaced, not back to back: a service's first
+request, which nothing begins beside, ran 32 of its first 40 steps with the target alone when they were (the main
+job's demo through Serve: 2.0 against 4.8 tokens/step with the tree, session 18).
 
 A served phase ends early when, after a probe's worth of its own measured steps, its arm's rate has fallen
 below the other arm's: the other arm is probed again at once, and the faster then serves. A probe's few

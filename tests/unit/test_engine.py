@@ -358,7 +358,8 @@ def test_the_draft_starts_at_the_first_grow_and_only_then(models, alone_steps):
     finishes) the draft. Greedy tokens are the target alone's either way."""
     target, good, _ = models
     draft = CallLog(good)
-    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"], policy=lambda params: AloneFirst(alone_steps))
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"],
+                              policy=lambda params: AloneFirst(alone_steps))
     got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=16, seed=0))
     assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 16)
     if alone_steps == 1000:

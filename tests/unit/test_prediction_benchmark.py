@@ -32,7 +32,8 @@ def _publish(store: PlanStore, measured: dict[tuple[int, int], tuple[float, floa
     rows = [{"n": 1, "d": 1, "predicted_speedup": 1.0, "measured_speedup": 1.0, "tokens_per_s": 10.0,
              "tokens_per_step": 1.0}]
     rows += [{"n": n, "d": d, "predicted_speedup": predicted[n, d].predicted_speedup, "measured_speedup": speedup,
-              "tokens_per_s": 10.0 * speedup, "tokens_per_step": tokens} for (n, d), (speedup, tokens) in measured.items()]
+              "tokens_per_s": 10.0 * speedup, "tokens_per_step": tokens}
+             for (n, d), (speedup, tokens) in measured.items()]
     prov = Provenance(overhead=OVERHEAD.to_dict(), candidates=rows, tokens_measured=250)
     store.publish_profile(PROFILE)
     store.publish_plan(PlannedTree(best.plan, acceptance, best.n, best.d, best.expected_tokens, prov),
