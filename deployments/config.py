@@ -69,6 +69,9 @@ class ServeConfig(BaseModel):
     live_cost_wide: float = Field(0.7, ge=0.0, le=1.0, description="A probed arm slower than this fraction of the "
                                   "served arm's rate backs off fully at once (live_cost_backoff times "
                                   "live_cost_probe_every rounds); 0: always double.")
+    first_step_alone: bool = Field(False, description="A request's first step (its prompt's prefill) runs the "
+                                   "target alone: the first token waits for neither the draft's prefill nor a "
+                                   "tree, and the request takes one step more (the draft catches up at the next).")
     request_trees: bool = Field(False, description="A tree per request: after a few steps each request's own "
                                 "acceptance picks the cost model's tree for it (deeper for predictable text, "
                                 "shallower for unsure), from the served plan's vector tilted to its p[1] and the "

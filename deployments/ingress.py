@@ -374,7 +374,7 @@ class OpenAIIngress:
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
                                   eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
                                   on_verdict=self.live.observe if self.live else None, policy=policy,
-                                  dynamic=rules)
+                                  dynamic=rules, first_step_alone=self.cfg.first_step_alone)
 
     def _policy(self, family):
         """Each request's step policy: its own tree (``family``), inside the measured choice between the tree

@@ -174,14 +174,18 @@ class SpeculativeDecoder:
     ``policy(params)``: a ``StepPolicy`` per request, which may change each step's tree (a failing policy is
     logged and the step keeps the plan). ``dynamic(plan)``: the ``DynamicTrees`` rule the draft grows each step's
     tree by (e.g. ``DynamicRules.for_planned``), None for the plan's tree as it is; an extension never takes a
-    tree deeper than the tokens the request has left (a failing ``dynamic`` is logged, the step grows the plan)."""
+    tree deeper than the tokens the request has left (a failing ``dynamic`` is logged, the step grows the plan).
+    ``first_step_alone``: a request's first step (its prompt's prefill) runs the target alone, so its first token
+    waits for neither the draft's prefill nor a tree; the draft starts, and catches up, at the second step.
+    The first token comes sooner and the request takes one step more."""
 
     def __init__(self, target: Target, draft: Draft | None, plan: TreePlan | Callable[[], TreePlan], *,
                  tokenizer=None, eos_ids: tuple[int, ...] = (), max_context: int | None = None,
                  on_verdict: Callable[[TreePlan, Verdict, SamplingParams], None] | None = None,
                  policy: Callable[[SamplingParams], StepPolicy] | None = None,
-                 dynamic: Callable[[TreePlan], DynamicTrees | None] | None = None) -> None:
-        self.target, self.draft = target, draft
+                 dynamic: Callable[[TreePlan], DynamicTrees | None] | None = None,
+                 first_step_alone: bool = False) -> None:
+        self.target, self.draft, self.first_step_alone = target, draft, first_step_alone
         self.plan_for_step = plan if callable(plan) else (lambda: plan)
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
         self.on_verdict, self.policy, self.dynamic = on_verdict, policy, dynamic
@@ -225,7 +229,8 @@ class SpeculativeDecoder:
             planned = policy.plan(self.plan_for_step())
             stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
             left = params.max_tokens - stats.tokens
-            plan = first_levels(planned, left) if draft.alive else ROOT_ONLY
+            speculate = draft.alive and (stats.steps > 0 or not self.first_step_alone)
+            plan = first_levels(planned, left) if speculate else ROOT_ONLY
             verdict, plan = self._step(rid, plan, stats, last_token, draft, commits, rules.of(plan, left))
             commits.append((verdict.path, verdict.tokens, length))
             length += len(verdict.tokens)

@@ -377,3 +377,17 @@ def test_a_draft_whose_start_fails_leaves_the_request_to_the_target_alone(models
     got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
     assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
     assert draft.calls == ["start"] and got.stats.draft_failures == 1
+
+
+def test_the_first_step_alone_prefills_with_the_target_only_and_the_draft_joins_next(models):
+    """``first_step_alone``: the prompt's step is root-only (one token, no draft call), the draft starts at the
+    second step and catches up; greedy tokens are the target alone's and trees are accepted afterwards."""
+    target, good, _ = models
+    draft = CallLog(good)
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"], first_step_alone=True)
+    chunks = list(spec.stream([5, 3, 8, 1], SamplingParams(max_tokens=16, seed=0)))
+    assert len(chunks[0].token_ids) == 1  # the first step's one token, before any draft call
+    stats = chunks[-1].stats
+    assert [t for c in chunks for t in c.token_ids] == target_greedy(target, [5, 3, 8, 1], 16)
+    assert draft.calls == ["start"] + ["grow"] * (stats.steps - 1) + ["finish"]
+    assert stats.accepted_hist.total() - stats.accepted_hist[0] > 0
