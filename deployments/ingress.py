@@ -360,21 +360,24 @@ class OpenAIIngress:
         ``family``: the request's tree from its own acceptance (``RequestTrees``) instead of the plan's.
         ``rules``: each step's dynamic-tree rule (``GrowRules``), None for the plan's tree as it is."""
         timeout = self.cfg.step_timeout_s
-        asking = speculate and self.draft_deployment is not None  # both replicas asked at once: one round trip
-        got = await asyncio.gather(self._target_actors(), *([asyncio.wait_for(
-            self.draft_deployment.actors.remote(), timeout)] if asking else []), return_exceptions=True)
-        if isinstance(got[0], BaseException):
-            raise got[0]
-        target, draft = got[0], None
-        if asking and isinstance(got[1], BaseException):  # speculation is optional: go on with the target alone
-            logger.warning("no draft replica (%s); this request runs on the target alone", type(got[1]).__name__)
-        elif asking:
-            draft = ActorDraft(got[1], timeout)
+        if speculate and self.draft_deployment is not None:  # both replicas asked at once: one round trip
+            target, draft = await asyncio.gather(self._target_actors(), self._draft_actor(timeout))
+        else:
+            target, draft = await self._target_actors(), None
         policy = self._policy(family) if draft is not None else None
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
                                   eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
                                   on_verdict=self.live.observe if self.live else None, policy=policy,
                                   dynamic=rules, first_step_alone=self.cfg.first_step_alone)
+
+    async def _draft_actor(self, timeout: float) -> ActorDraft | None:
+        """The draft replica's actor, or None: speculation is optional, the request goes on with the target
+        alone."""
+        try:
+            return ActorDraft(await asyncio.wait_for(self.draft_deployment.actors.remote(), timeout), timeout)
+        except Exception as exc:  # noqa: BLE001 - a timeout, a dead or missing replica
+            logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
+            return None
 
     def _policy(self, family):
         """Each request's step policy: its own tree (``family``), inside the measured choice between the tree
