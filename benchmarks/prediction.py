@@ -39,19 +39,20 @@ COLUMNS = ["store", "T", "tree", "G", "tok/step", "G err", "step", "measured ste
 
 def rows_of(uri: str) -> list[dict]:
     store = PlanStore(uri)
-    latest: dict[str, str] = {}  # folder -> its latest plan (names sort by time)
+    latest: dict[str, str] = {}  # folder (one per key) -> its latest plan (names sort by time)
     for path in store.list_plans():
         folder = path.rsplit("/", 1)[0]
-        if folder.rsplit("/", 1)[-1].startswith("t") and "-b" not in folder.rsplit("/", 1)[-1]:
-            latest[folder] = max(latest.get(folder, ""), path)
-    rows = []
+        latest[folder] = max(latest.get(folder, ""), path)
+    rows, profiles = [], {}
     for path in sorted(latest.values()):
         planned = store.read_plan(path)
         prov = planned.provenance
         measured = [c for c in prov.candidates or [] if c["n"] > 1]
-        if not measured:
+        if prov.batch not in (None, 1) or not measured:  # batch 1 only (the publisher writes None for it)
             continue
-        profile = store.fetch_profile(prov.hardware)
+        if prov.hardware not in profiles:
+            profiles[prov.hardware] = store.fetch_profile(prov.hardware)
+        profile = profiles[prov.hardware]
         overhead = StepOverhead.from_dict(prov.overhead) if prov.overhead else NO_OVERHEAD
         depth = max(c["d"] for c in measured)
         table = solve(planned.acceptance, max(c["n"] for c in measured), depth)
