@@ -27,7 +27,7 @@ class ModelActorSpec:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     max_batch_requests: int = 16  # requests per forward (1: one request per forward)
     max_batch_tokens: int = 2048  # tokens per forward (a larger first call still runs, alone)
-    batch_layout: str = "auto"  # auto | flat | padded (sequoia_ray.models.batch_forward)
+    batch_layout: str = "auto"  # auto | ragged | flat | padded (sequoia_ray.models.batch_forward)
     prefill_chunk: int | None = None  # longest prefill forwarded in one step (None: a whole prompt at once)
     batch_wait_s: float = 0.0  # how long a forward may wait for the previous forward's target-alone requests
     prefix_cache_tokens: int = 0  # prompt-prefix K/V kept across requests (sequoia_ray.prefix_cache; 0: none)

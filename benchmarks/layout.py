@@ -1,10 +1,10 @@
-"""The batched KV layouts side by side: B requests' trees in one target forward, padded vs flat vs B forwards.
+"""The batched KV layouts side by side: B requests' trees in one target forward, ragged vs padded vs flat vs B forwards.
 
     .venv/bin/python benchmarks/layout.py [--tiny] [--batches 1,2,4,8] [--n 4] [--repeats 5]
 
 Each request has its own cached context (ragged: 64 to ~420 tokens) and a tree of ``--n`` nodes (a chain).
 For each batch size B: the median time of one step's target forward (``hidden_many`` + the LM head over
-all tree rows) in the ``padded`` and ``flat`` layouts, and of B separate forwards (one request per forward,
+all tree rows) in the ``ragged``, ``padded`` and ``flat`` layouts, and of B separate forwards (one request per forward,
 as without batching), interleaved round-robin so drift hits each alike. Table + JSON.
 """
 
@@ -27,6 +27,7 @@ from sequoia_ray.models.tree_lm import KVSession  # noqa: E402
 from sequoia_ray.tree.plan import chain  # noqa: E402
 
 CONTEXTS = [64, 420, 180, 300, 96, 250, 140, 360]
+LAYOUTS = ("ragged", "padded", "flat")
 
 
 def sessions(model, batch: int, vocab: int) -> list[KVSession]:
@@ -74,17 +75,16 @@ def main() -> None:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         ss = sessions(model, batch, vocab)
-        hows = ["separate", "padded", "flat"] if batch > 1 else ["separate"]
+        hows = ["separate", *LAYOUTS] if batch > 1 else ["separate"]
         times = {how: [] for how in hows}
         for _ in range(args.repeats + 1):  # the first round warms up
             for how in hows:
                 times[how].append(step(model, ss, args.n, vocab, how))
         med = {how: statistics.median(t[1:]) for how, t in times.items()}
-        rows.append({"B": batch, "tokens": batch * args.n, "separate ms": 1000 * med["separate"],
-                     "padded ms": 1000 * med.get("padded", med["separate"]),
-                     "flat ms": 1000 * med.get("flat", med["separate"]),
-                     "padded vs separate": med["separate"] / med.get("padded", med["separate"]),
-                     "flat vs separate": med["separate"] / med.get("flat", med["separate"])})
+        row = {"B": batch, "tokens": batch * args.n, "separate ms": 1000 * med["separate"]}
+        row.update({f"{how} ms": 1000 * med.get(how, med["separate"]) for how in LAYOUTS})
+        row.update({f"{how} vs separate": med["separate"] / med.get(how, med["separate"]) for how in LAYOUTS})
+        rows.append(row)
     print_table(rows, list(rows[0]))
     write_json("layout-tiny" if args.tiny else "layout", {"n": args.n, "contexts": CONTEXTS, "rows": rows,
                                                           "repeats": args.repeats}, args.out)

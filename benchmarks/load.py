@@ -316,7 +316,8 @@ def main() -> int:
     ap.add_argument("--clients", default="16", help="concurrent clients; with --modes a list: 1,2,4,8")
     ap.add_argument("--modes", help="compare batching modes side by side (benchmarks/load_sweep.py): any of a,b,c,d")
     ap.add_argument("--plan-store", help="plan store URI the service reads its (per-batch-size) plans from")
-    ap.add_argument("--batch-layout", choices=["auto", "padded", "flat"], help="how a batch shares a forward")
+    ap.add_argument("--batch-layout", choices=["auto", "ragged", "padded", "flat"],
+                    help="how a batch shares a forward")
     ap.add_argument("--prefill-chunk", type=int, help="prefill long prompts this many tokens per step")
     ap.add_argument("--threads", type=int, help="torch threads per model actor (default: num_cpus)")
     ap.add_argument("--batch-wait-ms", type=float,

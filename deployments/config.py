@@ -87,9 +87,11 @@ class ServeConfig(BaseModel):
                                     "forward grows): continuous batching. 1 = one request per forward.")
     max_batch_tokens: int = Field(2048, ge=1, description="Tokens one forward may take (trees + prefill); a larger "
                                   "first request still runs, alone.")
-    batch_layout: str = Field("auto", description="How a batch's ragged requests share a forward: flat (one "
-                              "sequence, block mask; no padding) | padded (batch dimension, padded to the longest) "
-                              "| auto (padded when every request forwards one token, else flat).")
+    batch_layout: str = Field("auto", description="How a batch's requests share a forward: ragged (one "
+                              "sequence, each request's attention over its own K/V in place; SDPA models) | flat "
+                              "(one sequence, block mask; no padding) | padded (batch dimension, padded to the "
+                              "longest) | auto (ragged under SDPA; else padded when every request forwards one "
+                              "token, flat otherwise).")
     batch_hold_s: float = Field(1.0, ge=0, le=60, description="After a request ends, steps go on planning for the "
                                 "batch it left (its plan, its live_cost arm) this long: a client's next request "
                                 "usually arrives within it (0: plan for the requests in flight right now).")

@@ -5,8 +5,11 @@ and what they may see (``allowed``, as in ``KVSession.hidden``). ``hidden_many``
 segments and appends each segment's new K/V to its own session — a token attends only to its own request's
 cached context and to what its own ``allowed`` rows grant, never to another request.
 
-Two layouts of the batch (``LAYOUTS``), both exact:
+Three layouts of the batch (``LAYOUTS``), all exact:
 
+- ``ragged`` (``sequoia_ray.models.ragged``): batch 1, the new tokens one after another as in ``flat``, but
+  each request's queries attend to its own session's K/V in place (one attention call per request and
+  layer): nothing copied, and attention costs each request's own context. Needs SDPA attention.
 - ``padded``: batch dimension B. Each session's cache is right-padded to the longest one and the new tokens
   to the longest segment; a ``[B, 1, Q, P + Q]`` float mask blocks the padding. Cost: B x Q query rows
   (a long segment pads every other one up to it).
@@ -14,17 +17,22 @@ Two layouts of the batch (``LAYOUTS``), both exact:
   a block-diagonal ``[1, 1, sum q, sum past + sum q]`` mask keeps each request to its own blocks. Cost:
   exactly sum(q) rows through the weights, but attention scores over every request's context.
 
-- ``auto`` (the default): ``padded`` when every segment is one token (decode steps of the target alone, the
-  draft's one-node levels), where nothing pads the queries and each token scores only its own context, unless
-  one long context would make the padded copies more than twice flat's; ``flat`` otherwise. Measured with
-  the real pair on the 2-core EPYC, lockstep, 40 tokens a request, three interleaved rounds: the target alone at B = 8 ran 72.2 tok/s padded against 61.8 flat (1.17x, every round;
-  under ``torch.profiler`` attention 3.3 against 11.2 ms a step, the K/V copies 4.8 against 7.3 ms); trees of
-  2 nodes at B = 8 1.08x, of 4 at B = 4 1.02x; and ``benchmarks/layout.py`` found trees of 4 faster flat when
-  contexts differ widely (64-420 tokens: 308 against 355 ms at B = 8).
+- ``auto`` (the default): ``ragged`` for a model with SDPA attention. Measured with the 1.5B target (bf16)
+  on the 2-core EPYC, contexts 64-420, interleaved, medians of 5 (ms a forward, padded / flat / ragged):
+  decode steps (1 token) at B = 8 133 / 153 / 104, at B = 4 86 / 98 / 83; trees of 4 at B = 2 106 / 101 / 96,
+  B = 4 143 / 140 / 118, B = 8 273 / 277 / 189; trees of 8 at B = 8 429 / 519 / 340. Otherwise (eager
+  attention): ``padded`` when every segment is one token (decode steps of the target alone, the draft's
+  one-node levels), where nothing pads the queries and each token scores only its own context, unless one
+  long context would make the padded copies more than twice flat's; ``flat`` otherwise. Measured with the
+  real pair on the 2-core EPYC, lockstep, 40 tokens a request, three interleaved rounds: the target alone at
+  B = 8 ran 72.2 tok/s padded against 61.8 flat (1.17x, every round; under ``torch.profiler`` attention 3.3
+  against 11.2 ms a step, the K/V copies 4.8 against 7.3 ms); trees of 2 nodes at B = 8 1.08x, of 4 at B = 4
+  1.02x; and ``benchmarks/layout.py`` found trees of 4 faster flat when contexts differ widely (64-420
+  tokens: 308 against 355 ms at B = 8).
 
-Both copy every session's K/V into one temporary cache per step and the new K/V back out: the sessions stay
-the single home of each request's state, untouched when the forward fails (a failed batch can be retried
-request by request). A session's cache is one ``KVStore`` (``sequoia_ray.models.kv_store``: every layer in
+``padded`` and ``flat`` copy every session's K/V into one temporary cache per step and the new K/V back
+out: the sessions stay the single home of each request's state, untouched when the forward fails (a failed
+batch can be retried request by request; ``ragged`` truncates what it appended). A session's cache is one ``KVStore`` (``sequoia_ray.models.kv_store``: every layer in
 one buffer), so each copy is one op per request for keys and one for values, not one per layer: at B = 8
 decode steps of the 1.5B target that took a step from 104-107 to 95-98 ms (interleaved, two rounds), the
 ~2,000 small ``cat``s, copies and fills become ~30 copies; what remains is the data itself (~6 ms of copies
@@ -40,12 +48,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sequoia_ray.models import ragged
 from sequoia_ray.models.tree_lm import KVSession, new_cache
 
 if TYPE_CHECKING:
     from sequoia_ray.models.kv_store import KVStore
 
-LAYOUTS = ("auto", "flat", "padded")
+LAYOUTS = ("auto", "flat", "padded", "ragged")
 
 
 @dataclass
@@ -83,12 +92,15 @@ def check_layout(layout: str) -> str:
 AUTO_PAD_LIMIT = 2  # auto pads only while B x the longest context is at most this many times the contexts' sum
 
 
-def resolve_layout(layout: str, segments: list[Segment]) -> str:
-    """``flat`` or ``padded``: ``auto`` is padded when every segment is a single token and padding the caches
-    to the longest copies at most AUTO_PAD_LIMIT times the K/V that flat copies (one long context among short
-    ones would make every request's temporary cache as long as it)."""
+def resolve_layout(layout: str, segments: list[Segment], model=None) -> str:
+    """``ragged``, ``flat`` or ``padded``: ``auto`` is ragged when ``model`` has SDPA attention; otherwise
+    padded when every segment is a single token and padding the caches to the longest copies at most
+    AUTO_PAD_LIMIT times the K/V that flat copies (one long context among short ones would make every
+    request's temporary cache as long as it), and flat for the rest."""
     if layout != "auto":
         return layout
+    if model is not None and ragged.supports(model):
+        return "ragged"
     pasts = [s.session.length for s in segments]
     short_enough = len(pasts) * max(pasts, default=0) <= AUTO_PAD_LIMIT * max(1, sum(pasts))
     return "padded" if short_enough and all(s.q == 1 for s in segments) else "flat"
@@ -104,9 +116,11 @@ def hidden_many(model, segments: list[Segment], layout: str = "auto") -> list[to
     for s in segments:
         for name, t in (("tokens", s.tokens), ("positions", s.positions)):
             assert t.device == device, f"{name} on {t.device}, model on {device}: build it on the model's device"
-    run = _padded if resolve_layout(layout, segments) == "padded" else _flat
+    chosen = resolve_layout(layout, segments, model)
     with torch.inference_mode():
-        return run(model, segments, device)
+        if chosen == "ragged":
+            return ragged.run(model, segments, _stores(segments), device)
+        return (_padded if chosen == "padded" else _flat)(model, segments, device)
 
 
 def store_of(cache) -> KVStore | None:

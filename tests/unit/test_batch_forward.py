@@ -1,6 +1,6 @@
 """Oracle for the batched forward: one forward over several sessions == each session's own forward, in every
 layout, for ragged batches (different context lengths, trees, an empty cache, a prefill beside trees) and for
-decode steps of one token each (which ``auto`` runs padded)."""
+decode steps of one token each (which ``auto`` runs ragged under SDPA, padded under eager attention)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ def test_batched_hidden_and_cache_equal_each_request_alone(layout, attn):
     expected = [s.hidden(seg.tokens, seg.positions, seg.allowed, seg.tree_start)
                 for s, seg in ((s, _segment(s, k, p, gen_a)) for s, k, p in alone)]
     segments = [_segment(s, k, p, gen_b) for s, k, p in batched]
+    if layout == "ragged" and attn == "eager":  # named, with the fix; nothing appended
+        with pytest.raises(ValueError, match="ragged layout needs SDPA attention, not 'eager'.*layout 'flat'"):
+            hidden_many(model, segments, layout)
+        assert [s.length for s, _, _ in batched] == [7, 0, 12, 3, 5]
+        return
     got = hidden_many(model, segments, layout)
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
@@ -97,20 +102,56 @@ def _decode_sessions(model, seed: int):
     return out
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_auto_runs_single_token_steps_padded_and_exact(attn, monkeypatch):
+@pytest.mark.parametrize("attn, layout", [("eager", "padded"), ("sdpa", "ragged")])
+def test_auto_runs_single_token_steps_ragged_under_sdpa_else_padded_and_exact(attn, layout, monkeypatch):
     model = tiny_model("qwen2", attn=attn, seed=5)
     expected = [s.session.hidden(s.tokens, s.positions) for s in _decode_sessions(model, 3)]
     ran = []
-    padded = batch_forward._padded
-    monkeypatch.setattr(batch_forward, "_padded", lambda *a: ran.append("padded") or padded(*a))
+    runs = {"padded": batch_forward._padded, "ragged": batch_forward.ragged.run}
+    monkeypatch.setattr(batch_forward, "_padded", lambda *a: ran.append("padded") or runs["padded"](*a))
+    monkeypatch.setattr(batch_forward.ragged, "run", lambda *a: ran.append("ragged") or runs["ragged"](*a))
     monkeypatch.setattr(batch_forward, "_flat", lambda *a: ran.append("flat"))
     segments = _decode_sessions(model, 3)
     got = hidden_many(model, segments)  # the default layout: auto
-    assert ran == ["padded"]
+    assert ran == [layout]
     for e, g in zip(expected, got):
         torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
     assert [s.session.length for s in segments] == [7, 1, 15, 12]
+    assert model.config._attn_implementation == attn  # the ragged forward names its attention only while it runs
+
+
+def test_a_ragged_forward_that_fails_leaves_every_session_as_it_was():
+    """A layer that raises halfway: every store back to its length (nothing half-appended), the model's own
+    attention restored, and the same batch then runs exactly."""
+    model = tiny_model("qwen2", seed=6)
+    built, gen = _sessions(model, 5)
+    segments = [_segment(s, k, p, gen) for s, k, p in built]
+    lengths = [s.length for s, _, _ in built]
+    layer = model.get_decoder().layers[1]
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("injected")
+
+    hook = layer.register_forward_pre_hook(lambda *a: fail())
+    with pytest.raises(RuntimeError, match="injected"):
+        hidden_many(model, segments, "ragged")
+    hook.remove()
+    assert calls and [s.length for s, _, _ in built] == lengths
+    assert model.config._attn_implementation == "sdpa"
+    alone, gen_a = _sessions(model, 5)
+    expected = [s.hidden(seg.tokens, seg.positions, seg.allowed, seg.tree_start)
+                for s, seg in ((s, _segment(s, k, p, gen_a)) for s, k, p in alone)]
+    for e, g in zip(expected, hidden_many(model, segments, "ragged")):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+
+
+def test_auto_is_ragged_only_for_sdpa_models():
+    ones = _decode_sessions(tiny_model("qwen2"), 1)
+    assert resolve_layout("auto", ones, tiny_model("qwen2", attn="sdpa")) == "ragged"
+    assert resolve_layout("auto", ones, tiny_model("qwen2", attn="eager")) == "padded"
+    assert resolve_layout("flat", ones, tiny_model("qwen2", attn="sdpa")) == "flat"
 
 
 def test_auto_flattens_any_batch_with_a_longer_segment():
