@@ -47,7 +47,7 @@ class Rows:
     store: KVStore
     start: int
     q: int
-    mask: torch.Tensor | None  # [1, 1, q, past + q] additive float, None = every slot visible
+    mask: torch.Tensor | None  # [1, 1, groups * q, past + q] additive float, tiled per GQA group; None = all visible
 
 
 _active: ContextVar[list[Rows] | None] = ContextVar("sequoia_ragged_rows", default=None)
@@ -93,11 +93,11 @@ def attention(module, query, key, value, attention_mask, scaling: float | None =
         values = store.values[layer, :, :, :length]
         kv_heads = keys.shape[1]
         # GQA without repeating K/V: the query heads that share a K/V head become rows of one attention
-        # ([1, kv heads, groups * q, dim]), the request's mask tiled per group; far cheaper on the CPU kernel
-        # than SDPA's enable_gqa (20 against 195 us for one decode token over 200 slots)
+        # ([1, kv heads, groups * q, dim]) under the request's mask tiled per group; far cheaper on the CPU
+        # kernel than SDPA's enable_gqa (20 against 195 us for one decode token over 200 slots)
         packed = query[:, :, r.start : r.start + r.q].reshape(1, kv_heads, heads // kv_heads * r.q, dim)
-        mask = None if r.mask is None else r.mask.repeat(1, 1, heads // kv_heads, 1)
-        o = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
+        assert r.mask is None or r.mask.shape[2] == packed.shape[2], "the mask is tiled for another GQA grouping"
+        o = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=r.mask, scale=scaling)
         out.append(o.view(1, heads, r.q, values.shape[-1]).transpose(1, 2))  # [1, q, heads, value dim]
     return torch.cat(out, dim=1), None
 
@@ -129,12 +129,16 @@ def run(model, segments: list[Segment], stores: list[KVStore], device) -> list[t
         raise ValueError(f"the ragged layout needs SDPA attention, not {model.config._attn_implementation!r}: "
                          "load the model with attn_implementation='sdpa' or use layout 'flat' or 'padded'")
     dtype, blocked = model.dtype, torch.finfo(model.dtype).min
+    config = model.config
+    groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     rows, start = [], 0
     for s, store in zip(segments, stores):
         seen = s.visible()  # [q, past + q] bool
         mask = None
-        if not bool(seen.all()):  # a tree, or causal new tokens: the request's own additive mask
+        if not bool(seen.all()):  # a tree, or causal new tokens: the request's own additive mask, once per forward
             mask = torch.zeros(1, 1, *seen.shape, dtype=dtype, device=device).masked_fill_(~seen, blocked)
+            # [1, 1, groups * q, past + q]: the rows of every query head sharing a K/V head, as attention packs them
+            mask = mask.repeat(1, 1, groups, 1)
         rows.append(Rows(store, start, s.q, mask))
         start += s.q
     ids = torch.cat([s.tokens for s in segments])[None]  # [1, sum q]
