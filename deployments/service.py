@@ -98,7 +98,8 @@ class PlanProvider:
                 self._swap(name, self.plans[plan_bucket(temperature, 1)])
 
     def _swap(self, name: str, fresh: ActivePlan) -> None:
-        if fresh.source != self.plans[name].source:
+        current = self.plans.get(name)  # None: a bucket not served yet (a live re-plan covers every profiled one)
+        if current is None or fresh.source != current.source:
             logger.info("new plan for %s: %s", name, fresh.source)
             self.plans[name] = fresh
 

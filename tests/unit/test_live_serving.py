@@ -202,3 +202,33 @@ def test_grow_rules_read_the_profile_at_refresh_and_follow_the_served_plan(tmp_p
     rules.plans.store = None
     rules.refresh()
     assert rules.rules is built and rules.summary()["extend"] == 2
+
+
+def test_a_live_re_plan_for_buckets_never_served_yet_is_adopted_and_refreshed(tmp_path):
+    """With a hardware profile the re-plan covers every profiled batch bucket (here 1-16) while the service
+    has only served batch 1 so far: each new bucket is adopted as its own live plan, and later refreshes
+    and re-plans go on (a bucket unknown to the provider once raised KeyError in adopt, and then in every
+    refresh, so the service stopped following the store)."""
+    from sequoia_ray.hardware import HardwareProfile
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(builtin_plan(0.0), KEY)
+    t = {n: 1 + 0.01 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)}
+    store.publish_profile(HardwareProfile(HW, t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32"))
+    plans = PlanProvider(config(str(tmp_path)), HW)
+    planner = LivePlanner(config(str(tmp_path)), plans)
+    assert plans.get(0.0).source.startswith("store:") and set(plans.plans) == {"t0.0"}
+    for _ in range(30):
+        feed(planner, plans, 200)
+        if planner.tick():
+            break
+    assert planner.replans[0.0] == 1
+    for bucket in (1, 2, 4, 8, 16):
+        active = plans.get(0.0, bucket)
+        assert active.source.startswith("live:/") and active.bucket == bucket
+        assert store.fetch_plan(PlanKey(HW, "tiny-draft", "tiny-target", 0.0, bucket))[1] in active.source
+    plans.refresh()  # the store's latest is each live plan: nothing to swap, nothing raised
+    assert plans.get(0.0, 16).source.startswith("live:/")
+    newer = store.publish_plan(builtin_plan(0.0, budget=8), PlanKey(HW, "tiny-draft", "tiny-target", 0.0, 16))
+    plans.refresh()
+    assert plans.get(0.0, 16).source == f"store:{newer}" and plans.errors == 0
