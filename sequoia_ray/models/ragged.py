@@ -19,6 +19,9 @@ cost is one small attention call per request and layer (~30 us on the CPU here).
 
 A forward that fails leaves every store as long as it was (the rows written are truncated away), so the
 sessions stay the single home of each request's state and a failed batch can be retried request by request.
+A forward in which some layer did not go through this cache and attention (a model whose layers dispatch
+another way would attend over the batch's new tokens only, across requests) fails the same way, by name.
+The config's name is counted per config, so forwards overlapping in threads restore it only when the last ends.
 
 Needs a model whose attention goes through transformers' ``AttentionInterface`` with SDPA (``supports``):
 the padded and flat layouts remain for the others (eager attention, custom modelling code).
@@ -26,6 +29,9 @@ the padded and flat layouts remain for the others (eager attention, custom model
 
 from __future__ import annotations
 
+import functools
+import inspect
+import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -50,19 +56,28 @@ class Rows:
     mask: torch.Tensor | None  # [1, 1, groups * q, past + q] additive float, tiled per GQA group; None = all visible
 
 
-_active: ContextVar[list[Rows] | None] = ContextVar("sequoia_ragged_rows", default=None)
+@dataclass
+class _Forward:
+    """One ragged forward in flight: its rows, and how many layers went through its cache and attention."""
+    rows: list[Rows]
+    updates: int = 0
+    attends: int = 0
+
+
+_active: ContextVar[_Forward | None] = ContextVar("sequoia_ragged_forward", default=None)
 
 
 class RaggedCache:
     """The cache a ragged forward's layers see: ``update`` appends each request's new K/V to its own store."""
 
-    def __init__(self, rows: list[Rows]) -> None:
-        self.rows = rows
+    def __init__(self, forward: _Forward) -> None:
+        self.forward = forward
 
     @torch.inference_mode()
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:  # [1, kv heads, sum q, dim] each, handed back
-        for r in self.rows:
+        self.forward.updates += 1
+        for r in self.forward.rows:
             keys, values = key_states[:, :, r.start : r.start + r.q], value_states[:, :, r.start : r.start + r.q]
             store = r.store
             start = store.lengths[layer_idx]
@@ -78,16 +93,17 @@ class RaggedCache:
 
 def attention(module, query, key, value, attention_mask, scaling: float | None = None, **kwargs):
     """transformers' attention signature; per request under a ragged forward, plain SDPA otherwise."""
-    rows = _active.get()
-    if rows is None:
+    forward = _active.get()
+    if forward is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise ValueError("the ragged layout has no logit soft-capping or sliding window: use layout 'flat' or 'padded'")
     layer, (_, heads, _, dim) = module.layer_idx, query.shape  # query: [1, heads, sum q, dim]
+    forward.attends += 1
     out = []
-    for r in rows:
+    for r in forward.rows:
         store, length = r.store, r.store.lengths[layer]
         keys = store.keys[layer, :, :, :length]  # [1, kv heads, past + q, dim], a view: nothing copied
         values = store.values[layer, :, :, :length]
@@ -98,7 +114,9 @@ def attention(module, query, key, value, attention_mask, scaling: float | None =
         packed = query[:, :, r.start : r.start + r.q].reshape(1, kv_heads, heads // kv_heads * r.q, dim)
         assert r.mask is None or r.mask.shape[2] == packed.shape[2], "the mask is tiled for another GQA grouping"
         o = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=r.mask, scale=scaling)
-        out.append(o.view(1, heads, r.q, values.shape[-1]).transpose(1, 2))  # [1, q, heads, value dim]
+        # [1, kv heads, groups * q, value dim] -> [1, q, heads, value dim]; reshape, not view: a kernel may hand
+        # back another memory layout (CUDA's memory-efficient kernel returns a transposed view)
+        out.append(o.reshape(1, heads, r.q, values.shape[-1]).transpose(1, 2))
     return torch.cat(out, dim=1), None
 
 
@@ -106,20 +124,43 @@ def supports(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) in SUPPORTED
 
 
+_lock = threading.Lock()
+_users: dict[int, list] = {}  # id(config) -> [ragged forwards in flight on it, its own attention implementation]
+
+
 @contextmanager
-def _attending(model, rows: list[Rows]):
+def _attending(model, forward: _Forward):
+    """The model's layers name the ragged attention while this forward runs (counted per config, so that
+    overlapping forwards on one model in several threads restore the model's own name only when the last
+    ends; a thread's forward that is not ragged still gets plain SDPA from ``attention``)."""
     from transformers import AttentionInterface
 
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, attention)
-    config, token = model.config, _active.set(rows)
-    own = config._attn_implementation_internal
-    config._attn_implementation_internal = NAME  # every layer reads the shared config at each call
+    configs = list({id(c): c for c in (model.config, model.get_decoder().config)}.values())
+    with _lock:
+        if NAME not in AttentionInterface._global_mapping:
+            AttentionInterface.register(NAME, attention)
+        for config in configs:
+            entry = _users.setdefault(id(config), [0, config._attn_implementation_internal])
+            entry[0] += 1
+            config._attn_implementation_internal = NAME  # every layer reads its config at each call
+    token = _active.set(forward)
     try:
         yield
     finally:
-        config._attn_implementation_internal = own
         _active.reset(token)
+        with _lock:
+            for config in configs:
+                entry = _users[id(config)]
+                entry[0] -= 1
+                if not entry[0]:
+                    config._attn_implementation_internal = entry[1]
+                    del _users[id(config)]
+
+
+@functools.cache
+def _cache_argument(decoder_class: type) -> str:
+    """The decoder's keyword for its cache: ``cache`` (transformers 5.x; ``past_key_values`` is deprecated)."""
+    return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
 
 
 @torch.inference_mode()
@@ -145,12 +186,25 @@ def run(model, segments: list[Segment], stores: list[KVStore], device) -> list[t
     positions = torch.cat([s.positions for s in segments])[None]  # [1, sum q]
     placeholder = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)  # 4D: models take it as prepared, unused
     lengths = [store.length for store in stores]
+    forward, decoder = _Forward(rows), model.get_decoder()
     try:
-        with _attending(model, rows):
-            hidden = model.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=placeholder,
-                                         past_key_values=RaggedCache(rows), use_cache=True).last_hidden_state[0]
+        with _attending(model, forward):
+            hidden = decoder(input_ids=ids, position_ids=positions, attention_mask=placeholder, use_cache=True,
+                             **{_cache_argument(type(decoder)): RaggedCache(forward)}).last_hidden_state[0]
+        _check(forward, stores, lengths, segments)
     except BaseException:
         for store, length in zip(stores, lengths):
             store.truncate(length)  # layers written before the failure: back to the forward's start
         raise
     return list(hidden.split([s.q for s in segments]))  # sum q x [H] -> [q_b, H] each
+
+
+def _check(forward: _Forward, stores: list[KVStore], lengths: list[int], segments: list[Segment]) -> None:
+    """Every layer went through the ragged cache and attention, and every store grew by its segment's tokens
+    in every layer: else some layer attended another way (over the batch's new tokens only, across requests)."""
+    layers = len(stores[0].lengths)
+    grown = all(store.lengths == [n + s.q] * layers for store, n, s in zip(stores, lengths, segments))
+    if forward.updates != layers or forward.attends != layers or not grown:
+        raise RuntimeError(f"the ragged layout saw {forward.updates} cache updates and {forward.attends} attention "
+                           f"calls for {layers} layers: this model's layers do not all attend through transformers' "
+                           "AttentionInterface and cache; use layout 'flat' or 'padded'")

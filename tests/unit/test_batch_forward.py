@@ -172,3 +172,102 @@ def test_auto_flattens_when_one_long_context_would_pad_every_cache():
     session.forward(torch.arange(40) % VOCAB, torch.arange(40))
     assert resolve_layout("auto", ones) == "padded"
     assert resolve_layout("auto", ones + [Segment(session, torch.tensor([5]), torch.tensor([40]))]) == "flat"
+
+
+def _mixed_sessions(model, seed: int):
+    """Ragged requests for the ragged layout's own edges: a store that must grow in the middle of the forward
+    (60 cached + 9 new tokens crosses its first 64 slots), a decode token (no mask at all), and a draft-like
+    level whose tree already has cached nodes (``tree_start`` < past: two children of cached siblings)."""
+    gen = torch.Generator().manual_seed(seed)
+    grow, decode, level = KVSession(model), KVSession(model), KVSession(model)
+    grow.forward(torch.randint(0, VOCAB, (60,), generator=gen), torch.arange(60))
+    decode.forward(torch.randint(0, VOCAB, (20,), generator=gen), torch.arange(20))
+    level.forward(torch.randint(0, VOCAB, (8,), generator=gen), torch.arange(8))
+    level.forward(torch.randint(0, VOCAB, (3,), generator=gen), torch.tensor([8, 8, 8]), torch.eye(3, dtype=torch.bool))
+    children = torch.tensor([[1, 0, 0, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)  # under cached nodes 0 and 2
+    return [Segment(grow, torch.randint(0, VOCAB, (9,), generator=gen), torch.arange(60, 69)),
+            Segment(decode, torch.randint(0, VOCAB, (1,), generator=gen), torch.tensor([20])),
+            Segment(level, torch.randint(0, VOCAB, (2,), generator=gen), torch.tensor([9, 9]), children, 8)]
+
+
+def _alone(model, seed: int):
+    return [s.session.hidden(s.tokens, s.positions, s.allowed, s.tree_start) for s in _mixed_sessions(model, seed)]
+
+
+def test_ragged_grows_a_store_mid_forward_and_mixes_decode_and_cached_tree_rows():
+    model = tiny_model("qwen2", seed=7)
+    expected = _alone(model, 2)
+    segments = _mixed_sessions(model, 2)
+    capacity = batch_forward.store_of(segments[0].session.cache).capacity
+    got = hidden_many(model, segments, "ragged")
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+    store = batch_forward.store_of(segments[0].session.cache)
+    assert capacity == 64 and store.capacity > 64 and store.lengths == [69] * len(store.lengths)
+    assert [s.session.length for s in segments] == [69, 21, 13]
+
+
+def test_a_ragged_forward_that_fails_after_a_store_grew_rolls_back():
+    model = tiny_model("qwen2", seed=7)
+    segments = _mixed_sessions(model, 2)
+    hook = model.get_decoder().layers[1].register_forward_pre_hook(lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        hidden_many(model, segments, "ragged")
+    hook.remove()
+    assert [s.session.length for s in segments] == [60, 20, 11]
+    for e, g in zip(_alone(model, 2), hidden_many(model, segments, "ragged")):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+
+
+def test_a_layer_that_bypasses_the_ragged_attention_is_an_error_not_a_wrong_answer(monkeypatch):
+    """Were a model's layers to attend without the registered function (here: the name never set), stock SDPA
+    would see only the batch's new tokens, across requests: the forward raises and appends nothing."""
+    import contextlib
+
+    from sequoia_ray.models import ragged
+
+    model = tiny_model("qwen2", seed=7)
+    segments = _mixed_sessions(model, 2)
+    monkeypatch.setattr(ragged, "_attending", lambda model, forward: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="0 attention calls for 2 layers.*layout 'flat' or 'padded'"):
+        hidden_many(model, segments, "ragged")
+    assert [s.session.length for s in segments] == [60, 20, 11]
+
+
+def test_ragged_takes_an_attention_output_in_any_memory_layout(monkeypatch):
+    """A kernel may return its output as a transposed view (CUDA's memory-efficient one does): same values."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    model = tiny_model("qwen2", seed=7)
+    expected = _alone(model, 2)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed)
+    for e, g in zip(expected, hidden_many(model, _mixed_sessions(model, 2), "ragged")):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+
+
+def test_ragged_forwards_overlapping_in_threads_restore_the_models_own_attention():
+    import threading
+
+    model = tiny_model("qwen2", seed=7)
+    expected = _alone(model, 2)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(hidden_many(model, _mixed_sessions(model, 2), "ragged"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4
+    for got in results:
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
