@@ -188,6 +188,8 @@ class LivePlanner:
         """Re-plan where needed; the temperature buckets re-planned."""
         done, profile = [], None
         for temperature in self.live.temperatures():
+            for bucket in BATCH_BUCKETS:  # every bucket's stored plan, served yet or not: a re-plan must see
+                self.plans.get(temperature, bucket)  # which are the target alone by measurement (once; then cached)
             current = self.plans.current(temperature)
             if not current:
                 continue

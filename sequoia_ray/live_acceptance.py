@@ -175,8 +175,11 @@ def replan(acceptance: AcceptanceVector, current: dict[int, PlannedTree], profil
            samples: int, max_depth: int) -> dict[int, PlannedTree]:
     """New plans for ``acceptance``, per batch bucket. With a hardware ``profile``: the DP over the profiled
     budgets and ``max_depth`` levels, and the cost model's (n, d) per bucket the profile has (with the step
-    overhead recorded in the current plans, if any). Without: each current bucket keeps its (n, d) budget and
-    only the tree's shape is re-solved. Provenance: the current plan's, ``source="live"``, ``live_samples``."""
+    overhead recorded in the current plans, if any), except a bucket whose plan is the target alone by
+    measurement (``measured_alone``), which keeps it: on this CPU the model predicted trees at batch 4 and 8
+    (1.15-1.31x) that the main job's check had measured at 0.87x, and a re-plan after 403 verdicts put them
+    back. Without a profile: each current bucket keeps its (n, d) budget and only the tree's shape is
+    re-solved. Provenance: the current plan's, ``source="live"``, ``live_samples``."""
     base = current[min(current)].provenance
     prov = replace(base, source="live", live_samples=samples, measured_speedup=None, candidates=None,
                    prompts=None, tokens_measured=None, predicted_speedup=None)
@@ -186,9 +189,19 @@ def replan(acceptance: AcceptanceVector, current: dict[int, PlannedTree], profil
     overhead = StepOverhead.from_dict(base.overhead) if base.overhead else NO_OVERHEAD
     out = {}
     for bucket, (best, _) in choose_buckets(table, profile, tuple(profile.t), overhead).items():
+        if bucket in current and measured_alone(current[bucket]):
+            continue  # the measurement said the target alone: the cost model's pick does not overrule it
         out[bucket] = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d),
                                   replace(prov, predicted_speedup=best.predicted_speedup))
     return out
+
+
+def measured_alone(planned: PlannedTree) -> bool:
+    """A plan that serves the target alone because its trees were measured slower (the measured choice or the
+    main job's bucket check: a root-only winner with a tree among the measured candidates)."""
+    candidates = planned.provenance.candidates or []
+    return planned.plan.n == 1 and any(c.get("n", 1) > 1 and c.get("measured_speedup") is not None
+                                       for c in candidates)
 
 
 def check(live: LiveAcceptance, temperature: float, current: dict[int, PlannedTree],

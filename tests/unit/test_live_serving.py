@@ -232,3 +232,39 @@ def test_a_live_re_plan_for_buckets_never_served_yet_is_adopted_and_refreshed(tm
     newer = store.publish_plan(builtin_plan(0.0, budget=8), PlanKey(HW, "tiny-draft", "tiny-target", 0.0, 16))
     plans.refresh()
     assert plans.get(0.0, 16).source == f"store:{newer}" and plans.errors == 0
+
+
+def test_a_live_re_plan_keeps_the_buckets_measured_to_serve_the_target_alone(tmp_path):
+    """Batch 4's stored plan is the target alone because its tree measured slower (a root-only winner with a
+    measured tree among its candidates); batch 8's is root-only by the model alone (nothing measured). A
+    re-plan from departing traffic, before either bucket was ever served: batch 4 keeps the measurement,
+    batch 8 and the rest take the DP's new picks."""
+    from sequoia_ray.hardware import HardwareProfile
+    from sequoia_ray.live_acceptance import measured_alone
+    from sequoia_ray.tree.plan_file import Provenance
+    from sequoia_ray.tree.planning import plan_for
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(builtin_plan(0.0), KEY)
+    t = {n: 1 + 0.01 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)}
+    store.publish_profile(HardwareProfile(HW, t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32"))
+    tried = [{"n": 1, "d": 1, "predicted_speedup": 1.0, "measured_speedup": 1.0},
+             {"n": 4, "d": 4, "predicted_speedup": 1.14, "measured_speedup": 0.87}]
+    vector = builtin_plan(0.0).acceptance
+    alone_measured = plan_for(vector, 1, 1, Provenance(measured_speedup=1.0, candidates=tried))[0]
+    alone_by_model = plan_for(vector, 1, 1, Provenance())[0]
+    assert measured_alone(alone_measured) and not measured_alone(alone_by_model)
+    kept = store.publish_plan(alone_measured, PlanKey(HW, "tiny-draft", "tiny-target", 0.0, 4))
+    store.publish_plan(alone_by_model, PlanKey(HW, "tiny-draft", "tiny-target", 0.0, 8))
+    plans = PlanProvider(config(str(tmp_path)), HW)
+    planner = LivePlanner(config(str(tmp_path)), plans)
+    plans.get(0.0)
+    for _ in range(30):
+        feed(planner, plans, 200)
+        if planner.tick():
+            break
+    assert planner.replans[0.0] == 1
+    assert plans.get(0.0, 4).source == f"store:{kept}" and plans.get(0.0, 4).planned.plan.n == 1
+    for bucket in (1, 2, 8):
+        assert plans.get(0.0, bucket).source.startswith("live:/")
+    assert plans.get(0.0, 8).planned.plan.n > 1  # the profile here makes trees pay at every batch size
