@@ -6,9 +6,10 @@ In-process, continuous batching (``sequoia_ray.batching``) over the default pair
 greedy, the built-in plan) or the tiny pair. ``--decoders`` requests decode back to back; once they are
 running, one request with a ``--prompt-tokens`` prompt joins. Settings, side by side in one run:
 
-- ``whole/padded``, ``whole/flat``: its whole prompt in the next forward, beside the others' trees (padded:
-  every tree row is padded up to the prompt's length; flat: no padding, one sequence);
-- ``chunk N`` (flat layout): N prompt tokens per step, beside the others' trees.
+- ``whole/padded``, ``whole/flat``, ``whole/ragged``: its whole prompt in the next forward, beside the others'
+  trees (padded: every tree row is padded up to the prompt's length; flat: no padding, one sequence; ragged:
+  one sequence, each request's attention over its own K/V only);
+- ``chunk N/flat``, ``chunk N/ragged``: N prompt tokens per step, beside the others' trees.
 
 ("Apart", a forward of its own before the batch, stalls the others exactly as long as ``whole/flat``'s
 prefill rows do: the prompt's forward runs between two of their steps either way.)
@@ -76,7 +77,8 @@ def run(pair: LocalPair, layout: str, chunk: int | None, decoders: int, prompt_t
     lo, hi = long_window
     gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > a]
     stall = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > a and b > lo and a < hi]
-    return {"setting": f"chunk {chunk}" if chunk else f"whole/{layout}", "stall max s": max(stall, default=0.0),
+    name = f"chunk {chunk}/{layout}" if chunk else f"whole/{layout}"
+    return {"setting": name, "stall max s": max(stall, default=0.0),
             "median gap s": statistics.median(gaps), "long TTFT s": hi - lo,
             "tokens/s": sum(len(t) for t in times) / wall}
 
@@ -95,7 +97,9 @@ def main() -> None:
         args.prompt_tokens = min(args.prompt_tokens, 400)
     else:
         pair = LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
-    settings = [("padded", None), ("flat", None)] + [("flat", int(c)) for c in args.chunks.split(",")]
+    chunks = [int(c) for c in args.chunks.split(",")]
+    settings = [("padded", None), ("flat", None), ("ragged", None)]
+    settings += [(layout, c) for c in chunks for layout in ("flat", "ragged")]
     rows = [run(pair, layout, chunk, args.decoders, args.prompt_tokens, args.max_tokens) for layout, chunk in settings]
     print_table(rows, ["setting", "stall max s", "median gap s", "long TTFT s", "tokens/s"])
     write_json("prefill-tiny" if args.tiny else "prefill", {"decoders": args.decoders, "prompt tokens": args.prompt_tokens,
