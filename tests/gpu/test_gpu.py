@@ -14,7 +14,7 @@ from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import chain, k_ary, specinfer
-from tests.tiny import noisy_copy, sharpen, tiny_model
+from tests.tiny import VOCAB, noisy_copy, sharpen, tiny_model
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -113,3 +113,40 @@ def test_a_cuda_model_keeps_its_linear_layers():
     assert all(m.weight.is_cuda for m in model.modules() if isinstance(m, torch.nn.Linear))
     with pytest.raises(ValueError, match="the model is on cuda"):
         pack_linears(model, "packed")
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded", "flat"])
+def test_batched_layouts_equal_each_request_alone_on_cuda(layout):
+    """The ragged layout's per-request SDPA on the GPU's own kernels (which may return a transposed output):
+    ragged requests (trees, a prefill, a decode token) in one forward == each alone, K/V included."""
+    from sequoia_ray.models.batch_forward import Segment, hidden_many
+    from sequoia_ray.models.tree_lm import KVSession
+
+    model = tiny_model("qwen2", seed=4).to(CUDA)
+    gen = torch.Generator().manual_seed(0)
+
+    def requests():
+        out = []
+        for past, plan in ((7, k_ary(2, 2)), (0, None), (12, chain(3)), (20, "decode")):
+            s = KVSession(model)
+            if past:
+                s.forward(torch.randint(0, VOCAB, (past,), generator=gen).to(CUDA), torch.arange(past, device=CUDA))
+            if plan is None:  # a prefill into an empty cache
+                tokens, positions = torch.randint(0, VOCAB, (9,), generator=gen), torch.arange(9)
+                out.append(Segment(s, tokens.to(CUDA), positions.to(CUDA)))
+            elif plan == "decode":
+                tokens = torch.randint(0, VOCAB, (1,), generator=gen)
+                out.append(Segment(s, tokens.to(CUDA), torch.tensor([past], device=CUDA)))
+            else:
+                tokens = torch.randint(0, VOCAB, (plan.n,), generator=gen).to(CUDA)
+                positions = past + torch.tensor(plan.depth, device=CUDA)
+                out.append(Segment(s, tokens, positions, torch.from_numpy(plan.ancestor_mask()).to(CUDA)))
+        return out
+
+    gen.manual_seed(0)
+    alone = [s.session.hidden(s.tokens, s.positions, s.allowed, s.tree_start) for s in requests()]
+    gen.manual_seed(0)
+    batched = requests()
+    for e, g in zip(alone, hidden_many(model, batched, layout)):
+        torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
+    assert all(s.session.length == s.positions.numel() + p for s, p in zip(batched, (7, 0, 12, 20)))
