@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sequoia_ray.models import ragged
-from sequoia_ray.models.tree_lm import KVSession, new_cache
+from sequoia_ray.models.tree_lm import KVSession, cache_keyword, new_cache
 
 if TYPE_CHECKING:
     from sequoia_ray.models.kv_store import KVStore
@@ -143,8 +143,9 @@ def _like(stores: list[KVStore]) -> KVStore | None:
 
 
 def _run_decoder(model, ids, positions, mask, cache, past: int, q: int, device):
-    out = model.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                              cache_position=torch.arange(past, past + q, device=device), use_cache=True)
+    decoder = model.get_decoder()
+    out = decoder(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                  cache_position=torch.arange(past, past + q, device=device), **{cache_keyword(type(decoder)): cache})
     return out.last_hidden_state
 
 

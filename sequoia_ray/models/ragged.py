@@ -29,8 +29,6 @@ the padded and flat layouts remain for the others (eager attention, custom model
 
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -38,6 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from sequoia_ray.models.tree_lm import cache_keyword
 
 if TYPE_CHECKING:
     from sequoia_ray.models.batch_forward import Segment
@@ -157,12 +157,6 @@ def _attending(model, forward: _Forward):
                     del _users[id(config)]
 
 
-@functools.cache
-def _cache_argument(decoder_class: type) -> str:
-    """The decoder's keyword for its cache: ``cache`` (transformers 5.x; ``past_key_values`` is deprecated)."""
-    return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
-
-
 @torch.inference_mode()
 def run(model, segments: list[Segment], stores: list[KVStore], device) -> list[torch.Tensor]:
     """``[q_b, H]`` final hidden states per segment; each segment's K/V appended to its own store."""
@@ -190,7 +184,7 @@ def run(model, segments: list[Segment], stores: list[KVStore], device) -> list[t
     try:
         with _attending(model, forward):
             hidden = decoder(input_ids=ids, position_ids=positions, attention_mask=placeholder, use_cache=True,
-                             **{_cache_argument(type(decoder)): RaggedCache(forward)}).last_hidden_state[0]
+                             **{cache_keyword(type(decoder)): RaggedCache(forward)}).last_hidden_state[0]
         _check(forward, stores, lengths, segments)
     except BaseException:
         for store, length in zip(stores, lengths):

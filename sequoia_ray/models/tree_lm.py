@@ -12,6 +12,8 @@ there, and the callers pass ``tokens``, ``positions``, ``allowed`` and ``slots``
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,13 @@ import torch
 
 if TYPE_CHECKING:  # transformers is imported where a cache is made: a process that only routes calls
     from transformers import DynamicCache, PreTrainedModel  # (the ingress, a deployment) never loads it
+
+
+@functools.cache
+def cache_keyword(decoder_class: type) -> str:
+    """A decoder's keyword for its cache: ``cache`` where its forward has one (transformers 5.x, which
+    deprecates ``past_key_values`` and warns at every call), else ``past_key_values`` (4.x)."""
+    return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -80,13 +89,14 @@ class KVSession:
         dtype = self.model.dtype
         mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=device)
         mask[0, 0, :, start:].masked_fill_(~allowed, torch.finfo(dtype).min)
-        out = self.model.get_decoder()(
+        decoder = self.model.get_decoder()
+        out = decoder(
             input_ids=tokens[None],
             position_ids=positions[None],
             attention_mask=mask,
-            past_key_values=self.cache,
             cache_position=torch.arange(past, past + q, device=device),
             use_cache=True,
+            **{cache_keyword(type(decoder)): self.cache},
         )
         return out.last_hidden_state[0]
 
