@@ -63,6 +63,15 @@ class KVStore:
         self.keys, self.values = keys, values
 
     @torch.inference_mode()
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append ``key_states`` / ``value_states`` (``[batch, heads, q, dim]``) to one layer, during a forward."""
+        start = self.lengths[layer]
+        end = start + key_states.shape[-2]
+        self.reserve(key_states, value_states, end)
+        self.keys[layer, :, :, start:end], self.values[layer, :, :, start:end] = key_states, value_states
+        self.lengths[layer] = end
+
+    @torch.inference_mode()
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys`` / ``values`` (``[layers, batch, heads, q, dim]``) to every layer at once."""
         length, q = self.length, keys.shape[-2]
@@ -130,12 +139,7 @@ class StoreLayer(DynamicLayer):
         """Append ``key_states`` / ``value_states`` (``[batch, heads, q, dim]``); the layer's whole K/V back."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        store, i = self.store, self.index
-        start = store.lengths[i]
-        end = start + key_states.shape[-2]
-        store.reserve(key_states, value_states, end)
-        store.keys[i, :, :, start:end], store.values[i, :, :, start:end] = key_states, value_states
-        store.lengths[i] = end
+        self.store.write(self.index, key_states, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:

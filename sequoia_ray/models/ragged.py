@@ -9,9 +9,10 @@ Here nothing is copied. The weights still run once over every request's new toke
 - the layers' cache is a ``RaggedCache``: its ``update`` writes each request's new K/V rows straight into that
   request's own ``KVStore`` (every layer one buffer, ``kv_store``) and hands the layer's inputs back;
 - the attention function (registered with transformers' ``AttentionInterface`` as ``sequoia_ragged``; the
-  model's config names it for the duration of the forward only) runs, per request, transformers' own SDPA
-  attention of that request's query rows over that request's store, a view of its ``past + q`` slots, with
-  the request's additive mask (``None`` for a decode token that sees every slot: nothing to build).
+  model's config names it for the duration of the forward only) runs, per request, one SDPA call of that
+  request's query rows over its store, a view of its ``past + q`` slots, with the request's additive mask
+  (``None`` for a decode token that sees every slot: nothing to build). The query heads that share a K/V
+  head are packed as rows of that call (GQA without repeating K/V).
 
 So a token attends only to its own request's context and to what its own ``allowed`` rows grant, and
 attention costs each request's own context, not the batch's longest (``padded``) or its sum (``flat``). The
@@ -78,13 +79,8 @@ class RaggedCache:
                ) -> tuple[torch.Tensor, torch.Tensor]:  # [1, kv heads, sum q, dim] each, handed back
         self.forward.updates += 1
         for r in self.forward.rows:
-            keys, values = key_states[:, :, r.start : r.start + r.q], value_states[:, :, r.start : r.start + r.q]
-            store = r.store
-            start = store.lengths[layer_idx]
-            store.reserve(keys, values, start + r.q)
-            store.keys[layer_idx, :, :, start : start + r.q] = keys
-            store.values[layer_idx, :, :, start : start + r.q] = values
-            store.lengths[layer_idx] = start + r.q
+            rows = slice(r.start, r.start + r.q)
+            r.store.write(layer_idx, key_states[:, :, rows], value_states[:, :, rows])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # positions are always given: no model reads this
