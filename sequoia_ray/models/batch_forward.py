@@ -17,10 +17,11 @@ Three layouts of the batch (``LAYOUTS``), all exact:
   a block-diagonal ``[1, 1, sum q, sum past + sum q]`` mask keeps each request to its own blocks. Cost:
   exactly sum(q) rows through the weights, but attention scores over every request's context.
 
-- ``auto`` (the default): ``ragged`` for a model with SDPA attention. Measured with the 1.5B target (bf16)
-  on the 2-core EPYC, contexts 64-420, interleaved, medians of 5 (ms a forward, padded / flat / ragged):
-  decode steps (1 token) at B = 8 133 / 153 / 104, at B = 4 86 / 98 / 83; trees of 4 at B = 2 106 / 101 / 96,
-  B = 4 143 / 140 / 118, B = 8 273 / 277 / 189; trees of 8 at B = 8 429 / 519 / 340. Otherwise (eager
+- ``auto`` (the default): ``ragged`` for a model with SDPA attention. ``benchmarks/layout.py`` with the 1.5B
+  target (bf16) on the 2-core EPYC, contexts 64-420, interleaved, medians of 5 (ms a forward, padded / flat /
+  ragged; ``benchmarks/results/layout-s20-n{1,4}.json``): decode steps (1 token) at B = 8 117 / 142 / 100, at
+  B = 4 94 / 105 / 91; trees of 4 at B = 2 123 / 114 / 102, B = 4 180 / 159 / 128, B = 8 290 / 297 / 205. At
+  short contexts (60-160) ragged ties with padded for decode steps. Otherwise (eager
   attention): ``padded`` when every segment is one token (decode steps of the target alone, the draft's
   one-node levels), where nothing pads the queries and each token scores only its own context, unless one
   long context would make the padded copies more than twice flat's; ``flat`` otherwise. Measured with the
@@ -32,7 +33,8 @@ Three layouts of the batch (``LAYOUTS``), all exact:
 
 ``padded`` and ``flat`` copy every session's K/V into one temporary cache per step and the new K/V back
 out: the sessions stay the single home of each request's state, untouched when the forward fails (a failed
-batch can be retried request by request; ``ragged`` truncates what it appended). A session's cache is one ``KVStore`` (``sequoia_ray.models.kv_store``: every layer in
+batch can be retried request by request; ``ragged`` truncates what it appended). A session's cache is one
+``KVStore`` (``sequoia_ray.models.kv_store``: every layer in
 one buffer), so each copy is one op per request for keys and one for values, not one per layer: at B = 8
 decode steps of the 1.5B target that took a step from 104-107 to 95-98 ms (interleaved, two rounds), the
 ~2,000 small ``cat``s, copies and fills become ~30 copies; what remains is the data itself (~6 ms of copies
