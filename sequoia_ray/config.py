@@ -72,7 +72,8 @@ class ProfileJobConfig(BaseModel):
                             "for real per batch bucket (besides the target alone); the fastest measured is published.")
     measure_rounds: int = Field(3, ge=1, le=20, description="Round-robin rounds of the measured choice and overhead runs.")
     max_noise: float = Field(0.25, gt=0.0, description="Refuse a profile whose timing noise (median relative MAD of "
-                             "the repeats) exceeds this fraction; raise it on a shared machine.")
+                             "the repeats) or drift between rounds (sequoia_ray.hardware.round_drift) exceeds this "
+                             "fraction; raise it on a shared machine.")
     dtype: str = Field("bfloat16", description="Model dtype on this hardware: float32 | bfloat16 | float16.")
     draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
     linears: Literal["auto", "packed", "aten"] = Field("auto", description="Linear layers on weights packed once for "

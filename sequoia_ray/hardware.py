@@ -35,8 +35,11 @@ a fixed part plus a part per request of the batch, for a root-only step and for 
     alone(B)      = T_B(B) + O_alone(B)
 
 Noise. Every table is timed round-robin with repeats; ``noise`` is the median over everything timed of the
-repeats' median absolute deviation over their median. ``check_noise`` refuses a profile noisier than a bound
-(a busy machine's profile would choose a plan for load that is gone).
+repeats' median absolute deviation over their median. ``drift`` is how far the machine's speed moved between
+rounds (``round_drift``): a step change in speed during the profile keeps every MAD small (two of three repeats
+agree) yet bends the tables where it happened, so a drifting timing is taken again (``retries``) and the
+calmer attempt kept. ``check_noise`` refuses a profile noisier or drifting more than a bound (a busy
+machine's profile would choose a plan for load that is gone).
 
 Timings run on the model's device and synchronise it before every clock read (an accelerator runs kernels
 asynchronously; without the sync a timer measures only the launches).
@@ -47,6 +50,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import logging
 import math
 import platform
 import statistics
@@ -64,9 +68,12 @@ from sequoia_ray.models.tree_lm import KVSession
 from sequoia_ray.tree.dp import DPTable
 from sequoia_ray.tree.plan import TreePlan, chain
 
+logger = logging.getLogger(__name__)
+
 SCHEMA_VERSION = 1
 DEFAULT_BUDGETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+MAX_DRIFT = 0.15  # rounds whose speeds differ more are timed again (round_drift)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes with a plan of their own; a batch uses its bucket's
 BATCH_LAYOUT = "auto"  # hidden_many's layout when timing batches: the serving default
 
@@ -129,6 +136,7 @@ class HardwareProfile:
     batch_t: dict[int, dict[int, float]] = field(default_factory=dict)  # B >= 2 -> total tokens B·n -> T_B
     batch_c: dict[int, dict[int, float]] = field(default_factory=dict)  # B >= 2 -> total level width -> C_B
     noise: float = math.nan  # median relative MAD of the timed repeats (nan: not measured)
+    drift: float = math.nan  # the machine's speed change between timing rounds (round_drift; nan: not measured)
 
     def t_of(self, n: int) -> float:
         return _interpolate(self.t, n, "t(n)")
@@ -186,7 +194,8 @@ class HardwareProfile:
             out[name] = {str(k): v for k, v in getattr(self, name).items()}
         for name in ("batch_t", "batch_c"):
             out[name] = {str(b): {str(k): v for k, v in row.items()} for b, row in getattr(self, name).items()}
-        out["noise"] = None if math.isnan(self.noise) else self.noise  # JSON has no NaN
+        for name in ("noise", "drift"):
+            out[name] = None if math.isnan(getattr(self, name)) else getattr(self, name)  # JSON has no NaN
         return {"schema_version": SCHEMA_VERSION, **out}
 
     @classmethod
@@ -199,7 +208,7 @@ class HardwareProfile:
             batch_t, batch_c = (_batch_tables(obj.get(name, {})) for name in ("batch_t", "batch_c"))
             prof = cls(str(obj["hardware_id"]), t, c, float(obj["target_step_s"]), int(obj["context"]),
                        str(obj["dtype"]), dict(obj.get("versions", {})), str(obj.get("timestamp", "")),
-                       batch_t, batch_c, _optional_float(obj.get("noise")))
+                       batch_t, batch_c, _optional_float(obj.get("noise")), _optional_float(obj.get("drift")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
         tables = [("t", t), ("c", c)] + [(f"{name}[{b}]", row) for name, batches in (("batch_t", batch_t),
@@ -227,10 +236,11 @@ def _optional_float(x) -> float:
 
 
 def check_noise(prof: HardwareProfile, bound: float) -> None:
-    """ProfileError when ``prof``'s timings are noisier than ``bound`` (a fraction, e.g. 0.1 = 10%)."""
-    if prof.noise > bound:
-        raise ProfileError(f"profile of {prof.hardware_id}: timing noise {prof.noise:.0%} exceeds the bound {bound:.0%}; "
-                           f"profile again on a quieter machine (nothing else running) or raise the bound (max_noise)")
+    """ProfileError when ``prof``'s timings are noisier, or drifted more, than ``bound`` (a fraction, e.g. 0.1 = 10%)."""
+    for name, value in (("noise", prof.noise), ("drift between rounds", prof.drift)):
+        if value > bound:
+            raise ProfileError(f"profile of {prof.hardware_id}: timing {name} {value:.0%} exceeds the bound {bound:.0%}; "
+                               f"profile again on a quieter machine (nothing else running) or raise the bound (max_noise)")
 
 
 def _batched(row: dict[int, float], one: dict[int, float], x: int, name: str) -> float:
@@ -381,6 +391,20 @@ def relative_noise(samples: dict[object, list[float]]) -> float:
     return statistics.median(spreads) if spreads else math.nan
 
 
+def round_drift(samples: dict[object, list[float]]) -> float:
+    """How far the machine's speed moved between the rounds of a round-robin timing (nan with fewer than 2
+    rounds): each round's factor is the median, over everything timed, of its time in that round over its
+    median; the drift is the largest factor over the smallest, minus 1. A machine that slows down halfway
+    through (a co-tenant on a shared host; session 21 saw a 2-core VM's forwards take 163 then 370 ms) gives
+    sizes timed before the change their fast median and sizes after it their slow one: t(n) then jumps at
+    whatever size the change hit, while the MAD of three repeats stays small."""
+    rows = [v for v in samples.values() if len(v) > 1 and statistics.median(v) > 0]
+    if not rows or len({len(v) for v in rows}) != 1:
+        return math.nan
+    factors = [statistics.median(v[i] / statistics.median(v) for v in rows) for i in range(len(rows[0]))]
+    return max(factors) / min(factors) - 1
+
+
 def _mad(values: list[float]) -> float:
     mid = statistics.median(values)
     return statistics.median(abs(v - mid) for v in values)
@@ -452,22 +476,24 @@ def _clock(device: torch.device) -> float:
 
 def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRAFT_WIDTHS, context: int = 256,
             repeats: int = 5, dtype: str = "float32", time_target=None, batches=(),
-            batch_total: int | None = None) -> HardwareProfile:
+            batch_total: int | None = None, max_drift: float = MAX_DRIFT, retries: int = 1) -> HardwareProfile:
     """t(n) and c(w) for a target and a draft model, and for each batch B >= 2 of ``batches`` the batched
     T_B and C_B at B·s total tokens for the sizes s of ``budgets`` with B·s <= ``batch_total`` (default: the
     largest size; s = 1 always). With the target in process (``target`` not None) every forward is timed in
     one round-robin loop, so a burst of load on a shared machine hits all sizes and batches alike instead of
     one table; else ``time_target(sizes, context, repeats)`` times the target (e.g. a whole tensor-parallel
-    group, every rank in lockstep) and the profile has no batch tables."""
+    group, every rank in lockstep) and the profile has no batch tables. In process, a timing whose rounds drift
+    apart by more than ``max_drift`` is taken again, up to ``retries`` times, and the least drifting kept."""
     sizes = sorted(set(budgets) | {1})
-    noise = math.nan  # a target timed elsewhere (a group of ranks) reports medians only
+    noise = drift = math.nan  # a target timed elsewhere (a group of ranks) reports medians only
     if target is None:
         target_s = time_target(sizes, context, repeats)
         draft_s = time_forward(draft, widths, context=context, repeats=repeats)
         timed = {}
     else:
-        rounds = _time_all(target, draft, sizes, widths, context=context, repeats=repeats,
-                           grid={b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1})
+        grid = {b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1}
+        rounds, drift = _calm_rounds(lambda: _time_all(target, draft, sizes, widths, context=context,
+                                                       repeats=repeats, grid=grid), hardware, max_drift, retries)
         timed, noise = {k: statistics.median(v) for k, v in rounds.items()}, relative_noise(rounds)
         target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
     one = target_s[1]
@@ -477,7 +503,24 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
         hardware_id=hardware, t={n: s / one for n, s in target_s.items()}, c={w: s / one for w, s in draft_s.items()},
         target_step_s=one, context=context, dtype=dtype, versions=library_versions(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), batch_t=batch_t, batch_c=batch_c,
-        noise=noise)
+        noise=noise, drift=drift)
+
+
+def _calm_rounds(time_all: Callable[[], dict], hardware: str, max_drift: float, retries: int
+                 ) -> tuple[dict[object, list[float]], float]:
+    """``time_all()``'s rounds and their drift; timed again while they drift more than ``max_drift`` (at most
+    ``retries`` more times), the least drifting attempt kept."""
+    best = None
+    for attempt in range(1 + retries):
+        rounds = time_all()
+        drift = round_drift(rounds)
+        if best is None or drift < best[1]:
+            best = (rounds, drift)
+        if not drift > max_drift:
+            break
+        logger.warning("profile of %s: the machine's speed moved %.0f%% between timing rounds (attempt %d of %d)%s",
+                       hardware, 100 * drift, attempt + 1, 1 + retries, "; timing again" if attempt < retries else "")
+    return best
 
 
 def _time_all(target, draft, sizes, widths, *, context: int, repeats: int, grid: dict[int, tuple[int, ...]]

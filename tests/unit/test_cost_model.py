@@ -8,8 +8,9 @@ import math
 import pytest
 
 from sequoia_ray.config import SamplingParams
+from sequoia_ray import hardware
 from sequoia_ray.hardware import (Choice, HardwareProfile, ProfileError, StepOverhead, check_noise,
-                                  choose, profile, relative_noise)
+                                  choose, profile, relative_noise, round_drift)
 from sequoia_ray.measured_choice import Measured, measure_choices, pick, top_candidates
 from sequoia_ray.overhead import fit_linear, measure_overhead
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
@@ -102,6 +103,56 @@ def test_noise_round_trips_and_a_missing_noise_loads_as_nan(tmp_path):
     assert unmeasured.to_dict()["noise"] is None  # JSON has no NaN
 
 
+def test_round_drift_sees_a_step_change_that_the_mad_does_not():
+    # 12 things timed in 3 rounds; the machine halves its speed after the first round
+    step = {k: [1.0 + k, 2.0 * (1.0 + k), 2.0 * (1.0 + k)] for k in range(12)}
+    assert relative_noise(step) == pytest.approx(0.0)  # two of three repeats agree everywhere
+    assert round_drift(step) == pytest.approx(1.0)  # round factors 0.5, 1, 1
+    jitter = {k: [1.0 + k, (1.0 + k) * (1.1 if k % 2 else 0.9), 1.0 + k] for k in range(12)}
+    assert round_drift(jitter) < 0.15 < round_drift({k: [1.0, 1.2, 1.0] for k in range(3)})
+    assert math.isnan(round_drift({"a": [1.0]})) and math.isnan(round_drift({"a": [1.0, 2.0], "b": [1.0, 2.0, 3.0]}))
+
+
+def _rounds(slow_after: int | None) -> dict:
+    """``profile``'s rounds for t(1, 2) and c(1, 2), the machine 2x slower from round ``slow_after`` on."""
+    base = {("t", 1, 1): 0.1, ("t", 1, 2): 0.1, ("c", 1, 1): 0.01, ("c", 1, 2): 0.012}
+    return {k: [v * (2 if slow_after is not None and i >= slow_after else 1) for i in range(3)] for k, v in base.items()}
+
+
+def test_a_drifting_profile_is_timed_again_and_the_calm_timing_kept(monkeypatch):
+    attempts = [_rounds(slow_after=1), _rounds(slow_after=None)]
+    monkeypatch.setattr(hardware, "_time_all", lambda *a, **k: attempts.pop(0))
+    prof = profile(object(), object(), hardware="hw", budgets=(1, 2), widths=(1, 2), context=8, repeats=3)
+    assert not attempts  # timed twice
+    assert prof.drift == pytest.approx(0.0) and prof.target_step_s == pytest.approx(0.1)
+    assert prof.c == pytest.approx({1: 0.1, 2: 0.12})
+
+
+def test_a_profile_still_drifting_keeps_its_least_drifting_timing_and_is_refused(monkeypatch):
+    attempts = [_rounds(slow_after=1), _rounds(slow_after=2)]  # the second drifts as much: the first is kept
+    monkeypatch.setattr(hardware, "_time_all", lambda *a, **k: attempts.pop(0))
+    prof = profile(object(), object(), hardware="hw", budgets=(1, 2), widths=(1, 2), context=8, repeats=3)
+    assert not attempts and prof.drift == pytest.approx(1.0)
+    assert prof.target_step_s == pytest.approx(0.2)  # the first timing: median of (0.1, 0.2, 0.2)
+    with pytest.raises(ProfileError, match=r"drift between rounds 100% exceeds the bound 25%.*max_noise"):
+        check_noise(prof, 0.25)
+    monkeypatch.setattr(hardware, "_time_all", lambda *a, **k: _rounds(slow_after=1))
+    calls = []
+    monkeypatch.setattr(hardware, "round_drift", lambda rounds: calls.append(1) or 1.0)
+    profile(object(), object(), hardware="hw", budgets=(1, 2), widths=(1, 2), context=8, repeats=3, retries=0)
+    assert len(calls) == 1  # retries=0: timed once
+
+
+def test_drift_round_trips_and_a_missing_drift_loads_as_nan(tmp_path):
+    prof = HardwareProfile("hw", {1: 1.0, 4: 1.2}, {1: 0.1}, 0.1, 64, "float32", noise=0.04, drift=0.07)
+    prof.save(tmp_path / "p.json")
+    assert HardwareProfile.load(tmp_path / "p.json").drift == pytest.approx(0.07)
+    old = prof.to_dict()
+    del old["drift"]
+    assert math.isnan(HardwareProfile.from_dict(old).drift)
+    assert HardwareProfile("hw", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32").to_dict()["drift"] is None
+
+
 @pytest.fixture(scope="module")
 def models():
     return agreeing_pair()
@@ -112,7 +163,7 @@ PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46]]
 
 def test_profile_measures_its_noise(models):
     prof = profile(*models, hardware="hw", budgets=(1, 2, 4), widths=(1, 2), context=8, repeats=3)
-    assert 0 <= prof.noise < 10
+    assert 0 <= prof.noise < 10 and 0 <= prof.drift < 10
 
 
 def test_measured_overhead_is_the_step_minus_the_predicted_forwards(models):
