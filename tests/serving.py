@@ -76,7 +76,9 @@ def own_cluster(num_cpus: int, env: dict, cwd) -> Iterator[tuple[str, str]]:
     machine (the session's, another test worker's, a killed run's) does not take the dashboard agent's
     (52365: "No available agent to submit job") or the client server's (10001). Ended with
     ``stop_own_cluster``, which kills this cluster's processes only (``ray stop`` would kill every Ray of
-    the machine). Yields the GCS address and the dashboard URL."""
+    the machine). Yields the GCS address and the dashboard URL. A ``ray start`` that fails (a port taken
+    between ``free_port`` and Ray binding it: another worker's Ray starts alongside) is stopped and tried
+    once more on fresh ports; failing again, the error carries Ray's own output."""
     import shutil
     import subprocess
     import sys
@@ -84,15 +86,23 @@ def own_cluster(num_cpus: int, env: dict, cwd) -> Iterator[tuple[str, str]]:
     from pathlib import Path
 
     ray = str(Path(sys.executable).parent / "ray")
-    port, dash = free_port(), free_port()
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
-    start = [ray, "start", "--head", f"--num-cpus={num_cpus}", f"--port={port}", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}",
-             f"--ray-client-server-port={free_port()}", "--include-dashboard=true", "--disable-usage-stats",
-             f"--temp-dir={temp_dir}"]
     env = {**env, "RAY_worker_niceness": "0"}  # as the session's Ray (``session_ray``)
+    for attempt in (1, 2):
+        port, dash = free_port(), free_port()
+        temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
+        start = [ray, "start", "--head", f"--num-cpus={num_cpus}", f"--port={port}", "--dashboard-host=127.0.0.1",
+                 f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={free_port()}",
+                 f"--ray-client-server-port={free_port()}", "--include-dashboard=true", "--disable-usage-stats",
+                 f"--temp-dir={temp_dir}"]
+        done = subprocess.run(start, env=env, cwd=cwd, capture_output=True, text=True, timeout=180)
+        if done.returncode == 0:
+            break
+        stop_own_cluster(temp_dir, port)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if attempt == 2:
+            raise RuntimeError(f"`ray start --head` failed twice (exit {done.returncode}); its output:\n"
+                               f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     try:
-        subprocess.run(start, check=True, env=env, cwd=cwd, capture_output=True, timeout=180)
         yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
     finally:
         stop_own_cluster(temp_dir, port)
