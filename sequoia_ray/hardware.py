@@ -401,7 +401,8 @@ def round_drift(samples: dict[object, list[float]]) -> float:
     rows = [v for v in samples.values() if len(v) > 1 and statistics.median(v) > 0]
     if not rows or len({len(v) for v in rows}) != 1:
         return math.nan
-    factors = [statistics.median(v[i] / statistics.median(v) for v in rows) for i in range(len(rows[0]))]
+    mids = [statistics.median(v) for v in rows]
+    factors = [statistics.median(v[i] / mid for v, mid in zip(rows, mids)) for i in range(len(rows[0]))]
     return max(factors) / min(factors) - 1
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ast
-import os
 import functools
+import os
 from pathlib import Path
 
 import pytest
