@@ -110,12 +110,15 @@ class ModelActor:
             self.worker.finish(rid)
         return stale
 
-    def _start_batcher(self, run_batch, run_one) -> None:
+    def _start_batcher(self, run_batch, run_one, *, comes_back=None, limits=None, lookback: int = 1) -> None:
         """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call
-        waits in its own Ray thread while one batcher thread gathers them and the compute thread runs them."""
+        waits in its own Ray thread while one batcher thread gathers them and the compute thread runs them.
+        ``comes_back``, ``limits``, ``lookback``: the batcher's (default: the spec's limits, waiting for
+        target-alone requests only)."""
         self.batcher = Batcher(lambda method, calls: self.compute.run(self._run_shared, run_batch, method, calls),
                                lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
-                               self.worker.tokens_of, self.spec.limits(), name=f"{type(self).__name__}-batcher")
+                               self.worker.tokens_of, limits or self.spec.limits(),
+                               name=f"{type(self).__name__}-batcher", comes_back=comes_back, lookback=lookback)
 
     def _run_shared(self, run_batch, method: str, calls: list[tuple]) -> list:
         """``run_batch`` with the threads ``self.share`` gives it (on the compute thread: the count is its own)."""

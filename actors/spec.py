@@ -30,6 +30,7 @@ class ModelActorSpec:
     batch_layout: str = "auto"  # auto | ragged | flat | padded (sequoia_ray.models.batch_forward)
     prefill_chunk: int | None = None  # longest prefill forwarded in one step (None: a whole prompt at once)
     batch_wait_s: float = 0.0  # how long a forward may wait for the previous forward's target-alone requests
+    wait_trees: bool = False  # forwards wait for the previous forwards' tree requests too (draft: GATHER_S only)
     prefix_cache_tokens: int = 0  # prompt-prefix K/V kept across requests (sequoia_ray.prefix_cache; 0: none)
     prefix_block: int = 16  # tokens per cached block
 
@@ -61,9 +62,10 @@ class ModelActorSpec:
         return PrefixCache(self.prefix_block, self.prefix_cache_tokens) if self.prefix_cache_tokens else None
 
     def limits(self):
-        from sequoia_ray.batching import BatchLimits
+        from sequoia_ray.batching import GATHER_S, BatchLimits
 
-        return BatchLimits(self.max_batch_requests, self.max_batch_tokens, self.batch_wait_s)
+        return BatchLimits(self.max_batch_requests, self.max_batch_tokens, self.batch_wait_s,
+                           GATHER_S if self.wait_trees else 0.0)
 
     @property
     def callers(self) -> int:

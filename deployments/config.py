@@ -99,6 +99,10 @@ class ServeConfig(BaseModel):
                                  "the previous one that come straight back (target-alone steps), so they share "
                                  "forwards instead of alternating (0 = start each forward at once). Requests growing "
                                  "trees are not waited for: they alternate, one group drafting while another verifies.")
+    batch_wait_trees: bool = Field(False, description="Let the target's forward wait (up to batch_wait_ms) for the "
+                                   "previous forward's tree requests too, while the draft grows their next trees: "
+                                   "every step then drafts all requests in one forward per level and verifies them "
+                                   "in one target forward (lockstep), instead of groups that alternate.")
     prefill_chunk: int | None = Field(256, ge=1, description="Prefill a long prompt this many tokens per step beside "
                                       "the others' decoding (None: the whole prompt in one step).")
     prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt-prefix K/V each model actor keeps across "
@@ -183,7 +187,7 @@ class ServeConfig(BaseModel):
                               collective_timeout_s=self.collective_timeout_s,
                               max_batch_requests=self.max_batch_requests, max_batch_tokens=self.max_batch_tokens,
                               batch_layout=self.batch_layout, prefill_chunk=self.prefill_chunk,
-                              batch_wait_s=self.batch_wait_ms / 1000,
+                              batch_wait_s=self.batch_wait_ms / 1000, wait_trees=self.batch_wait_trees,
                               prefix_cache_tokens=self.prefix_cache_tokens, prefix_block=self.prefix_block)
 
     def plan_hardware_id(self, threads: int, accelerator: str | None = None, cpu: str | None = None) -> str:

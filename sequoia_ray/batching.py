@@ -43,10 +43,12 @@ class BatchLimits:
     max_batch_requests: int = 16
     max_batch_tokens: int = 2048
     wait_s: float = 0.0  # how long a forward may wait for the previous one's requests that come straight back
+    gather_s: float = 0.0  # ... and how long after its first queued call arrived (whichever ends later)
 
     def __post_init__(self) -> None:
-        if self.wait_s < 0:
-            raise ValueError(f"batch wait {self.wait_s} s must be >= 0 (0 = start each forward at once)")
+        if self.wait_s < 0 or self.gather_s < 0:
+            raise ValueError(f"batch wait {self.wait_s} s and gather {self.gather_s} s must be >= 0 (0 = start each "
+                             "forward at once)")
         if self.max_batch_requests < 1:
             raise ValueError(f"max_batch_requests {self.max_batch_requests} must be >= 1 (1 = one request per forward)")
         if self.max_batch_tokens < 1:
@@ -59,6 +61,7 @@ class _Call:
     request_id: str
     args: tuple
     future: Future = field(default_factory=Future)
+    arrived: float = field(default_factory=time.monotonic)
 
 
 class Batcher:
@@ -66,13 +69,14 @@ class Batcher:
 
     def __init__(self, run_batch: Callable[[str, list[tuple]], list], run_one: Callable[..., object],
                  size: Callable[[str, str, tuple], int], limits: BatchLimits, *, name: str = "batcher",
-                 comes_back: Callable[[str, tuple], bool] | None = None) -> None:
+                 comes_back: Callable[[str, tuple], bool] | None = None, lookback: int = 1) -> None:
         self.run_batch, self.run_one, self.size, self.limits = run_batch, run_one, size, limits
         self.comes_back = comes_back or comes_straight_back
         self.queue: deque[_Call] = deque()
         self.cond = threading.Condition()
         self.batch_sizes: Counter[int] = Counter()  # requests per forward -> forwards (stats, tests)
-        self.expected: set[str] = set()  # requests of the last forward coming straight back, not finished
+        self.expected: set[str] = set()  # requests of the last forwards coming straight back, not finished
+        self.recent: deque[set[str]] = deque(maxlen=lookback)  # those of each of the last ``lookback`` forwards
         self.last_end = 0.0  # when the last forward ended (time.monotonic)
         self.started = time.monotonic()
         self.busy_s = 0.0  # seconds spent running batches (stats: busy_s / running time is the utilization)
@@ -136,6 +140,8 @@ class Batcher:
             for item in singles:
                 if item.method == "finish":
                     self.expected.discard(item.request_id)
+                    for seen in self.recent:
+                        seen.discard(item.request_id)
                 _settle(item, lambda i=item: self.run_one(i.method, i.request_id, *i.args))
             if batch:
                 self._run_guarded(batch)
@@ -147,12 +153,13 @@ class Batcher:
         ended; 0 when nobody is missing, the batch is full, or the limit is 0. A request that does not come
         back in time (a client that stopped reading, a request whose next step grows a tree after all) is
         waited for once: it is not in the next forward, so nobody waits for it again."""
-        if self.limits.wait_s <= 0 or not self.expected:
+        if max(self.limits.wait_s, self.limits.gather_s) <= 0 or not self.expected:
             return 0.0
         queued = {c.request_id for c in self.queue}
         if len(queued) >= self.limits.max_batch_requests or self.expected <= queued:
             return 0.0
-        return max(0.0, self.last_end + self.limits.wait_s - time.monotonic())
+        first = min((c.arrived for c in self.queue), default=time.monotonic())
+        return max(0.0, max(self.last_end + self.limits.wait_s, first + self.limits.gather_s) - time.monotonic())
 
     def _run_guarded(self, batch: list[_Call]) -> None:
         start = time.monotonic()
@@ -164,7 +171,8 @@ class Batcher:
                     c.future.set_exception(exc)
         finally:
             with self.cond:
-                self.expected = {c.request_id for c in batch if self._back(c)}
+                self.recent.append({c.request_id for c in batch if self._back(c)})
+                self.expected = set().union(*self.recent)
                 self.last_end = time.monotonic()
                 self.busy_s += self.last_end - start
 
@@ -232,6 +240,22 @@ def comes_straight_back(method: str, args: tuple) -> bool:
     ``verify`` (the target alone) it is — the next step verifies again — while a tree step goes on to the
     other worker (``grow`` is followed by ``verify``, a tree's ``verify`` by the next ``grow``)."""
     return method == "verify" and bool(args) and getattr(args[0], "n", None) == 1
+
+
+def comes_back_after_any_step(method: str, args: tuple) -> bool:
+    """The guess when tree requests are waited for too (``batch_wait_trees``): a request's next call after any
+    ``grow`` or ``verify`` comes back to the same worker, one call to the other worker in between (a tree step
+    is ``grow`` -> ``verify`` -> ``grow``), so a forward waits for its previous batch and the two workers step
+    every request in lockstep. Only one of them may wait long (``GATHER_S`` for the other): when the requests
+    are split in two groups, one queued on each worker, two long waits would each wait for the group the other
+    holds, at every step; the draft gathers instead: ``gather_s`` from its first queued call)."""
+    return method in BATCHED
+
+
+GATHER_S = 0.05  # with ``batch_wait_trees``, how long both workers wait from a batch's first queued call for the
+# rest of it (one forward's results come back as calls a few ms apart); only the target waits ``wait_s`` too
+LOCKSTEP_LOOKBACK = 2  # with ``batch_wait_trees``: the requests of the last two forwards are waited for (two
+# groups alternating between the workers are each in one of them: waiting for both merges them)
 
 
 def _settle(item: _Call, run: Callable[[], object]) -> None:

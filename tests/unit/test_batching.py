@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sequoia_ray.batching import NOT_YET, BatchedWorker, Batcher, BatchLimits, comes_straight_back
+from sequoia_ray.batching import (GATHER_S, LOCKSTEP_LOOKBACK, NOT_YET, BatchedWorker, Batcher, BatchLimits, comes_back_after_any_step,
+                                  comes_straight_back)
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import SpeculativeDecoder
@@ -458,12 +459,13 @@ def _clients(batcher, rids, rounds, turnaround_s, stop_after=None, stagger_s=0.0
         list(pool.map(client, rids))
 
 
-def _slow_batcher(wait_s, forward_s=0.05, comes_back=lambda method, args: True):
+def _slow_batcher(wait_s, forward_s=0.05, comes_back=lambda method, args: True, lookback=1, gather_s=0.0):
     def run_batch(method, calls):
         time.sleep(forward_s)
         return [c[0] for c in calls]
 
-    return Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits(wait_s=wait_s), comes_back=comes_back)
+    return Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits(wait_s=wait_s, gather_s=gather_s),
+                   comes_back=comes_back, lookback=lookback)
 
 
 def _mean_batch(batcher):
@@ -503,6 +505,43 @@ def test_only_requests_that_come_straight_back_are_waited_for():
     assert max(sizes) < 1.3 and elapsed < 5.0, (sizes, elapsed)
     for b in alone + pipelined:
         b.close()
+
+
+def test_tree_requests_waited_for_step_in_lockstep():
+    """``batch_wait_trees``: the target waits (5 s here) for the previous forward's tree requests, which come
+    back after one ``grow``; the draft only gathers its returning calls (``GATHER_S``). Two tree requests
+    starting half a forward apart (the case that alternates in the test above) merge: after a step or two both
+    are in every forward of both batchers. 16 steps of 2 x 50 ms take ~1.7 s; a 5 s wait, or both batchers each
+    waiting for the request the other holds at every step, would show."""
+    tree = SimpleNamespace(n=8)
+    draft = _slow_batcher(0.0, gather_s=GATHER_S, comes_back=comes_back_after_any_step, lookback=LOCKSTEP_LOOKBACK)
+    target = _slow_batcher(5.0, gather_s=GATHER_S, comes_back=comes_back_after_any_step, lookback=LOCKSTEP_LOOKBACK)
+
+    def client(rid):
+        time.sleep(0.025 * ["a", "b"].index(rid))
+        for _ in range(16):
+            draft.call("grow", rid, tree)
+            time.sleep(0.002)
+            target.call("verify", rid, tree)
+            time.sleep(0.002)
+        for batcher in (draft, target):
+            batcher.call("finish", rid)  # a finished request is not waited for
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(client, ["a", "b"]))
+    elapsed = time.monotonic() - start
+    sizes = [_mean_batch(b) for b in (draft, target)]
+    # 32 calls each: in lockstep 16-18 forwards (>= 1.75 a forward); alternating ~31 (~1.0)
+    assert min(sizes) >= 1.75 and elapsed < 3.0, (sizes, elapsed)
+    draft.close()
+    target.close()
+
+
+def test_comes_back_after_any_step():
+    tree = SimpleNamespace(n=8)
+    assert comes_back_after_any_step("verify", (tree, None)) and comes_back_after_any_step("grow", (tree,))
+    assert not comes_back_after_any_step("commit", ())
 
 
 def test_a_start_arriving_during_a_wait_does_not_cut_it_short():
