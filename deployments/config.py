@@ -95,14 +95,18 @@ class ServeConfig(BaseModel):
     batch_hold_s: float = Field(1.0, ge=0, le=60, description="After a request ends, steps go on planning for the "
                                 "batch it left (its plan, its live_cost arm) this long: a client's next request "
                                 "usually arrives within it (0: plan for the requests in flight right now).")
-    batch_wait_ms: float = Field(0.0, ge=0, le=10_000, description="How long a forward may wait for the requests of "
-                                 "the previous one that come straight back (target-alone steps), so they share "
-                                 "forwards instead of alternating (0 = start each forward at once). Requests growing "
-                                 "trees are not waited for: they alternate, one group drafting while another verifies.")
-    batch_wait_trees: bool = Field(False, description="Let the target's forward wait (up to batch_wait_ms) for the "
-                                   "previous forward's tree requests too, while the draft grows their next trees: "
-                                   "every step then drafts all requests in one forward per level and verifies them "
-                                   "in one target forward (lockstep), instead of groups that alternate.")
+    batch_wait_ms: float = Field(1000.0, ge=0, le=10_000, description="How long a forward may wait for the requests "
+                                 "of the previous forwards that come back (target-alone steps; with batch_wait_trees "
+                                 "also tree requests, while the draft grows their trees), so they share forwards "
+                                 "instead of alternating (0 = start each forward at once). A wait ends as soon as "
+                                 "they are all back; a request that does not come back is waited for twice at most.")
+    batch_wait_trees: bool = Field(True, description="Step tree requests in lockstep: the target's forward waits "
+                                   "(up to batch_wait_ms) for the previous forwards' tree requests too, and the draft "
+                                   "gathers each batch's returning calls (50 ms), so every step drafts all requests "
+                                   "in one forward per level and verifies them in one target forward. False: tree "
+                                   "requests are not waited for and fall into groups that alternate, one drafting "
+                                   "while the other verifies (on a 2-core Xeon through Serve, 8 clients: 14.4-14.8 "
+                                   "tok/s alternating, 25.5 in lockstep).")
     prefill_chunk: int | None = Field(256, ge=1, description="Prefill a long prompt this many tokens per step beside "
                                       "the others' decoding (None: the whole prompt in one step).")
     prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt-prefix K/V each model actor keeps across "
