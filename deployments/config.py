@@ -105,8 +105,8 @@ class ServeConfig(BaseModel):
                                    "gathers each batch's returning calls (50 ms), so every step drafts all requests "
                                    "in one forward per level and verifies them in one target forward. False: tree "
                                    "requests are not waited for and fall into groups that alternate, one drafting "
-                                   "while the other verifies (on a 2-core Xeon through Serve, 8 clients: 14.4-14.8 "
-                                   "tok/s alternating, 25.5 in lockstep).")
+                                   "while the other verifies (on a 2-core Xeon through Serve, 8 clients: 14.4-18.8 "
+                                   "tok/s alternating, 21.0-25.5 in lockstep).")
     prefill_chunk: int | None = Field(256, ge=1, description="Prefill a long prompt this many tokens per step beside "
                                       "the others' decoding (None: the whole prompt in one step).")
     prefix_cache_tokens: int = Field(4096, ge=0, description="Prompt-prefix K/V each model actor keeps across "

@@ -15,7 +15,7 @@ that alternate, one drafting while the other verifies (see ``comes_straight_back
 request in lockstep, each idle while the other computes, every forward carrying the whole batch. On a
 memory-bound CPU the alternating groups cost two forwards of each model per round where lockstep costs one,
 and the two models' forwards running at once share the memory bandwidth and the cores: at 8 clients through
-Serve on a 2-core Xeon, 20.1-20.9 tok/s in lockstep against 14.4-14.8 alternating (session 22).
+Serve on a 2-core Xeon, 21.0-25.5 tok/s in lockstep (1 s wait) against 14.4-18.8 alternating (session 22).
 
 Order: every other call (``start``, ``commit``, ``finish``) runs first, in arrival order, between two
 forwards; then one batch of the batched method, in arrival order, within ``max_batch_requests`` and
