@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from actors.placement import ActorResources, bundles
 from actors.spec import COLLECTIVE_TIMEOUT_S, ModelActorSpec, check_backend
 from deployments.config import ServeConfig
+from sequoia_ray.batching import GATHER_S
 
 
 def test_serve_config_builds_the_actor_specs():
@@ -17,8 +18,11 @@ def test_serve_config_builds_the_actor_specs():
     assert draft == ModelActorSpec("d", dtype="float32", quantize="int8", device="auto", threads=3,
                                    idle_timeout_s=7.0, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                    prefill_chunk=cfg.prefill_chunk, prefix_cache_tokens=cfg.prefix_cache_tokens,
-                                   prefix_block=cfg.prefix_block)
+                                   prefix_block=cfg.prefix_block, batch_wait_s=1.0, wait_trees=True)
     assert target.source == "t" and target.quantize is None  # only the draft is quantised
+    assert (target.limits().wait_s, target.limits().gather_s) == (1.0, GATHER_S)  # lockstep tree steps
+    alternating = ServeConfig(batch_wait_trees=False, batch_wait_ms=300).actor_spec("target")
+    assert (alternating.wait_trees, alternating.limits().wait_s, alternating.limits().gather_s) == (False, 0.3, 0.0)
     batched = ServeConfig(max_batch_requests=1, max_batch_tokens=64, batch_layout="flat", prefill_chunk=32)
     spec = batched.actor_spec("target")
     assert (spec.max_batch_requests, spec.max_batch_tokens, spec.batch_layout, spec.prefill_chunk) == (1, 64, "flat", 32)
