@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import ray
@@ -14,7 +15,7 @@ from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
 from actors.thread_share import ThreadShare
-from sequoia_ray.batching import BATCHED, Batcher, comes_straight_back
+from sequoia_ray.batching import BATCHED, LOCKSTEP_LOOKBACK, Batcher, comes_back_after_any_step, comes_straight_back
 from sequoia_ray.compute_thread import compute_thread
 from sequoia_ray.devices import resolve_device
 
@@ -110,15 +111,20 @@ class ModelActor:
             self.worker.finish(rid)
         return stale
 
-    def _start_batcher(self, run_batch, run_one, *, comes_back=None, limits=None, lookback: int = 1) -> None:
+    def _start_batcher(self, run_batch, run_one, *, waits: bool = True) -> None:
         """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call
         waits in its own Ray thread while one batcher thread gathers them and the compute thread runs them.
-        ``comes_back``, ``limits``, ``lookback``: the batcher's (default: the spec's limits, waiting for
-        target-alone requests only)."""
+        With ``spec.wait_trees`` tree requests are waited for too (lockstep); ``waits`` False: this actor only
+        gathers (the draft: one of the two may wait long, see ``comes_back_after_any_step``)."""
+        limits, comes_back, lookback = self.spec.limits(), None, 1
+        if self.spec.wait_trees:
+            comes_back, lookback = comes_back_after_any_step, LOCKSTEP_LOOKBACK
+            if not waits:
+                limits = replace(limits, wait_s=0.0)
         self.batcher = Batcher(lambda method, calls: self.compute.run(self._run_shared, run_batch, method, calls),
                                lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
-                               self.worker.tokens_of, limits or self.spec.limits(),
-                               name=f"{type(self).__name__}-batcher", comes_back=comes_back, lookback=lookback)
+                               self.worker.tokens_of, limits, name=f"{type(self).__name__}-batcher",
+                               comes_back=comes_back, lookback=lookback)
 
     def _run_shared(self, run_batch, method: str, calls: list[tuple]) -> list:
         """``run_batch`` with the threads ``self.share`` gives it (on the compute thread: the count is its own)."""

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import ray
 
 from actors.base import ModelActor, assigned_device, model_meta
 from actors.spec import ModelActorSpec
 from actors.thread_share import ThreadShare
-from sequoia_ray.batching import LOCKSTEP_LOOKBACK, comes_back_after_any_step
 
 
 class DraftActor(ModelActor):
@@ -27,12 +24,7 @@ class DraftActor(ModelActor):
                                        prefill_chunk=spec.prefill_chunk, prefix_cache=spec.prefix_cache())
         self.meta = model_meta(loaded, device)
         self.share = ThreadShare(spec.threads)
-        if spec.wait_trees:  # the target waits for the whole batch; the draft only gathers its returning calls
-            self._start_batcher(self._run_batch, self._run, comes_back=comes_back_after_any_step,
-                                limits=replace(spec.limits(), wait_s=0.0),
-                                lookback=LOCKSTEP_LOOKBACK)
-        else:
-            self._start_batcher(self._run_batch, self._run)
+        self._start_batcher(self._run_batch, self._run, waits=False)  # in lockstep the target waits, this gathers
 
     def call(self, method: str, request_id: str, *args):
         """One request's call; a ``grow`` joins the next draft forward with every other waiting ``grow``."""

@@ -20,7 +20,6 @@ from actors.base import ModelActor, assigned_device, model_meta
 from actors.placement import ActorResources, in_bundle
 from actors.spec import ModelActorSpec, check_backend
 from actors.thread_share import ThreadShare
-from sequoia_ray.batching import LOCKSTEP_LOOKBACK, comes_back_after_any_step
 
 
 def free_port() -> int:
@@ -73,11 +72,7 @@ class TargetRank(ModelActor):
         self.followers = followers
         if self.world == 1:  # tensor-parallel ranks keep one count: same numerics
             self.share = ThreadShare(self.spec.threads)
-        if self.spec.wait_trees:  # waits up to batch_wait_s for the last two forwards' requests, trees too
-            self._start_batcher(self._lead_batch, self._lead_one, comes_back=comes_back_after_any_step,
-                                lookback=LOCKSTEP_LOOKBACK)
-        else:
-            self._start_batcher(self._lead_batch, self._lead_one)
+        self._start_batcher(self._lead_batch, self._lead_one)
 
     def call(self, method: str, request_id: str, *args):
         """The group's entry point (rank 0): one request's call. A ``verify`` joins the next forward with every

@@ -79,8 +79,8 @@ class Batcher:
         self.queue: deque[_Call] = deque()
         self.cond = threading.Condition()
         self.batch_sizes: Counter[int] = Counter()  # requests per forward -> forwards (stats, tests)
-        self.expected: set[str] = set()  # requests of the last forwards coming straight back, not finished
-        self.recent: deque[set[str]] = deque(maxlen=lookback)  # those of each of the last ``lookback`` forwards
+        self.recent: deque[set[str]] = deque(maxlen=lookback)  # per forward of the last ``lookback``: its
+        # requests coming back, not finished
         self.last_end = 0.0  # when the last forward ended (time.monotonic)
         self.started = time.monotonic()
         self.busy_s = 0.0  # seconds spent running batches (stats: busy_s / running time is the utilization)
@@ -143,7 +143,6 @@ class Batcher:
                 batch = [] if singles else self._take()  # after singles, look again: a wait may still be due
             for item in singles:
                 if item.method == "finish":
-                    self.expected.discard(item.request_id)
                     for seen in self.recent:
                         seen.discard(item.request_id)
                 _settle(item, lambda i=item: self.run_one(i.method, i.request_id, *i.args))
@@ -151,19 +150,26 @@ class Batcher:
                 self._run_guarded(batch)
 
     def _wait_left(self) -> float:
-        """Seconds the next forward should still wait: while a request of the last forward that comes straight
-        back (``comes_back``) has no call queued yet (it is on its way back: the requests then share one forward
-        instead of alternating in two, which halves every batch), up to ``wait_s`` after the last forward
-        ended; 0 when nobody is missing, the batch is full, or the limit is 0. A request that does not come
-        back in time (a client that stopped reading, a request whose next step grows a tree after all) is
-        waited for once: it is not in the next forward, so nobody waits for it again."""
-        if max(self.limits.wait_s, self.limits.gather_s) <= 0 or not self.expected:
+        """Seconds the next forward should still wait: while a request of the last ``lookback`` forwards that
+        comes back (``comes_back``) has no call queued yet (it is on its way back: the requests then share one
+        forward instead of alternating in two, which halves every batch), up to ``wait_s`` after the last
+        forward ended or ``gather_s`` after the first queued call arrived, whichever is later; 0 when nobody is
+        missing, the batch is full, or both limits are 0. A request that does not come back in time (a client
+        that stopped reading, a request whose next step grows a tree after all) is waited for ``lookback``
+        times at most: it is not in the next forwards, so once they are ``lookback``, nobody waits for it."""
+        expected = self.expected
+        if max(self.limits.wait_s, self.limits.gather_s) <= 0 or not expected:
             return 0.0
         queued = {c.request_id for c in self.queue}
-        if len(queued) >= self.limits.max_batch_requests or self.expected <= queued:
+        if len(queued) >= self.limits.max_batch_requests or expected <= queued:
             return 0.0
         first = min((c.arrived for c in self.queue), default=time.monotonic())
         return max(0.0, max(self.last_end + self.limits.wait_s, first + self.limits.gather_s) - time.monotonic())
+
+    @property
+    def expected(self) -> set[str]:
+        """The requests of the last ``lookback`` forwards that come back, not finished."""
+        return set().union(*self.recent)
 
     def _run_guarded(self, batch: list[_Call]) -> None:
         start = time.monotonic()
@@ -176,7 +182,6 @@ class Batcher:
         finally:
             with self.cond:
                 self.recent.append({c.request_id for c in batch if self._back(c)})
-                self.expected = set().union(*self.recent)
                 self.last_end = time.monotonic()
                 self.busy_s += self.last_end - start
 

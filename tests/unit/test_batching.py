@@ -549,7 +549,8 @@ def test_a_start_arriving_during_a_wait_does_not_cut_it_short():
     request's ``start`` runs at once, and the forward still waits for "b" instead of running "a" alone."""
     batcher, seen = _recording_batcher(BatchLimits(wait_s=2.0))
     with batcher.cond:
-        batcher.expected, batcher.last_end = {"a", "b"}, time.monotonic()
+        batcher.recent.append({"a", "b"})
+        batcher.last_end = time.monotonic()
     with ThreadPoolExecutor(3) as pool:
         a = pool.submit(batcher.call, "verify", "a", SimpleNamespace(n=1))
         _wait_until(lambda: batcher.queue)
