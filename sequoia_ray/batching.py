@@ -40,6 +40,10 @@ from dataclasses import dataclass, field
 
 BATCHED = {"grow": "grow_batch", "verify": "verify_batch"}
 NOT_YET = "not-yet"  # a batched call that needs another step (a prefill chunk was forwarded)
+GATHER_S = 0.05  # with ``batch_wait_trees``, how long both workers wait from a batch's first queued call for the
+# rest of it (one forward's results come back as calls a few ms apart); only the target waits ``wait_s`` too
+LOCKSTEP_LOOKBACK = 2  # with ``batch_wait_trees``: the requests of the last two forwards are waited for (two
+# groups alternating between the workers are each in one of them: waiting for both merges them)
 
 
 @dataclass
@@ -255,16 +259,10 @@ def comes_back_after_any_step(method: str, args: tuple) -> bool:
     """The guess when tree requests are waited for too (``batch_wait_trees``): a request's next call after any
     ``grow`` or ``verify`` comes back to the same worker, one call to the other worker in between (a tree step
     is ``grow`` -> ``verify`` -> ``grow``), so a forward waits for its previous batch and the two workers step
-    every request in lockstep. Only one of them may wait long (``GATHER_S`` for the other): when the requests
-    are split in two groups, one queued on each worker, two long waits would each wait for the group the other
-    holds, at every step; the draft gathers instead: ``gather_s`` from its first queued call)."""
+    every request in lockstep. Only the target waits long (``wait_s``); the draft only gathers (``gather_s``
+    from its first queued call): when the requests are split in two groups, one queued on each worker, two long
+    waits would each wait for the group the other holds, at every step."""
     return method in BATCHED
-
-
-GATHER_S = 0.05  # with ``batch_wait_trees``, how long both workers wait from a batch's first queued call for the
-# rest of it (one forward's results come back as calls a few ms apart); only the target waits ``wait_s`` too
-LOCKSTEP_LOOKBACK = 2  # with ``batch_wait_trees``: the requests of the last two forwards are waited for (two
-# groups alternating between the workers are each in one of them: waiting for both merges them)
 
 
 def _settle(item: _Call, run: Callable[[], object]) -> None:
