@@ -19,6 +19,7 @@ from tests.serving import own_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+RUNTIME_ENV_LOST = "Failed to download runtime_env file package"
 
 
 @pytest.mark.integration
@@ -30,10 +31,16 @@ def test_ray_job_submit_smoke_test(tmp_path):
         # not the cluster's, though its command line names the cluster's address: stopping must spare it
         decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"--peer={address}"])
         begin = time.time()
-        job = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
-             "python", "tuning/profile.py", "--smoke-test", "--storage", str(store), "--temperatures", "0,0.6"],
-            env=env, capture_output=True, text=True, timeout=600)
+        for attempt in range(2):
+            job = subprocess.run(
+                [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
+                 "python", "tuning/profile.py", "--smoke-test", "--storage", str(store), "--temperatures", "0,0.6"],
+                env=env, capture_output=True, text=True, timeout=600)
+            # Ray's own flake, once in ~5 CI runs here (ray-project/ray#36703, open): the job's working-dir package
+            # is gone from the GCS when the job agent downloads it. Its message says to re-submit; the job never ran.
+            if job.returncode == 0 or RUNTIME_ENV_LOST not in job.stdout + job.stderr:
+                break
+            print(f"attempt {attempt + 1} of 2: {RUNTIME_ENV_LOST} (Ray's flake)")
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         assert "succeeded" in job.stdout.lower()
         assert "pred" in job.stdout  # the final table
