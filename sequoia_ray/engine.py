@@ -48,7 +48,8 @@ class StepPolicy(Protocol):
     the step's plan (the batch bucket's) into the tree this step grows — itself, another tree, or ``ROOT_ONLY``
     (the target alone for this step); ``observe`` sees each step's tree, verdict and ``seconds``, the wall time
     since the previous step's verdict (the request's whole step cycle: draft, verify, and its time away).
-    Deciding the tree from earlier verdicts never touches exactness: the verifier is exact for any tree."""
+    Deciding the tree from earlier verdicts never touches exactness: the verifier is exact for any tree.
+    A policy may also have ``finish()``: called once when the request ends, however it ends."""
 
     def plan(self, base: TreePlan) -> TreePlan: ...
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None: ...
@@ -210,20 +211,23 @@ class SpeculativeDecoder:
         seed = params.seed
         self.target.start(rid, prompt, params, _salt(seed, "verify"))
         draft = _DraftLink(self.draft, rid, (prompt, params, _salt(seed, "draft")))
+        policy = _Policy(self.policy, params)
         try:
-            yield from self._loop(rid, params, prompt, draft)
+            yield from self._loop(rid, params, prompt, draft, policy)
         finally:
+            policy.finish()
             try:
                 self.target.finish(rid)
             finally:
                 draft.finish()  # even when the target has failed (if it was started)
 
-    def _loop(self, rid: str, params: SamplingParams, prompt: list[int], draft: _DraftLink) -> Iterator[Chunk]:
+    def _loop(self, rid: str, params: SamplingParams, prompt: list[int], draft: _DraftLink,
+              policy: _Policy) -> Iterator[Chunk]:
         last_token, length = prompt[-1], len(prompt)
         commits: list[tuple[list[int], list[int], int]] = []  # verdicts the draft has not been sent yet
         stats = Stats()
         stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
-        policy, rules = _Policy(self.policy, params), _Rules(self.dynamic)
+        rules = _Rules(self.dynamic)
         start = last = time.perf_counter()
         while True:
             planned = policy.plan(self.plan_for_step())
@@ -306,6 +310,11 @@ class _Policy:
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
         if self.policy is not None:
             self._guard(lambda: self.policy.observe(plan, verdict, seconds))
+
+    def finish(self) -> None:
+        finish = getattr(self.policy, "finish", None)
+        if finish is not None:
+            self._guard(finish)
 
     def _guard(self, call):
         try:

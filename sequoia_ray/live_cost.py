@@ -38,11 +38,11 @@ the faster one. Each tree probe costs more than its steps: every request's draft
 missed since its last tree (measured through Serve at 4 clients, session 15: 60 tree steps begun in 1336, 26 of
 them measured).
 
-What a request costs beyond its steps is counted too. Its first step (its prompt's prefill) is not a sample, but
-its seconds are kept per arm, and once both arms have some, an arm's rate r becomes L / (L / r + B x its mean
-first step), L the tokens a request generates here (all tokens over all first steps, per temperature) and B the
-batch bucket: a request sees about B first steps, its own and the others' it waits beside. The tree's are the
-longer (the draft prefills too, and a joining request waits for longer steps). While one arm's first steps are
+What a request costs beyond its steps is counted too. Its first step (its prompt's prefill) and the steps beside
+a prefill are not samples, but their excess over the arm's rate is kept per arm, and once both arms have some,
+an arm's rate r becomes L / (L / r + X), L the tokens a request generates here (the mean of the requests that
+ended, per temperature) and X the excess per request admitted (see ``StepRates._admission``). The tree's is the larger
+(the draft prefills too, and a joining request waits for longer steps). While one arm's first steps are
 measured and the other's are not, the first one's served phases last ``probe_every // FIRST_STEP_PROBES`` rounds,
 so the other arm is probed sooner, up to ``FIRST_STEP_PROBES`` times (requests so long that none begins in that
 many probes make first steps a small cost anyway). Those probes are spaced, not back to back: a service's first
@@ -81,6 +81,8 @@ from sequoia_ray.verify import Verdict
 
 TREE, ALONE = "tree", "alone"
 ARMS = (TREE, ALONE)
+COST_EVENTS = 8  # a key's admission events kept per arm: this many times ``window`` (first steps and the steps
+# beside them: up to 2 x the batch per request admitted)
 FIRST_STEP_PROBES = 8  # probes a key runs for an arm with no request's first step seen (then goes on without)
 # while one arm lacks first steps, served phases last probe_every // FIRST_STEP_PROBES rounds (so its probes
 # come sooner, spaced)
@@ -128,6 +130,8 @@ class _Key:
     spacing: int = 1  # the next served phase lasts spacing x probe_every rounds (the backoff)
     samples: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(tokens, seconds, phase id)]
     admits: dict[str, deque] = field(default_factory=dict)  # arm -> deque[seconds]: requests' first steps
+    costs: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(tokens, seconds, first)]: measured
+    # first steps and steps beside a prefill (``StepRates._admission``)
     first_probes: int = 0  # probes run for an arm with no first step measured yet
     begun: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ARMS, 0))  # arm -> steps run, all
 
@@ -168,8 +172,8 @@ class StepRates:
         self.settings = settings
         self._keys: dict[tuple[str, int], _Key] = {}
         self._running: dict[object, Step] = {}  # request -> its step in flight
-        self._tokens: dict[str, int] = {}  # temperature bucket -> tokens of every step recorded
-        self._admitted: dict[str, int] = {}  # temperature bucket -> requests' first steps recorded
+        self._finished: dict[str, tuple[int, int]] = {}  # temperature bucket -> (tokens, requests) of the
+        # requests that ended
         self._lock = threading.Lock()
 
     def begin(self, key: tuple[str, int], batch: int, request: object) -> Step:
@@ -193,22 +197,27 @@ class StepRates:
             self._overlap(step)
             return step
 
-    def record(self, step: Step, tokens: int, seconds: float, *, first: bool = False, counted: bool = True) -> None:
-        """A step ends with its tokens and cycle seconds. ``first``: its request's first step (its prefill),
-        which measures the arm's admission cost. Otherwise measured if it was to be, ``counted`` (not beside a
-        prefill, not cut short), overlapped no step of the other arm, and its phase still runs."""
+    def record(self, step: Step, tokens: int, seconds: float, *, first: bool = False, counted: bool = True,
+               beside: bool = False) -> None:
+        """A step ends with its tokens and cycle seconds. ``first``: its request's first step (its prefill);
+        ``beside``: the target forwarded another request's prompt beside it. Both measure the arm's admission
+        cost (see ``_admission``). Otherwise measured if it was to be, ``counted`` (not cut short), overlapped
+        no step of the other arm, and its phase still runs."""
         with self._lock:
             self._end(step)
-            temperature = step.key[0]
-            self._tokens[temperature] = self._tokens.get(temperature, 0) + tokens
             state = self._keys.get(step.key)
-            if first:
-                self._admitted[temperature] = self._admitted.get(temperature, 0) + 1
-                if state is not None and seconds > 0:
-                    state.admits.setdefault(step.arm, deque(maxlen=self.settings.window)).append(seconds)
+            if state is None or seconds <= 0:
                 return
-            if (not counted or not step.measured or not step.alike or state is None or state.phase != step.phase
-                    or seconds <= 0):
+            if first:
+                state.admits.setdefault(step.arm, deque(maxlen=self.settings.window)).append(seconds)
+            if not counted or not step.measured or not step.alike:
+                return
+            if first or beside:  # not a phase's settling step (a switch catches every draft up), nor beside the
+                # other arm: what admitting a request costs this arm's requests
+                state.costs.setdefault(step.arm, deque(maxlen=COST_EVENTS * self.settings.window)).append(
+                    (tokens, seconds, first))
+                return
+            if state.phase != step.phase:
                 return
             state.samples.setdefault(step.arm, deque(maxlen=self.settings.window)).append(
                 (tokens, seconds, step.phase))
@@ -218,6 +227,12 @@ class StepRates:
         """A step ends without a verdict (its request failed): it no longer marks the steps beside it."""
         with self._lock:
             self._end(step)
+
+    def finished(self, temperature: str, tokens: int) -> None:
+        """A request of ``temperature``'s bucket ended with ``tokens`` tokens: what a request generates here."""
+        with self._lock:
+            done, requests = self._finished.get(temperature, (0, 0))
+            self._finished[temperature] = (done + tokens, requests + 1)
 
     def _overlap(self, step: Step) -> None:
         """Mark ``step`` and the steps running beside it of the other arm as not alike (not measured)."""
@@ -235,26 +250,43 @@ class StepRates:
     def _rate(self, state: _Key, arm: str, min_steps: int | None = None) -> float | None:
         """``arm``'s tokens/s a request, its admission cost included (see ``_admission``)."""
         rate = state.rate(arm, self.settings.min_steps if min_steps is None else min_steps, self.settings.phases)
-        admission = self._admission(state)
-        if rate is None or admission is None:
+        tokens = self._request_tokens(state)
+        if rate is None or tokens is None:
             return rate
-        tokens, batch = admission
-        return tokens / (tokens / rate + batch * mean(state.admits[arm]))
+        return tokens / (tokens / rate + self._admission(state, arm, rate))
 
-    def _admission(self, state: _Key) -> tuple[float, int] | None:
-        """(tokens a request generates, requests in the batch) when both arms' first steps are measured here.
+    def _admission(self, state: _Key, arm: str, rate: float) -> float:
+        """Seconds an admitted request costs ``arm``'s requests beyond their steps at ``rate`` (tokens/s a request).
 
-        Each request's first step prefills its prompt, and every other request of the batch waits beside it:
-        in a batch of B, a request of L tokens sees about B first steps (its own and B - 1 others'), so an
-        arm's rate r becomes L / (L / r + B x its mean first step). The tree's first step is the longer (the
-        draft prefills too, and a joining request waits for longer steps): through Serve at 2 clients, 48
-        tokens, the tree's steps ran at 9.6 tokens/s a request and the target alone's at ~10, while the
-        service gave 8.0 against 9.3 — the steps beside the first steps, not measured, made the difference."""
-        temperature, batch = state.key
-        admitted = self._admitted.get(temperature, 0)
-        if admitted == 0 or any(len(state.admits.get(arm, ())) == 0 for arm in ARMS):
+        A request's first step prefills its prompt, and the steps of the batch's other requests beside it wait
+        longer (the target's forward holds the prompt; under the tree the next draft forward catches its draft
+        up too). Their excess over ``rate`` (seconds - tokens / rate), summed over an arm's first steps and the
+        steps beside them and divided by its first steps, is what each admission costs; every request is
+        admitted once, so an arm's rate r becomes L / (L / r + that cost), L the tokens a request generates.
+        Through Serve at 2 clients, 48 tokens, the tree's steps ran at 9.6 tokens/s a request and the target
+        alone's at ~10, while the service gave 8.0 against 9.3: the first steps and the steps beside them, not
+        measured then, made the difference (the tree's first steps 0.61 s against 0.27, the other request's
+        beside them 1.2-1.3 s). Charging each request B first steps instead (B the batch bucket) held there but
+        not in lockstep: at 8 clients a tree step is a cycle of both models for every request, so a joining
+        request's first step lasts a whole cycle (3.0 s against the target alone's 0.93) while the others'
+        steps beside it are barely longer."""
+        events = state.costs.get(arm, ())
+        admissions = sum(1 for *_, first in events if first)
+        if not admissions:
+            return 0.0
+        return max(0.0, sum(seconds - tokens / rate for tokens, seconds, _ in events) / admissions)
+
+    def _request_tokens(self, state: _Key) -> float | None:
+        """L, the tokens a request generates here (the mean of the requests of its temperature that ended), when
+        some have ended and both arms' admission costs are measured in this key (so both are charged, or neither).
+        Not the tokens of every step over the requests begun: while the first requests run, that counts each
+        at the few tokens it has so far, and the admission costs outweighed steps 2.5x faster (through Serve
+        at 8 clients: the tree's first measured steps gave 4 tokens in 0.6 s against the target alone's 1 in
+        0.25-0.45 s, and the target alone served the cell)."""
+        done, requests = self._finished.get(state.key[0], (0, 0))
+        if not requests or any(not any(first for *_, first in state.costs.get(arm, ())) for arm in ARMS):
             return None
-        return max(1.0, self._tokens.get(temperature, 0) / admitted), batch
+        return max(1.0, done / requests)
 
     def best(self, state: _Key) -> str:
         """The faster arm (the tree until the target alone measured faster)."""
@@ -343,7 +375,7 @@ class StepRates:
 class _RequestArm:
     def __init__(self, rates: StepRates, temperature: str, batch: Callable[[], int], inner: StepPolicy | None) -> None:
         self.rates, self.temperature, self.batch, self.inner = rates, temperature, batch, inner
-        self.steps, self.step = 0, None
+        self.steps, self.step, self.tokens = 0, None, 0
 
     def plan(self, base: TreePlan) -> TreePlan:
         if self.step is not None:  # the previous step was never observed (its verdict failed)
@@ -360,10 +392,22 @@ class _RequestArm:
 
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
         step, self.step = self.step, None
-        # not the first step (the prefill), a step beside another's prefill, nor a tree cut to the root (the
-        # request's last token)
+        self.tokens += len(verdict.tokens)
+        # a tree cut to the root (the request's last token) is not the tree's step; a first step (the prefill)
+        # and a step beside another's prefill measure the admission cost
         if step is not None:
-            counted = not verdict.prefill_beside and (step.arm == ALONE or plan.n > 1)
-            self.rates.record(step, len(verdict.tokens), seconds, first=self.steps == 1, counted=counted)
+            first = self.steps == 1
+            self.rates.record(step, len(verdict.tokens), seconds, first=first, beside=bool(verdict.prefill_beside),
+                              counted=first or step.arm == ALONE or plan.n > 1)
         if self.inner is not None:
             self.inner.observe(plan, verdict, seconds)
+
+    def finish(self) -> None:
+        if self.step is not None:  # the last step was never observed (its verdict failed)
+            self.rates.end(self.step)
+            self.step = None
+        if self.tokens:
+            self.rates.finished(self.temperature, self.tokens)
+        finish = getattr(self.inner, "finish", None)
+        if finish is not None:
+            finish()

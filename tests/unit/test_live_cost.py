@@ -137,11 +137,11 @@ FIRST_STEP_S = {TREE: 1.2, ALONE: 0.35}  # a request's first step (its prefill):
 def _serve(rates: StepRates, seconds: float, tokens: int = 48) -> dict[str, int]:
     """Two clients, each sending requests of ``tokens`` tokens one after another, in simulated time for
     ``seconds``; each step's cost is fixed when it begins. A request's first step gives 1 token in
-    ``FIRST_STEP_S[arm]``, and a step beginning beside it waits as long (not counted: beside a prefill). A
+    ``FIRST_STEP_S[arm]``, and a step beginning beside it waits as long (beside a prefill: its admission cost). A
     tree step gives 3 tokens in 0.3 s (10 tokens/s), a target-alone step 1 token in 0.11 s (9.1/s). With the
     first steps, a request of 48 tokens takes ~7.1 s with the tree and ~5.9 s with the target alone. Steps
     run per arm."""
-    running: dict[str, tuple] = {}  # client -> (end time, seconds, step, tokens, first, counted)
+    running: dict[str, tuple] = {}  # client -> (end time, seconds, step, tokens, first, beside a first step)
     left = dict.fromkeys("ab", 0)  # client -> tokens its request still generates (0: a new one begins)
     now, runs = 0.0, dict.fromkeys((TREE, ALONE), 0)
 
@@ -155,16 +155,18 @@ def _serve(rates: StepRates, seconds: float, tokens: int = 48) -> dict[str, int]
         else:
             took, got = (0.3, 3) if step.arm == TREE else (0.11, 1)
         got = min(got, left[client])
-        running[client] = (now + took, took, step, got, first, not beside_first)
+        running[client] = (now + took, took, step, got, first, beside_first)
         runs[step.arm] += 1
 
     for client in "ab":
         start(client)
     while now < seconds:
         client = min(running, key=lambda c: running[c][0])
-        now, took, step, got, first, counted = running.pop(client)
-        rates.record(step, got, took, first=first, counted=counted)
+        now, took, step, got, first, beside = running.pop(client)
+        rates.record(step, got, took, first=first, beside=beside)
         left[client] -= got
+        if not left[client]:
+            rates.finished("t0.0", tokens)
         start(client)
     return runs
 
@@ -180,6 +182,71 @@ def test_the_arm_with_the_cheaper_first_steps_wins_when_they_outweigh_its_slower
     assert summary["serving"] == ALONE, summary
     assert summary["first_step_s"] == pytest.approx(FIRST_STEP_S, rel=0.01)
     assert runs[TREE] < 0.15 * (runs[TREE] + runs[ALONE]), runs
+
+
+def _lockstep(rates: StepRates, seconds: float, batch: int = 8) -> dict[str, int]:
+    """``batch`` clients in lockstep, in simulated time: every round each request steps once, and the round
+    lasts the arm's cycle: a tree step gives 4 tokens in 1.5 s (2.67 tokens/s), a target-alone step 1 token in
+    0.45 s (2.22/s). A request of 40-54 tokens ends and a new one joins: its first step gives 1 token in a
+    whole cycle (the prefill, root-only), and the others' steps beside it take 0.1 s longer. The steps run
+    per arm."""
+    left, done, runs, now = [0] * batch, [0] * batch, dict.fromkeys((TREE, ALONE), 0), 0.0
+    sizes = iter(40 + (7 * i) % 15 for i in range(10**6))
+    while now < seconds:
+        firsts = [n == 0 for n in left]
+        steps = [rates.begin(("t0.0", batch), batch, client) for client in range(batch)]
+        cycle = 1.5 if steps[0].arm == TREE else 0.45
+        for client, (step, first) in enumerate(zip(steps, firsts)):
+            left[client] = left[client] or next(sizes)
+            got = min(left[client], 1 if first else 4 if step.arm == TREE else 1)
+            beside = any(firsts) and not first
+            rates.record(step, got, cycle + (0.1 if beside else 0.0), first=first, beside=beside)
+            left[client] -= got
+            runs[step.arm] += 1
+            done[client] += got
+            if not left[client]:
+                rates.finished("t0.0", done[client])
+                done[client] = 0
+        now += cycle + (0.1 if any(firsts) else 0.0)
+    return runs
+
+
+def test_in_lockstep_a_first_step_is_charged_its_excess_not_a_whole_cycle_per_request():
+    """In lockstep a joining request's first step lasts a whole cycle of the batch (1.5 s with the tree, 0.45
+    without), while the other requests' steps beside it take 0.1 s longer. The tree gives ~2.4 tokens/s a
+    request with its admissions, the target alone ~2.1: the tree serves (1500 simulated s, ~12000 steps). Fails
+    when each request is charged the batch's B first steps (B x 1.5 s against B x 0.45 s: the target alone then
+    measures faster), as it was."""
+    rates = StepRates(SETTINGS)
+    runs = _lockstep(rates, 1500.0)
+    summary = rates.summary()["t0.0-b8"]
+    assert summary["serving"] == TREE, summary
+    assert summary["first_step_s"] == pytest.approx({TREE: 1.5, ALONE: 0.45}, rel=0.01)
+    assert runs[ALONE] < 0.15 * (runs[TREE] + runs[ALONE]), runs
+
+
+def test_admission_costs_count_once_requests_have_ended_with_their_length():
+    """A request's length L comes from the requests that ended. While none has, the arms are judged on their
+    steps alone (counting each running request at its tokens so far, the first requests of a burst looked ~5
+    tokens long and their admissions outweighed steps 2.5x faster). Then an arm's rate r counts as L / (L / r
+    + X), X its first steps' and beside steps' excess over r per request admitted: here the tree's steps give
+    4 tokens/s and its one first step 1 token in 2 s (excess 1.75 s), the target alone 2 tokens/s with a first
+    step at its rate and a step beside a prefill 0.5 s slower."""
+    rates, key = StepRates(CostSettings(probe_every=20, probe_rounds=4, window=64, min_steps=2)), ("t0.0", 1)
+    steps = {TREE: [(1, 0.25, False, False), (1, 2.0, True, False), (4, 1.0, False, False), (4, 1.0, False, False),
+                    (4, 1.0, False, False)],
+             ALONE: [(1, 0.25, False, False), (1, 0.5, False, False), (1, 0.5, True, False), (1, 1.0, False, True),
+                     (1, 0.5, False, False)]}
+    for arm in (TREE, ALONE):  # the first phase probes the tree (1 settling step + 4), the second the target alone
+        for i, (tokens, seconds, first, beside) in enumerate(steps[arm]):
+            step = rates.begin(key, 1, f"{arm}{i}")
+            assert step.arm == arm
+            rates.record(step, tokens, seconds, first=first, beside=beside)
+    assert rates.summary()["t0.0-b1"]["tok_s"] == {TREE: 4.0, ALONE: 2.0}  # no request has ended
+    rates.finished("t0.0", 6)
+    rates.finished("t0.0", 10)  # L = 8
+    assert rates.summary()["t0.0-b1"]["tok_s"] == pytest.approx({TREE: 8 / (8 / 4 + 1.75), ALONE: 8 / (8 / 2 + 0.5)},
+                                                                abs=1e-3)
 
 
 def test_a_first_request_alone_runs_mostly_the_faster_tree_while_the_first_step_probes_wait():
