@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import ray
@@ -15,7 +14,7 @@ from actors.health import CallTracker
 from actors.reaper import Reaper
 from actors.spec import ModelActorSpec
 from actors.thread_share import ThreadShare
-from sequoia_ray.batching import BATCHED, LOCKSTEP_LOOKBACK, Batcher, comes_back_after_any_step, comes_straight_back
+from sequoia_ray.batching import BATCHED, Batcher, comes_straight_back
 from sequoia_ray.compute_thread import compute_thread
 from sequoia_ray.devices import resolve_device
 
@@ -116,15 +115,10 @@ class ModelActor:
         waits in its own Ray thread while one batcher thread gathers them and the compute thread runs them.
         With ``spec.wait_trees`` tree requests are waited for too (lockstep); ``waits`` False: this actor only
         gathers (the draft: one of the two may wait long, see ``comes_back_after_any_step``)."""
-        limits, comes_back, lookback = self.spec.limits(), None, 1
-        if self.spec.wait_trees:
-            comes_back, lookback = comes_back_after_any_step, LOCKSTEP_LOOKBACK
-            if not waits:
-                limits = replace(limits, wait_s=0.0)
         self.batcher = Batcher(lambda method, calls: self.compute.run(self._run_shared, run_batch, method, calls),
                                lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
-                               self.worker.tokens_of, limits, name=f"{type(self).__name__}-batcher",
-                               comes_back=comes_back, lookback=lookback)
+                               self.worker.tokens_of, name=f"{type(self).__name__}-batcher",
+                               **self.spec.batcher_policy(waits=waits))
 
     def _run_shared(self, run_batch, method: str, calls: list[tuple]) -> list:
         """``run_batch`` with the threads ``self.share`` gives it (on the compute thread: the count is its own)."""

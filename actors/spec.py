@@ -61,11 +61,23 @@ class ModelActorSpec:
             raise ValueError(f"prefix_cache_tokens {self.prefix_cache_tokens} must be >= 0 (0: no prefix cache)")
         return PrefixCache(self.prefix_block, self.prefix_cache_tokens) if self.prefix_cache_tokens else None
 
-    def limits(self):
+    def limits(self, *, waits: bool = True):
+        """The batcher's limits. With ``wait_trees`` a forward gathers the calls its last forward sent back, and
+        the actor that ``waits`` (the target) also waits ``batch_wait_s`` for the tree requests of its last
+        forwards; the other (the draft) only gathers: see ``batching.comes_back_after_any_step``."""
         from sequoia_ray.batching import GATHER_S, BatchLimits
 
-        return BatchLimits(self.max_batch_requests, self.max_batch_tokens, self.batch_wait_s,
+        wait_s = self.batch_wait_s if waits or not self.wait_trees else 0.0
+        return BatchLimits(self.max_batch_requests, self.max_batch_tokens, wait_s,
                            GATHER_S if self.wait_trees else 0.0)
+
+    def batcher_policy(self, *, waits: bool = True) -> dict:
+        """``Batcher``'s keyword arguments for an actor of this spec: its limits, which requests it waits for
+        (``comes_back``) and over how many forwards (``lookback``): the lockstep of tree steps when ``wait_trees``."""
+        from sequoia_ray.batching import LOCKSTEP_LOOKBACK, comes_back_after_any_step
+
+        lockstep = dict(comes_back=comes_back_after_any_step, lookback=LOCKSTEP_LOOKBACK) if self.wait_trees else {}
+        return dict(limits=self.limits(waits=waits), **lockstep)
 
     @property
     def callers(self) -> int:

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from actors.placement import ActorResources, bundles
 from actors.spec import COLLECTIVE_TIMEOUT_S, ModelActorSpec, check_backend
 from deployments.config import ServeConfig
-from sequoia_ray.batching import GATHER_S
+from sequoia_ray.batching import GATHER_S, LOCKSTEP_LOOKBACK, BatchLimits, comes_back_after_any_step
 
 
 def test_serve_config_builds_the_actor_specs():
@@ -20,9 +20,14 @@ def test_serve_config_builds_the_actor_specs():
                                    prefill_chunk=cfg.prefill_chunk, prefix_cache_tokens=cfg.prefix_cache_tokens,
                                    prefix_block=cfg.prefix_block, batch_wait_s=1.0, wait_trees=True)
     assert target.source == "t" and target.quantize is None  # only the draft is quantised
-    assert (target.limits().wait_s, target.limits().gather_s) == (1.0, GATHER_S)  # lockstep tree steps
+    # lockstep tree steps: the target waits for them, the draft only gathers
+    policy, drafts = target.batcher_policy(), target.batcher_policy(waits=False)
+    assert (policy["limits"].wait_s, policy["limits"].gather_s, policy["lookback"]) == (1.0, GATHER_S, LOCKSTEP_LOOKBACK)
+    assert (drafts["limits"].wait_s, drafts["limits"].gather_s) == (0.0, GATHER_S)
+    assert policy["comes_back"] is drafts["comes_back"] is comes_back_after_any_step
     alternating = ServeConfig(batch_wait_trees=False, batch_wait_ms=300).actor_spec("target")
-    assert (alternating.wait_trees, alternating.limits().wait_s, alternating.limits().gather_s) == (False, 0.3, 0.0)
+    for waits in (True, False):  # both wait as configured; requests come straight back (Batcher's default)
+        assert alternating.batcher_policy(waits=waits) == {"limits": BatchLimits(wait_s=0.3)}
     batched = ServeConfig(max_batch_requests=1, max_batch_tokens=64, batch_layout="flat", prefill_chunk=32)
     spec = batched.actor_spec("target")
     assert (spec.max_batch_requests, spec.max_batch_tokens, spec.batch_layout, spec.prefill_chunk) == (1, 64, "flat", 32)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from pathlib import Path
 
@@ -13,18 +12,13 @@ from sequoia_ray.hardware import HardwareProfile
 from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, StoreError, pair_key, temperature_bucket
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.planning import plan_for
+from tests.serving import free_port
 
 KEY = PlanKey("cpu-test-2c", "default-draft", "/models/qwen 1.5b", 0.6)
 
 
 def planned(budget: int):
     return plan_for(AcceptanceVector.from_p([0.7, 0.1]), budget, 5)[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
