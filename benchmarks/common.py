@@ -10,10 +10,10 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
-        print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
 
 
 def _fmt(x: object) -> str:

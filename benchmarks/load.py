@@ -328,6 +328,8 @@ def main() -> int:
                     "settings at the same client counts: plain and/or kK (chain speculation, K draft tokens), e.g. plain,k3")
     ap.add_argument("--vllm-python", type=Path, help="the vLLM venv's python (default /work/.vllm-venv/bin/python)")
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (requests in flight finish)")
+    ap.add_argument("--repeats", type=int, default=1, help="with --modes: rounds of (a) and (c) per client count, "
+                    "in alternating order; (c)/(a) is the median of the rounds' ratios")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="default: float32 (tiny), bfloat16 (real); only float32 makes mismatches errors")
@@ -357,6 +359,8 @@ def main() -> int:
     prompts = load_prompts(HERE / "prompts.jsonl")
     if args.vllm and not args.modes:
         raise SystemExit("load.py: --vllm needs --modes (vLLM's server runs after our modes, in the same sweep)")
+    if args.repeats < 1 or (args.repeats > 1 and not args.modes):
+        raise SystemExit(f"--repeats {args.repeats}: give a count >= 1, and more than 1 only with --modes (a sweep)")
     if args.modes:
         return run_sweep(args, cfg, prompts, counts)
     if len(counts) > 1:
@@ -396,12 +400,14 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
         raise SystemExit(f"load.py: --vllm: {exc}") from None
     options = {"python": args.vllm_python} if args.vllm_python else {}
     options["prefix_caching"] = cfg.get("prefix_cache_tokens", ServeConfig().prefix_cache_tokens) > 0  # as ours
-    rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout, vllm, options)
-    columns = ["mode", "clients", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
+    rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout, vllm, options,
+                    repeats=args.repeats)
+    columns = ["mode", "clients", "round", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
                "requests/forward", "target busy", "completed", "errors", "mismatches", "held after"]
     print_table(rows, columns)
     print()
-    print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(d)/(c)", "(c)/vLLM best"])
+    print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(d)/(c)", "(c)/vLLM best"]
+                + (["(c)/(a) rounds"] if args.repeats > 1 else []))
     write_json(f"load-sweep-{'real' if args.real else 'tiny'}",
                {"config": cfg, "rows": rows, "ratios": ratios(rows), "prompts": len(prompts),
                 "duration s": args.duration, "max tokens": args.max_tokens}, args.out)

@@ -21,6 +21,7 @@ setting is a third ratio.
 from __future__ import annotations
 
 import time
+from statistics import median
 
 import ray
 import requests
@@ -99,9 +100,13 @@ def vllm_point(url: str, prompts, refs: list[str], setting: str, clients: int, d
 
 
 def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: float, max_tokens: int,
-          timeout: float, vllm: list[str] = (), vllm_options: dict | None = None) -> tuple[list[dict], list[str]]:
+          timeout: float, vllm: list[str] = (), vllm_options: dict | None = None,
+          repeats: int = 1) -> tuple[list[dict], list[str]]:
     """Every mode at every client count, then every vLLM setting's server (``vllm_server``) at every client
-    count; the references come from the first deployment."""
+    count; the references come from the first deployment. ``repeats``: (a) and (c), which share a deployment,
+    run that many rounds per client count, in alternating order (a, c, then c, a, ...): the host's speed moves
+    up to 2x within minutes here, and a ratio of cells side by side, in both orders, is what holds still. Each
+    row carries its ``round``."""
     rows, refs = [], None
     # (b) is the service as it was before batching: trees at every step, whatever ``live_cost`` says for (c)
     # (measured in session 14 with it on: the target alone one request per forward, 8-9 tok/s from 2 clients)
@@ -118,8 +123,10 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
                 refs = [r.text for r in references(url, prompts, max_tokens, timeout)]
             run_clients(url, prompts, max(counts), 0.0, max_tokens, timeout)  # warm-up
             for clients in counts:
-                for mode in its_modes:
-                    rows.append(point(url, prompts, refs, mode, clients, duration, max_tokens, timeout))
+                for round_ in range(repeats if its_modes[0] in "ac" else 1):
+                    for mode in its_modes if round_ % 2 == 0 else its_modes[::-1]:
+                        row = point(url, prompts, refs, mode, clients, duration, max_tokens, timeout)
+                        rows.append({**row, "round": round_})
         time.sleep(2.0)
     if vllm and refs is None:
         raise ValueError("vLLM settings need at least one of our modes (its texts are compared with ours)")
@@ -127,22 +134,30 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
         log(f"starting vLLM's server ({setting}); on CPU this takes minutes")
         with vllm_serving(setting, model_name=MODEL, **(vllm_options or {})) as url:
             run_clients(url, prompts, max(counts), 0.0, max_tokens, timeout, **USAGE)  # warm-up
-            rows += [vllm_point(url, prompts, refs, setting, clients, duration, max_tokens, timeout) for clients in counts]
-    rows.sort(key=lambda r: (r["clients"], r["mode"]))
+            rows += [{**vllm_point(url, prompts, refs, setting, clients, duration, max_tokens, timeout), "round": 0}
+                     for clients in counts]
+    rows.sort(key=lambda r: (r["clients"], r["mode"], r.get("round", 0)))
     return rows, refs
 
 
 def ratios(rows: list[dict]) -> list[dict]:
     """(c)/(b), (c)/(a), (d)/(c) and (c) over vLLM's best setting in total tokens/s per client count (None
-    where a mode was not run)."""
-    by = {(r["mode"], r["clients"]): r["tokens/s"] for r in rows}
+    where a mode was not run). With rounds (``sweep(repeats=...)``), (c)/(a) is the median of each round's
+    ratio, and ``(c)/(a) rounds`` lists them; the other modes' ratios take (c)'s median cell."""
+    by: dict[tuple[str, int], dict[int, float]] = {}
+    for r in rows:
+        by.setdefault((r["mode"], r["clients"]), {})[r.get("round", 0)] = r["tokens/s"]
+    one = {key: median(cells.values()) for key, cells in by.items()}
     out = []
     for clients in sorted({r["clients"] for r in rows}):
-        c = by.get(("c", clients))
-        peers = [v for (mode, n), v in by.items() if n == clients and mode.startswith("vLLM ")]
+        c = one.get(("c", clients))
+        peers = [v for (mode, n), v in one.items() if n == clients and mode.startswith("vLLM ")]
+        a, cs = by.get(("a", clients), {}), by.get(("c", clients), {})
+        rounds = [cs[i] / a[i] for i in sorted(a.keys() & cs.keys()) if a[i]]
         out.append({"clients": clients,
-                    "(c)/(b)": c / by[("b", clients)] if c and by.get(("b", clients)) else None,
-                    "(c)/(a)": c / by[("a", clients)] if c and by.get(("a", clients)) else None,
-                    "(d)/(c)": by[("d", clients)] / c if c and by.get(("d", clients)) else None,
-                    "(c)/vLLM best": c / max(peers) if c and peers else None})
+                    "(c)/(b)": c / one[("b", clients)] if c and one.get(("b", clients)) else None,
+                    "(c)/(a)": median(rounds) if rounds else None,
+                    "(d)/(c)": one[("d", clients)] / c if c and one.get(("d", clients)) else None,
+                    "(c)/vLLM best": c / max(peers) if c and peers else None,
+                    **({"(c)/(a) rounds": [round(x, 3) for x in rounds]} if len(rounds) > 1 else {})})
     return out

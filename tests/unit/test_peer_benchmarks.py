@@ -90,3 +90,14 @@ def test_ratio_over_the_best_vllm_setting_per_client_count():
     assert by[8]["(c)/vLLM best"] == pytest.approx(44 / 50) and by[8]["(c)/(a)"] == pytest.approx(1.1)
     assert by[1]["(d)/(c)"] == pytest.approx(1.25) and by[8]["(d)/(c)"] is None
     assert by[1]["(c)/vLLM best"] is None and by[1]["(c)/(a)"] is None
+
+
+def test_rounds_give_the_median_of_each_rounds_ratio():
+    """Rounds of (a) and (c) pair by round: the host's drift between rounds cancels in each round's ratio. The
+    median of 1.2, 0.5 (an outlier round) and 1.1 is 1.1; the ratio of the modes' medians would be 1.0."""
+    cells = {0: (10.0, 12.0), 1: (20.0, 10.0), 2: (15.0, 16.5)}  # round -> (a, c) tokens/s
+    rows = [{"mode": m, "clients": 2, "tokens/s": v, "round": i} for i, ac in cells.items() for m, v in zip("ac", ac)]
+    rows.append({"mode": "b", "clients": 2, "tokens/s": 6.0})  # (b) runs once: against (c)'s median cell
+    (out,) = ratios(rows)
+    assert out["(c)/(a)"] == pytest.approx(1.1) and out["(c)/(a) rounds"] == [1.2, 0.5, 1.1]
+    assert out["(c)/(b)"] == pytest.approx(12.0 / 6.0)
