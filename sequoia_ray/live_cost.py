@@ -378,9 +378,7 @@ class _RequestArm:
         self.steps, self.step, self.tokens = 0, None, 0
 
     def plan(self, base: TreePlan) -> TreePlan:
-        if self.step is not None:  # the previous step was never observed (its verdict failed)
-            self.rates.end(self.step)
-            self.step = None
+        self._end_unobserved()
         self.steps += 1
         if base.n <= 1:  # the bucket's plan is the target alone already (the planner measured it faster):
             return base  # no arm to choose, nothing to measure, and no key claiming to speculate
@@ -403,11 +401,15 @@ class _RequestArm:
             self.inner.observe(plan, verdict, seconds)
 
     def finish(self) -> None:
-        if self.step is not None:  # the last step was never observed (its verdict failed)
-            self.rates.end(self.step)
-            self.step = None
+        self._end_unobserved()
         if self.tokens:
             self.rates.finished(self.temperature, self.tokens)
         finish = getattr(self.inner, "finish", None)
         if finish is not None:
             finish()
+
+    def _end_unobserved(self) -> None:
+        """A step begun and never observed (its verdict failed) no longer marks the steps beside it."""
+        if self.step is not None:
+            self.rates.end(self.step)
+            self.step = None
