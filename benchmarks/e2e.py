@@ -15,8 +15,8 @@ model's own pick when the measured choice published another); ADAPTIVE: the serv
 request (``RequestTrees``: each request's own p̂[1] picks the cost model's tree for its tilted vector); DYNAMIC:
 the served plan grown as a dynamic tree by the cost model's rule (``DynamicRules``: the draft drops branches
 and levels worth less than their cost); ADAPTIVE+DYNAMIC: both; with --dynamic-extend K, DYNAMIC+EXTEND K: a
-confident path may also grow K levels beyond the plan. tokens/s = total tokens / total wall time
-(prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
+confident path may also grow K levels beyond the plan. The configs run interleaved, prompt by prompt
+(``run_configs``). tokens/s = total tokens / total wall time (prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
 (the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
 beside its measured one. Writes benchmarks/results/e2e.json.
 """
@@ -55,11 +55,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_ours(pair: LocalPair, plan, prompts, *, temperature: float, max_tokens: int, speculate: bool = True,
-             policy=None, dynamic=None):
+             policy=None, dynamic=None, first_seed: int = 0):
     decoder = pair.decoder(plan, speculate=speculate, policy=policy, dynamic=dynamic)
     tokens = steps = 0
     seconds = 0.0
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts, start=first_seed):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
         start = time.perf_counter()
         out = decoder.generate(prompt, params)
@@ -69,11 +69,11 @@ def run_ours(pair: LocalPair, plan, prompts, *, temperature: float, max_tokens: 
     return tokens, seconds, steps
 
 
-def run_assisted(pair: LocalPair, prompts, temperature: float, max_tokens: int):
+def run_assisted(pair: LocalPair, prompts, temperature: float, max_tokens: int, first_seed: int = 0):
     target, draft = pair.target.model, pair.draft.model
     device = target.device
     tokens, seconds = 0, 0.0
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts, start=first_seed):
         torch.manual_seed(i)  # transformers' sampling reads the global generator
         ids = torch.tensor([prompt], device=device)
         sample = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {
@@ -113,9 +113,9 @@ def assisted_configs(pair: LocalPair, temperature: float, max_tokens: int) -> li
     cfg = pair.draft.model.generation_config
     defaults = (cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule)
 
-    def run(ps, k=None):
+    def run(ps, k=None, first_seed=0):
         cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = defaults if k is None else (k, "constant")
-        return run_assisted(pair, ps, temperature, max_tokens)
+        return run_assisted(pair, ps, temperature, max_tokens, first_seed)
 
     return [("assisted default", run)] + [(f"assisted k={k}", functools.partial(run, k=k)) for k in (3, 5, 8)]
 
@@ -205,16 +205,32 @@ def main() -> None:
 
 
 def run_configs(configs, by_kind, temperature: float) -> list[dict]:
-    rows, base = [], {}
-    for name, fn in configs:
+    """Every config on every prompt, interleaved: prompt by prompt, each config in turn, the order rotated by
+    one config per prompt, so a host whose speed drifts over minutes slows every config alike instead of
+    whichever ran in its slow phase. A config's figure is its tokens over its seconds summed over its prompts."""
+    for _, fn in configs:
         fn([by_kind["code"][0][:8]])  # warm-up: first-call kernel selection is not part of any config's time
-        for kind, ps in by_kind.items():
-            tokens, seconds, steps = fn(ps)
+    totals = defaultdict(lambda: [0, 0.0, 0])  # (config, kind) -> tokens, seconds, steps
+    jobs = [(kind, j, prompt) for kind, ps in by_kind.items() for j, prompt in enumerate(ps)]
+    for turn, (kind, j, prompt) in enumerate(jobs):
+        for name, fn in configs[turn % len(configs):] + configs[:turn % len(configs)]:
+            tokens, seconds, steps = fn([prompt], first_seed=j)
+            total = totals[(name, kind)]
+            total[0] += tokens
+            total[1] += seconds
+            total[2] += steps or 0
+        print(f"  {temperature} {kind:5s} prompt {j + 1}/{len(by_kind[kind])} done by {len(configs)} configs",
+              flush=True)
+    rows = []
+    for kind in by_kind:
+        base = totals[(configs[0][0], kind)]
+        for name, _ in configs:
+            tokens, seconds, steps = totals[(name, kind)]
             tps = tokens / seconds
-            base.setdefault(kind, tps)
-            rows.append({"T": temperature, "kind": kind, "config": name, "tok/s": tps, "x target": tps / base[kind],
-                         "tok/step": tokens / steps if steps else "-", "tokens": tokens})
-            print(f"  {temperature} {kind:5s} {name:28s} {tps:6.2f} tok/s  x{tps / base[kind]:.2f}", flush=True)
+            rows.append({"T": temperature, "kind": kind, "config": name, "tok/s": tps,
+                         "x target": tps / (base[0] / base[1]), "tok/step": tokens / steps if steps else "-",
+                         "tokens": tokens})
+            print(f"  {temperature} {kind:5s} {name:28s} {tps:6.2f} tok/s  x{rows[-1]['x target']:.2f}", flush=True)
     return rows
 
 
