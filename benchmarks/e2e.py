@@ -15,7 +15,7 @@ model's own pick when the measured choice published another); ADAPTIVE: the serv
 request (``RequestTrees``: each request's own p̂[1] picks the cost model's tree for its tilted vector); DYNAMIC:
 the served plan grown as a dynamic tree by the cost model's rule (``DynamicRules``: the draft drops branches
 and levels worth less than their cost); ADAPTIVE+DYNAMIC: both; with --dynamic-extend K, DYNAMIC+EXTEND K: a
-confident path may also grow K levels beyond the plan. The configs run interleaved, prompt by prompt
+confident path may also grow K levels beyond the plan, and ADAPTIVE+DYNAMIC+EXTEND K: that with a tree per request. The configs run interleaved, prompt by prompt
 (``run_configs``). tokens/s = total tokens / total wall time (prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
 (the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
 beside its measured one. Writes benchmarks/results/e2e.json.
@@ -136,7 +136,8 @@ def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, plann
                 ("ADAPTIVE+DYNAMIC", {"policy": family.policy, "dynamic": rules})]
     if args.dynamic_extend:  # and extended: a confident path grows up to that many levels beyond the plan
         extended = DynamicRules(profile, extend=args.dynamic_extend).for_planned(planned)
-        variants.append((f"DYNAMIC+EXTEND {args.dynamic_extend}", {"dynamic": extended}))
+        variants += [(f"DYNAMIC+EXTEND {args.dynamic_extend}", {"dynamic": extended}),
+                     (f"ADAPTIVE+DYNAMIC+EXTEND {args.dynamic_extend}", {"policy": family.policy, "dynamic": extended})]
     for name, kw in variants:
         configs.append((f"{name} from n={result.n} d={result.d}", functools.partial(
             run_ours, pair, planned.plan, temperature=temperature, max_tokens=args.max_tokens, **kw)))
@@ -198,7 +199,7 @@ def main() -> None:
     summary = summarize(rows, served)
     print()
     print_table(summary, ["T", "kind", "served", "x target", "x assisted", "x best fixed", "best fixed", "predicted"]
-                + [f"{name} {col}" for name in ("adaptive", "dynamic", "both") for col in ("x target", "x assisted",
+                + [f"{name} {col}" for name in VARIANTS for col in ("x target", "x assisted",
                                                                                       "x best fixed")])
     record["rows"], record["summary"] = rows, summary
     write_json("e2e", record, args.out)
@@ -234,6 +235,10 @@ def run_configs(configs, by_kind, temperature: float) -> list[dict]:
     return rows
 
 
+VARIANTS = {"adaptive": "ADAPTIVE from", "dynamic": "DYNAMIC from", "both": "ADAPTIVE+DYNAMIC from",
+            "extend": "DYNAMIC+EXTEND", "all": "ADAPTIVE+DYNAMIC+EXTEND"}  # summary column -> config name prefix
+
+
 def summarize(rows: list[dict], served) -> list[dict]:
     """Per temperature and kind: the served plan against the target alone, assisted and the best fixed plan,
     and the profile's predicted speedup."""
@@ -245,9 +250,9 @@ def summarize(rows: list[dict], served) -> list[dict]:
         row = {"T": temperature, "kind": kind, "served": mine["config"][7:], "x target": mine["x target"],
                "x assisted": mine["x assisted"], "x best fixed": mine["x best fixed"], "best fixed": best["config"][5:],
                "predicted": served[temperature][0].predicted_speedup}
-        for name, prefix in (("adaptive", "ADAPTIVE from"), ("dynamic", "DYNAMIC from"), ("both", "ADAPTIVE+DYNAMIC")):
-            found = next(r for r in sub if r["config"].startswith(prefix))
-            row |= {f"{name} {col}": found[col] for col in ("x target", "x assisted", "x best fixed")}
+        for name, prefix in VARIANTS.items():
+            found = next((r for r in sub if r["config"].startswith(prefix)), None)
+            row |= {f"{name} {col}": found[col] if found else "-" for col in ("x target", "x assisted", "x best fixed")}
         out.append(row)
     return out
 

@@ -59,3 +59,23 @@ def test_a_config_slowed_only_while_the_host_is_slow_is_not_singled_out():
     rows = run_configs([make("a"), make("b")], {"code": [[1] * 10] * 2, "prose": [[2] * 10]}, 0.0)
     code = {r["config"]: r["tok/s"] for r in rows if r["kind"] == "code"}
     assert code["a"] == pytest.approx(code["b"]) == pytest.approx(20 / 3)
+
+
+def test_summary_takes_each_variant_by_its_own_name_and_marks_a_missing_one():
+    from types import SimpleNamespace
+
+    from e2e import summarize
+
+    def row(config, x):
+        return {"T": 0.0, "kind": "code", "config": config, "tok/s": x, "x target": x, "x assisted": x / 2,
+                "x best fixed": x / 3}
+    rows = [row("grid n=4 d=4", 3.0), row("grid n=8 d=6", 3.5), row("SERVED n=8 d=4", 2.0),
+            row("ADAPTIVE from n=8 d=4", 2.1), row("DYNAMIC from n=8 d=4", 2.2),
+            row("ADAPTIVE+DYNAMIC from n=8 d=4", 2.3), row("DYNAMIC+EXTEND 4 from n=8 d=4", 2.4)]
+    [summary] = summarize(rows, {0.0: (SimpleNamespace(predicted_speedup=1.9), None)})
+    assert summary["best fixed"] == "n=8 d=6" and summary["predicted"] == 1.9
+    assert [summary[f"{v} x target"] for v in ("adaptive", "dynamic", "both", "extend")] == [2.1, 2.2, 2.3, 2.4]
+    assert summary["all x target"] == "-"  # no ADAPTIVE+DYNAMIC+EXTEND row (run without --dynamic-extend)
+    rows.append(row("ADAPTIVE+DYNAMIC+EXTEND 4 from n=8 d=4", 2.5))
+    [summary] = summarize(rows, {0.0: (SimpleNamespace(predicted_speedup=1.9), None)})
+    assert summary["all x target"] == 2.5 and summary["both x target"] == 2.3 and summary["extend x target"] == 2.4
