@@ -15,9 +15,10 @@ model's own pick when the measured choice published another); ADAPTIVE: the serv
 request (``RequestTrees``: each request's own p̂[1] picks the cost model's tree for its tilted vector); DYNAMIC:
 the served plan grown as a dynamic tree by the cost model's rule (``DynamicRules``: the draft drops branches
 and levels worth less than their cost); ADAPTIVE+DYNAMIC: both; with --dynamic-extend K, DYNAMIC+EXTEND K: a
-confident path may also grow K levels beyond the plan, and ADAPTIVE+DYNAMIC+EXTEND K: that with a tree per request. The configs run interleaved, prompt by prompt
-(``run_configs``). tokens/s = total tokens / total wall time (prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best fixed
-(the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
+confident path may also grow K levels beyond the plan, and ADAPTIVE+DYNAMIC+EXTEND K: that with a tree per
+request. The configs run interleaved, prompt by prompt (``run_configs``). tokens/s = total tokens / total wall
+time (prefill included), per prompt kind; columns: x target, x assisted (the best assisted setting), x best
+fixed (the best grid plan of that kind and temperature); then the served plan's predicted speedup (the profile's)
 beside its measured one. Writes benchmarks/results/e2e.json.
 """
 
