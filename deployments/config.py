@@ -69,6 +69,10 @@ class ServeConfig(BaseModel):
     live_cost_wide: float = Field(0.7, ge=0.0, le=1.0, description="A probed arm slower than this fraction of the "
                                   "served arm's rate backs off fully at once (live_cost_backoff times "
                                   "live_cost_probe_every rounds); 0: always double.")
+    live_cost_max_age_s: float = Field(180.0, ge=0.0, description="A served phase ends for a probe of the other arm "
+                                       "once that arm's newest measured step is this many seconds old, so both are "
+                                       "compared at about the same host speed and traffic; 0: never (the phase "
+                                       "lengths and the backoff alone space the probes).")
     first_step_alone: bool = Field(False, description="A request's first step (its prompt's prefill) runs the "
                                    "target alone: the first token waits for neither the draft's prefill nor a "
                                    "tree, and the request takes one step more (the draft catches up at the next).")

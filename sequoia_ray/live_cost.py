@@ -54,6 +54,16 @@ below the other arm's: the other arm is probed again at once, and the faster the
 steps can mislead (seen through Serve at 2 clients: the tree chosen on 6 steps, then 117 steps at 0.77x the
 target alone's rate).
 
+A served phase also ends, for a probe, once the other arm's newest measured step is ``max_age_s`` old: the
+two rates are compared at about the same host speed and traffic. Without it a backed-off phase at 8 clients
+(a round ~2 s) runs 800 rounds, and the served arm's fresh rate was compared with the other's from the first
+minute: through Serve at 8 clients (session 24) the target alone's rate inside the tree's run was measured
+once, in the first minute (1.9-2.4 tokens/s a request, 15-24 steps), never again within the 3 minutes, while
+the target alone served by itself gave 2.0-3.1; on this host the speed moves up to 2x within minutes. Only the
+served arm's falling rate ended a phase early, never the other arm's rising one. The cost: at most one probe
+(``1 + probe_rounds`` rounds of the other arm) per ``max_age_s``, about 4% of the rounds at 8 clients with
+the defaults (a round ~2 s), ~1% at 1 client (~0.4 s); below that age the backoff spaces them.
+
 A new key's first phase is the tree's, unless the nearest smaller batch bucket of its temperature whose two
 arms are measured found the target alone faster. Speculation pays less as the batch grows (the target's forward
 gets cheaper per token, the draft's levels and the per-request costs do not), so the larger batch then serves
@@ -103,6 +113,8 @@ class CostSettings:
     phases: int = 2  # an arm's rate: its measured steps of its last this many phases (min_steps at least)
     stale_s: float = 150.0  # a step not ended after this long (its request failed mid-step; a step lasts at most
     # two calls of step_timeout_s) no longer marks the steps beside it
+    max_age_s: float = 180.0  # a served phase ends for a probe once the other arm's newest measured step is this
+    # old (seconds; 0: never, only phase lengths and the backoff space the probes)
 
     def __post_init__(self) -> None:
         for name in ("probe_every", "probe_rounds", "window", "min_steps", "backoff", "phases"):
@@ -110,6 +122,8 @@ class CostSettings:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.stale_s <= 0:
             raise ValueError(f"stale_s {self.stale_s} must be > 0 (seconds)")
+        if self.max_age_s < 0:
+            raise ValueError(f"max_age_s {self.max_age_s} must be >= 0 (seconds; 0: rates never age)")
         if not 0 <= self.wide <= 1:
             raise ValueError(f"wide {self.wide} must be in [0, 1] (a fraction of the served arm's rate; 0: never)")
 
@@ -134,6 +148,7 @@ class _Key:
     # first steps and steps beside a prefill (``StepRates._admission``)
     first_probes: int = 0  # probes run for an arm with no first step measured yet
     begun: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ARMS, 0))  # arm -> steps run, all
+    seen: dict[str, float] = field(default_factory=dict)  # arm -> clock time of its newest measured step
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
         """Tokens/s of ``arm``'s measured steps in its last ``phases`` phases, and older ones while they are
@@ -160,16 +175,17 @@ class Step:
     phase: int
     measured: bool  # not a phase's settling step
     request: object  # who steps (any hashable: one step in flight per request)
-    began: float  # time.monotonic()
+    began: float  # StepRates.clock()
     alike: bool = True  # no step of the other arm ran beside it (so far)
 
 
 class StepRates:
     """The arm to serve per (temperature bucket, batch bucket), from live steps (see the module docstring).
-    Thread-safe: every request thread calls ``begin`` and ``record``."""
+    Thread-safe: every request thread calls ``begin`` and ``record``. ``clock``: seconds, monotonic (tests pass
+    a fake one)."""
 
-    def __init__(self, settings: CostSettings = CostSettings()) -> None:
-        self.settings = settings
+    def __init__(self, settings: CostSettings = CostSettings(), clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings, self.clock = settings, clock
         self._keys: dict[tuple[str, int], _Key] = {}
         self._running: dict[object, Step] = {}  # request -> its step in flight
         self._finished: dict[str, tuple[int, int]] = {}  # temperature bucket -> (tokens, requests) of the
@@ -180,6 +196,7 @@ class StepRates:
         """``request``'s step begins under ``key`` with ``batch`` requests in flight: its arm, and whether it is
         to be measured. End it with ``record`` (or ``end``)."""
         with self._lock:
+            now = self.clock()
             state = self._keys.get(key)
             if state is None:
                 state = self._keys[key] = _Key(key)
@@ -191,9 +208,12 @@ class StepRates:
             elif self._losing(state, batch):  # probe the other arm now: decide on fresh steps of both
                 state.arm, state.probing, state.spacing = _other(state.arm), True, 1
                 self._start(state, batch)
+            elif self._aged(state, now):  # the other arm's rate is old: probe it again (the backoff stays)
+                state.arm, state.probing = _other(state.arm), True
+                self._start(state, batch)
             state.steps += 1
             state.begun[state.arm] += 1
-            step = Step(key, state.arm, state.phase, state.steps > state.settle, request, time.monotonic())
+            step = Step(key, state.arm, state.phase, state.steps > state.settle, request, now)
             self._overlap(step)
             return step
 
@@ -221,6 +241,7 @@ class StepRates:
                 return
             state.samples.setdefault(step.arm, deque(maxlen=self.settings.window)).append(
                 (tokens, seconds, step.phase))
+            state.seen[step.arm] = self.clock()
             state.recorded += 1
 
     def end(self, step: Step) -> None:
@@ -309,6 +330,12 @@ class StepRates:
         rates = {arm: self._rate(state, arm) for arm in ARMS}
         return None not in rates.values() and rates[state.arm] < rates[_other(state.arm)]
 
+    def _aged(self, state: _Key, now: float) -> bool:
+        """A served phase past its settling steps whose other arm's newest measured step is ``max_age_s`` old."""
+        seen = state.seen.get(_other(state.arm))
+        return (not state.probing and bool(self.settings.max_age_s) and seen is not None
+                and state.steps >= state.settle and now - seen >= self.settings.max_age_s)
+
     def _first_steps_wanted(self, state: _Key, served: str) -> bool:
         """The ``served`` arm's first steps are measured here and the other's (the one probed) not, with
         probes left for them. (A served arm without first steps gets them as it serves.)"""
@@ -352,10 +379,11 @@ class StepRates:
 
     def summary(self) -> dict[str, dict]:
         """Per key ``t0.0-b8``: the arm served, each arm's measured tokens/s per request (first steps included
-        once both arms have some) and measured steps (the window's), each arm's mean first step (seconds), and
-        the steps each arm has run (``begun``: measured or not, since the start)."""
+        once both arms have some) and measured steps (the window's), each arm's mean first step (seconds), the
+        steps each arm has run (``begun``: measured or not, since the start) and the age of each arm's newest
+        measured step (``age_s``, seconds; None: none yet)."""
         with self._lock:
-            out = {}
+            out, now = {}, self.clock()
             for (temperature, bucket), state in sorted(self._keys.items()):
                 rates = {arm: self._rate(state, arm, 1) for arm in ARMS}
                 admits = {a: round(mean(state.admits[a]), 3) if state.admits.get(a) else None for a in ARMS}
@@ -363,7 +391,8 @@ class StepRates:
                     "serving": state.arm if not state.probing else self.best(state),
                     "tok_s": {a: None if r is None else round(r, 3) for a, r in rates.items()},
                     "first_step_s": admits,
-                    "steps": {a: len(state.samples.get(a, ())) for a in ARMS}, "begun": dict(state.begun)}
+                    "steps": {a: len(state.samples.get(a, ())) for a in ARMS}, "begun": dict(state.begun),
+                    "age_s": {a: round(now - state.seen[a], 1) if a in state.seen else None for a in ARMS}}
             return out
 
     def policy(self, params: SamplingParams, batch: Callable[[], int] = lambda: 1,

@@ -18,15 +18,26 @@ from tests.tiny import agreeing_pair
 SETTINGS = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2)
 
 
-def drive(rates: StepRates, key, batch: int, rounds: int, rate: dict[str, float]) -> list[str]:
-    """``rounds`` rounds of ``batch`` interleaved requests, each step taking 1 / rate[arm] s for one token;
-    the arm of every step."""
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drive(rates: StepRates, key, batch: int, rounds: int, rate: dict[str, float], clock: FakeClock | None = None
+          ) -> list[str]:
+    """``rounds`` rounds of ``batch`` interleaved requests, each step taking 1 / rate[arm] s for one token (and
+    ``clock`` moving on by the round's longest step); the arm of every step."""
     arms, pending = [], []
     for _ in range(rounds):
         for request in range(batch):
             step = rates.begin(key, batch, request)
             arms.append(step.arm)
             pending.append(step)
+        if clock is not None:
+            clock.now += max(1.0 / rate[step.arm] for step in pending)
         for step in pending:  # the round's steps end after all of them began
             rates.record(step, 1, 1.0 / rate[step.arm])
         pending.clear()
@@ -480,3 +491,43 @@ def test_probes_shorter_than_min_steps_still_measure_both_arms():
     arms = drive(rates, ("t0.0", 1), 1, 40, {TREE: 1.0, ALONE: 2.0})
     assert arms.count(ALONE) > arms.count(TREE) > 0
     assert rates.summary()["t0.0-b1"]["serving"] == ALONE
+
+
+@pytest.mark.parametrize("max_age_s, served", [(10.0, 40), (0.0, 81)])
+def test_the_other_arms_rate_ages_and_is_probed_again(max_age_s, served):
+    """The tree (4 tokens/s, a step 0.25 s) beats the target alone (2/s) widely, so after the first served
+    phase (``probe_every`` rounds and the settle step) the served phases back off to ``backoff`` x
+    ``probe_every`` (80 rounds, plus the settle step) at once. With ``max_age_s`` 10 the target alone is probed
+    again once its newest measured step is 10 s old: after 40 tree steps of 0.25 s, whatever the backoff; with
+    0 the phase runs its 81 steps."""
+    settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4, max_age_s=max_age_s)
+    clock = FakeClock()
+    rates, key = StepRates(settings, clock), ("t0.0", 1)
+    probe = 1 + settings.probe_rounds
+    runs = _runs(drive(rates, key, 1, 5 * probe + 21 + 3 * served, {TREE: 4.0, ALONE: 2.0}, clock))
+    assert runs == [(TREE, probe), (ALONE, probe), (TREE, 21), (ALONE, probe)] + [(TREE, served), (ALONE, probe)] * 2 + [
+        (TREE, served)]
+    summary = rates.summary()["t0.0-b1"]
+    assert summary["serving"] == TREE and summary["age_s"][TREE] == 0.0
+    assert summary["age_s"][ALONE] == pytest.approx(served * 0.25, abs=0.1)  # its probe ended before the tree's run
+
+
+def test_an_arm_measured_slow_early_is_found_faster_once_its_rate_ages():
+    """Session 24 through Serve at 8 clients: the target alone's rate inside the tree's run was measured once,
+    early and slow, and never again while the tree served. Here the target alone is first measured at 0.6
+    tokens/s a request (the tree 1.0), then runs at 1.6. After the first served tree phase (20 rounds of 1 s
+    and the settle round) its probe's rate over its last 2 phases mixes the slow one in (0.87 < 1.0): the tree
+    serves on, backed off to 40 rounds. With ``max_age_s`` 30 the target alone is probed again after 30 of them,
+    measures 1.6 on both phases and serves; without the age the tree's phase runs on."""
+    for max_age_s, serves in ((30.0, ALONE), (0.0, TREE)):
+        settings = CostSettings(probe_every=20, probe_rounds=2, window=512, min_steps=2, backoff=4,
+                                max_age_s=max_age_s)
+        clock = FakeClock()
+        rates, key, batch = StepRates(settings, clock), ("t0.0", 8), 8
+        probe = 1 + settings.probe_rounds
+        drive(rates, key, batch, 2 * probe, {TREE: 1.0, ALONE: 0.6}, clock)
+        arms = _runs(drive(rates, key, batch, 21 + probe + 30 + probe + 1, {TREE: 1.0, ALONE: 1.6}, clock))
+        assert arms[:2] == [(TREE, 21 * batch), (ALONE, probe * batch)]
+        # with the age: 30 rounds of the tree, a probe, then the target alone; without: the tree to the end
+        assert arms[2:] == ([(TREE, 30 * batch), (ALONE, (probe + 1) * batch)] if max_age_s else [(TREE, 34 * batch)])
+        assert rates.summary()["t0.0-b8"]["serving"] == serves
