@@ -50,6 +50,7 @@ from common import print_table, write_json  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.config import ServeConfig  # noqa: E402
+from deployments.launch import app_args  # noqa: E402
 from actors.target import free_port  # noqa: E402
 from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
 
@@ -334,28 +335,19 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="default: float32 (tiny), bfloat16 (real); only float32 makes mismatches errors")
     ap.add_argument("--draft-quantize", choices=["int8"], help="dynamically quantise the draft (CPU)")
-    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of the target")
+    ap.add_argument("--tp-size", type=int, help="tensor-parallel ranks of the target (default 1)")
     ap.add_argument("--num-cpus", type=float, help="CPUs per model actor (default: 0.5 tiny, 2 real)")
     ap.add_argument("--timeout", type=float, default=300.0, help="HTTP read timeout per request (s)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between the drain and the last RSS")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other ServeConfig field, as sequoia-ray serve --set takes it (e.g. live_cost_backoff=1)")
     ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/load-<tiny|real>.json)")
+    ap.add_argument("--config", type=Path, help="start from a serve config's app args instead (e.g. "
+                    "deployments/config.yaml: the configuration that ships, with the real pair); the flags given "
+                    "here and --set override it")
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
-    cfg = service_config(args.real, max(counts), args.tp_size, args.dtype, args.draft_quantize, args.num_cpus)
-    cfg.update({k: v for k, v in (("plan_store", args.plan_store), ("batch_layout", args.batch_layout),
-                                  ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
-                                  ("batch_wait_ms", args.batch_wait_ms)) if v is not None})
-    if args.live_cost:
-        cfg["live_cost"] = True
-    for item in args.set:
-        key, _, value = item.partition("=")
-        cfg[key] = yaml.safe_load(value)
-    try:
-        ServeConfig.model_validate(cfg)  # a bad --set fails here, naming the field, before Ray starts
-    except ValueError as exc:
-        raise SystemExit(f"load.py: {exc}") from None
+    cfg = build_config(args, max(counts))
     prompts = load_prompts(HERE / "prompts.jsonl")
     if args.vllm and not args.modes:
         raise SystemExit("load.py: --vllm needs --modes (vLLM's server runs after our modes, in the same sweep)")
@@ -381,9 +373,43 @@ def main() -> int:
           f"{s['mismatches']} of {s['completed']} texts differ from the target alone"
           f"{'' if exact else ' (not float32: near-ties may flip, counted, not failed)'}; goals "
           f"{'MISSED' if missed else 'met'}")
-    write_json(f"load-{'real' if args.real else 'tiny'}",
+    write_json(f"load-{pair_name(cfg)}",
                {"config": cfg, **report, "prompts": len(prompts)}, args.out)
     return 1 if missed else 0
+
+
+def pair_name(cfg: dict) -> str:
+    """``tiny`` or ``real``: the default JSON name's part."""
+    return "tiny" if cfg["target"] == TINY["target"] else "real"
+
+
+def build_config(args, clients: int) -> dict:
+    """The ServeConfig dict from the command line: the benchmark's own (``service_config``) or, with
+    ``--config``, that file's app args (a relative plan store resolved as ``sequoia-ray serve`` does), then
+    every flag given and every ``--set``; validated (SystemExit naming the field)."""
+    flags = {"plan_store": args.plan_store, "batch_layout": args.batch_layout, "prefill_chunk": args.prefill_chunk,
+             "threads": args.threads, "batch_wait_ms": args.batch_wait_ms, "live_cost": args.live_cost or None}
+    if args.config is None:
+        cfg = service_config(args.real, clients, args.tp_size or 1, args.dtype, args.draft_quantize, args.num_cpus)
+    else:
+        if args.tiny:
+            raise SystemExit("load.py: --config runs the file's model pair; leave out --tiny")
+        try:
+            cfg = {**app_args(args.config, []), "model_name": MODEL, "max_concurrent": clients}
+        except (OSError, KeyError, IndexError, TypeError, yaml.YAMLError) as exc:
+            raise SystemExit(f"load.py: --config {args.config}: not a serve config with an application's args "
+                             f"({exc!r}); give e.g. deployments/config.yaml") from None
+        flags.update(dtype=args.dtype, draft_quantize=args.draft_quantize, tp_size=args.tp_size,
+                     num_cpus=args.num_cpus)
+    cfg.update({k: v for k, v in flags.items() if v is not None})
+    for item in args.set:
+        key, _, value = item.partition("=")
+        cfg[key] = yaml.safe_load(value)
+    try:
+        ServeConfig.model_validate(cfg)  # a bad --set fails here, naming the field, before Ray starts
+    except ValueError as exc:
+        raise SystemExit(f"load.py: {exc}") from None
+    return cfg
 
 
 def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
@@ -408,7 +434,7 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     print()
     print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(d)/(c)", "(c)/vLLM best"]
                 + (["(c)/(a) rounds"] if args.repeats > 1 else []))
-    write_json(f"load-sweep-{'real' if args.real else 'tiny'}",
+    write_json(f"load-sweep-{pair_name(cfg)}",
                {"config": cfg, "rows": rows, "ratios": ratios(rows), "prompts": len(prompts),
                 "duration s": args.duration, "max tokens": args.max_tokens}, args.out)
     failed = any(r["errors"] or r["held after"] or (cfg["dtype"] == "float32" and r["mismatches"]) for r in rows)

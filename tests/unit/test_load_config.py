@@ -1,0 +1,64 @@
+"""benchmarks/load.py's service config: its own, or a serve config file's (what ships) with the flags on top."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from deployments.launch import DEFAULT_CONFIG, app_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import load  # noqa: E402
+
+
+def _args(*argv: str):
+    """load.py's parsed command line (its parser, without running anything)."""
+    parsed = {}
+
+    def stop(args):
+        parsed["args"] = args
+        raise SystemExit(0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["load.py", *argv])
+        mp.setattr(load, "build_config", lambda args, clients: stop(args))
+        with pytest.raises(SystemExit):
+            load.main()
+    return parsed["args"]
+
+
+def test_without_a_config_file_the_benchmarks_own_config():
+    cfg = load.build_config(_args("--real", "--clients", "8", "--live-cost"), 8)
+    assert cfg["target"] == "default-target" and cfg["num_cpus"] == 2 and cfg["tp_size"] == 1
+    assert cfg["live_cost"] is True and "dynamic_trees" not in cfg and cfg["max_concurrent"] == 8
+
+
+def test_the_shipped_config_with_the_flags_given_on_top(tmp_path):
+    shipped = app_args(DEFAULT_CONFIG, [])
+    assert shipped["dynamic_trees"] is True and shipped["live_cost"] is True  # what (c) then runs
+    cfg = load.build_config(_args("--config", str(DEFAULT_CONFIG), "--clients", "1,8", "--plan-store",
+                                  str(tmp_path), "--set", "request_trees=true"), 8)
+    assert cfg["plan_store"] == str(tmp_path) and cfg["request_trees"] is True and cfg["max_concurrent"] == 8
+    assert cfg["model_name"] == load.MODEL  # the clients' model name
+    for key in ("dynamic_trees", "dynamic_extend", "live_cost", "live_cost_max_age_s", "draft_quantize", "num_cpus",
+                "threads", "tp_size", "dtype"):
+        assert cfg[key] == shipped[key], key
+    assert load.pair_name(cfg) == "real"
+    # a flag given wins over the file
+    assert load.build_config(_args("--config", str(DEFAULT_CONFIG), "--num-cpus", "2"), 1)["num_cpus"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--config", "{missing}"), "not a serve config"),
+    (("--config", "{bad}"), "not a serve config"),
+    (("--tiny", "--config", "{shipped}"), "leave out --tiny"),
+    (("--config", "{shipped}", "--set", "live_cost_max_age_s=-1"), "live_cost_max_age_s"),
+])
+def test_a_bad_config_names_the_value_and_the_fix(tmp_path, argv, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications: []\n")
+    paths = {"missing": tmp_path / "none.yaml", "bad": bad, "shipped": DEFAULT_CONFIG}
+    with pytest.raises(SystemExit, match=message):
+        load.build_config(_args(*(a.format(**paths) for a in argv)), 1)
