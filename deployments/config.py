@@ -80,6 +80,10 @@ class ServeConfig(BaseModel):
                                 "acceptance picks the cost model's tree for it (deeper for predictable text, "
                                 "shallower for unsure), from the served plan's vector tilted to its p[1] and the "
                                 "store's hardware profile (without one, the served plan).")
+    request_trees_max_batch: int = Field(16, ge=1, description="With request_trees: the largest batch-size bucket "
+                                         "(1, 2, 4, 8, 16) whose requests get trees of their own; in larger "
+                                         "batches every request gets the bucket's plan (one request's deeper "
+                                         "tree makes the whole batch wait for its extra draft levels).")
     dynamic_trees: bool = Field(False, description="Trees that adapt inside a request: the draft drops branches whose "
                                 "path probability is worth less than their cost, and stops at a level worth less than "
                                 "a draft forward (thresholds from the store's hardware profile and the served plan; "

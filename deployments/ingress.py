@@ -278,7 +278,7 @@ class OpenAIIngress:
                 self.plans = PlanProvider(self.cfg, target["hardware_id"])
                 asyncio.get_running_loop().create_task(self._refresh_plans())
                 if self.cfg.request_trees:
-                    self.families = TreeFamilies(self.plans, self.cfg.live_max_depth)
+                    self.families = TreeFamilies(self.plans, self.cfg.live_max_depth, self.cfg.request_trees_max_batch)
                 if self.cfg.dynamic_trees:
                     self.rules = await asyncio.to_thread(GrowRules, self.plans, self.cfg.dynamic_extend)
                 if self.cfg.live_acceptance:

@@ -219,8 +219,8 @@ class TreeFamilies:
     its own acceptance), rebuilt when that plan changes. The profile is read from the store when a family is
     built (a plan change), never per request; without one every request keeps the served plan."""
 
-    def __init__(self, plans: PlanProvider, max_depth: int) -> None:
-        self.plans, self.max_depth = plans, max_depth
+    def __init__(self, plans: PlanProvider, max_depth: int, max_batch: int | None = None) -> None:
+        self.plans, self.max_depth, self.max_batch = plans, max_depth, max_batch
         self.families: dict[str, tuple[str, RequestTrees]] = {}  # bucket name -> (plan source, family)
         self.lock = threading.Lock()
 
@@ -231,7 +231,8 @@ class TreeFamilies:
             found = self.families.get(name)
             if found is None or found[0] != active.source:
                 found = self.families[name] = (active.source, RequestTrees(active.planned, self.plans.profile(),
-                                                                           max_depth=self.max_depth))
+                                                                           max_depth=self.max_depth,
+                                                                           max_batch=self.max_batch))
             return found[1]
 
 

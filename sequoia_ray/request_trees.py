@@ -13,7 +13,12 @@ the served one *tilted* to p[1] = q: p'[1] = q, and every other rank and the rej
 rounded to a ``grid`` step. For each (q, batch bucket) the tree is what the cost model picks for the
 tilted vector at that batch size: the DP (``solve``), then ``hardware.choose`` with the profile, its budgets
 and the served plan's overhead. It is solved once, on first use (~5 ms here), and cached. Until a request
-has ``min_trials`` trials of its own, and without a profile, it gets the served plan.
+has ``min_trials`` trials of its own, and without a profile, it gets the served plan; so does every request
+of a batch in a bucket above ``max_batch``. In a batch, one request's deeper tree makes every request wait
+for its extra draft levels (the draft forwards one level of all the batch's trees at a time), and the step
+cost the cost model charges it does not see that: in process at batch 1 (``benchmarks/e2e.py``, session 24)
+a tree per request on top of the shipped dynamic trees gave 1.00-1.18x on 4 rows, through Serve at 8
+clients 0.98x against 1.02x without (another run).
 
 Exactness. A step's tree is a function of the request's earlier verdicts only, and the verifier is exact
 for any tree. So the output is the target's (greedy) or has the target's law (sampled), as with any plan.
@@ -47,12 +52,15 @@ class RequestTrees:
     """The family of trees for one temperature bucket's served plan (see the module docstring)."""
 
     def __init__(self, planned: PlannedTree, profile: HardwareProfile | None, *, max_depth: int = 12,
-                 grid: float = 0.05, prior_weight: float = 4.0, min_trials: int = 4) -> None:
+                 grid: float = 0.05, prior_weight: float = 4.0, min_trials: int = 4, max_batch: int | None = None
+                 ) -> None:
         if not 0 < grid <= 0.5:
             raise ValueError(f"grid {grid} must be in (0, 0.5]")
         if prior_weight < 0 or min_trials < 0:
             raise ValueError(f"prior_weight {prior_weight} and min_trials {min_trials} must be >= 0")
-        self.planned, self.profile, self.max_depth = planned, profile, max_depth
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch {max_batch} must be >= 1 (None: every batch size)")
+        self.planned, self.profile, self.max_depth, self.max_batch = planned, profile, max_depth, max_batch
         self.grid, self.prior_weight, self.min_trials = grid, prior_weight, min_trials
         self._top = int(1.0 / grid)  # the largest step whose q = step * grid is below 1 (tilt needs q < 1)
         while self._top * grid >= 1.0:
@@ -93,7 +101,10 @@ class _RequestTree:
     def plan(self, base: TreePlan) -> TreePlan:
         if self.trees.profile is None or self.trials < self.trees.min_trials or base.n <= 1:
             return base  # not enough of its own yet; or no cost model; or the target alone was chosen
-        return self.trees.tree(self.trees.level(self.accepted, self.trials), max(1, self.batch()))
+        batch = max(1, self.batch())
+        if self.trees.max_batch is not None and batch_bucket(batch, self.trees.profile.buckets()) > self.trees.max_batch:
+            return base  # a batch this large: the bucket's plan (one request's deeper tree would hold up the rest)
+        return self.trees.tree(self.trees.level(self.accepted, self.trials), batch)
 
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
         for _children, rank in verdict.ranks:

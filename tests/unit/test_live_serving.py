@@ -157,7 +157,7 @@ def test_tree_families_follow_the_served_plan_and_read_the_profile_once_per_plan
     store = PlanStore(str(tmp_path))
     store.publish_plan(builtin_plan(0.0), KEY)
     plans = PlanProvider(config(str(tmp_path)), HW)
-    families = TreeFamilies(plans, 8)
+    families = TreeFamilies(plans, 8, max_batch=2)
     first = families.get(0.0)
     assert first.profile is None and first.planned is plans.get(0.0).planned  # no profile: the served plan
     assert families.get(0.0) is first  # cached while the plan stays
@@ -167,6 +167,7 @@ def test_tree_families_follow_the_served_plan_and_read_the_profile_once_per_plan
     plans.refresh()
     second = families.get(0.0)
     assert second is not first and second.profile is not None and second.planned.plan == plans.get(0.0).planned.plan
+    assert second.max_batch == 2 and second.max_depth == 8  # the config's, on every family built
 
 
 def test_grow_rules_read_the_profile_at_refresh_and_follow_the_served_plan(tmp_path):

@@ -108,3 +108,18 @@ def test_greedy_text_is_the_target_alones_with_per_request_trees():
     out = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), family.planned.plan,
                              policy=family.policy).generate(prompt, params)
     assert out.token_ids == alone.token_ids and seen  # the family's trees were used
+
+
+def test_above_max_batch_every_request_gets_the_buckets_plan():
+    """With ``max_batch`` 2 a confident request gets its own (deeper) tree at batch sizes 1-3 (buckets 1, 2)
+    and the plan it is given from 4 on (bucket 4); without, at every size."""
+    size = {"batch": 1}
+    base = trees().planned.plan
+    for max_batch, own in ((2, {1: True, 2: True, 3: True, 4: False, 9: False}), (None, dict.fromkeys((1, 4, 9), True))):
+        policy = trees(min_trials=4, max_batch=max_batch).policy(SamplingParams(), batch=lambda: size["batch"])
+        feed(policy, 1, 20)
+        for batch, mine in own.items():
+            size["batch"] = batch
+            assert (policy.plan(base) is not base) == mine, (max_batch, batch)
+    with pytest.raises(ValueError, match="max_batch 0"):
+        trees(max_batch=0)
