@@ -1,0 +1,56 @@
+"""The main job's demo: tree and target alone twice each, in ABBA order, each arm's rate over its two runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.launch import DEMO_ORDER, demo
+
+
+class FakeService:
+    """Answers the demo's requests on a fake clock: each request of an arm takes ``seconds[arm]`` plus
+    ``drift`` x the requests before it (the host slowing down)."""
+
+    def __init__(self, seconds: dict[str, float], drift: float = 0.0, texts: dict[str, list[str]] | None = None):
+        self.seconds, self.drift, self.texts = seconds, drift, texts or {}
+        self.now, self.arms = 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def post(self, url: str, json: dict) -> dict:
+        assert url.endswith("/v1/chat/completions") and json["temperature"] == 0
+        arm = "target alone" if json.get("speculative") is False else "tree"
+        tokens = json["max_tokens"]
+        if tokens > 4:  # not the warm-up
+            self.now += self.seconds[arm] + self.drift * len(self.arms)
+            self.arms.append(arm)
+        texts = self.texts.get(arm, ["the answer"])
+        text = texts[min(len(texts), sum(a == arm for a in self.arms)) - 1] if tokens > 4 else "warm"
+        return {"usage": {"completion_tokens": tokens, "speculative": {"tokens_per_step": 4.0 if arm == "tree" else 1.0}},
+                "choices": [{"message": {"content": text}}]}
+
+
+def test_each_arm_runs_twice_in_abba_order_and_its_rate_is_over_both(capsys):
+    service = FakeService({"tree": 4.0, "target alone": 12.0})
+    out = demo("http://x", "m", 96, post=service.post, clock=service.clock)
+    assert service.arms == list(DEMO_ORDER) == ["tree", "target alone", "target alone", "tree"]
+    assert out["speedup"] == pytest.approx(3.0) and out["same_text"] is True
+    printed = capsys.readouterr().out
+    assert "tree         : 96 + 96 tokens in 4.0 + 4.0 s = 24.00 tok/s, 4.00 tokens/step" in printed
+    assert "target alone : 96 + 96 tokens in 12.0 + 12.0 s = 8.00 tok/s, 1.00 tokens/step" in printed
+    assert "3.00x" in printed and "same greedy text: True" in printed
+
+
+def test_a_host_slowing_down_hits_both_arms_alike():
+    """A request takes 1 s longer than the one before: in ABBA order both arms get 0 + 3 and 1 + 2 s of
+    slow-down, so the ratio is (12 + 12 + 3) / (4 + 4 + 3) = 2.45 against the true 3 (tree then target alone
+    once each would give 13 / 4 = 3.25, and the other order 12 / 5 = 2.4)."""
+    service = FakeService({"tree": 4.0, "target alone": 12.0}, drift=1.0)
+    assert demo("http://x", "m", 96, post=service.post, clock=service.clock)["speedup"] == pytest.approx(27 / 11)
+
+
+def test_a_text_that_differs_in_any_run_is_reported(capsys):
+    service = FakeService({"tree": 4.0, "target alone": 12.0}, texts={"target alone": ["the answer", "another"]})
+    assert demo("http://x", "m", 96, post=service.post, clock=service.clock)["same_text"] is False
+    assert "same greedy text: False" in capsys.readouterr().out
