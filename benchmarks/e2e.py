@@ -132,16 +132,15 @@ def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, plann
     configs = [(name, functools.partial(run_ours, pair, plan, temperature=temperature, max_tokens=args.max_tokens))
                for name, plan in plans]
     family = RequestTrees(planned, profile, max_depth=max(args.grid_d))  # the served plan, a tree per request
-    rules = DynamicRules(profile).for_planned(planned)  # the served plan, pruned
-    variants = [("ADAPTIVE", {"policy": family.policy}), ("DYNAMIC", {"dynamic": rules}),
-                ("ADAPTIVE+DYNAMIC", {"policy": family.policy, "dynamic": rules})]
+    rules = {"prune": DynamicRules(profile).for_planned(planned)}  # the served plan, pruned
     if args.dynamic_extend:  # and extended: a confident path grows up to that many levels beyond the plan
-        extended = DynamicRules(profile, extend=args.dynamic_extend).for_planned(planned)
-        variants += [(f"DYNAMIC+EXTEND {args.dynamic_extend}", {"dynamic": extended}),
-                     (f"ADAPTIVE+DYNAMIC+EXTEND {args.dynamic_extend}", {"policy": family.policy, "dynamic": extended})]
-    for name, kw in variants:
-        configs.append((f"{name} from n={result.n} d={result.d}", functools.partial(
-            run_ours, pair, planned.plan, temperature=temperature, max_tokens=args.max_tokens, **kw)))
+        rules["extend"] = DynamicRules(profile, extend=args.dynamic_extend).for_planned(planned)
+    for name, per_request, dynamic in VARIANTS.values():
+        if dynamic is None or dynamic in rules:
+            kw = ({"policy": family.policy} if per_request else {}) | ({"dynamic": rules[dynamic]} if dynamic else {})
+            label = f"{name} {args.dynamic_extend}" if dynamic == "extend" else name
+            configs.append((f"{label} from n={result.n} d={result.d}", functools.partial(
+                run_ours, pair, planned.plan, temperature=temperature, max_tokens=args.max_tokens, **kw)))
     return configs
 
 
@@ -236,8 +235,16 @@ def run_configs(configs, by_kind, temperature: float) -> list[dict]:
     return rows
 
 
-VARIANTS = {"adaptive": "ADAPTIVE from", "dynamic": "DYNAMIC from", "both": "ADAPTIVE+DYNAMIC from",
-            "extend": "DYNAMIC+EXTEND", "all": "ADAPTIVE+DYNAMIC+EXTEND"}  # summary column -> config name prefix
+VARIANTS = {  # summary column -> (config name, a tree per request, dynamic rules: None, "prune" or "extend")
+    "adaptive": ("ADAPTIVE", True, None), "dynamic": ("DYNAMIC", False, "prune"),
+    "both": ("ADAPTIVE+DYNAMIC", True, "prune"), "extend": ("DYNAMIC+EXTEND", False, "extend"),
+    "all": ("ADAPTIVE+DYNAMIC+EXTEND", True, "extend")}
+
+
+def variant(config: str) -> str | None:
+    """The summary column of a variant's config name (``DYNAMIC+EXTEND 4 from n=16 d=5`` -> ``extend``)."""
+    name = config.split(" from ")[0].rstrip("0123456789 ")
+    return next((column for column, (n, _, _) in VARIANTS.items() if n == name and " from " in config), None)
 
 
 def summarize(rows: list[dict], served) -> list[dict]:
@@ -251,8 +258,8 @@ def summarize(rows: list[dict], served) -> list[dict]:
         row = {"T": temperature, "kind": kind, "served": mine["config"][7:], "x target": mine["x target"],
                "x assisted": mine["x assisted"], "x best fixed": mine["x best fixed"], "best fixed": best["config"][5:],
                "predicted": served[temperature][0].predicted_speedup}
-        for name, prefix in VARIANTS.items():
-            found = next((r for r in sub if r["config"].startswith(prefix)), None)
+        for name in VARIANTS:
+            found = next((r for r in sub if variant(r["config"]) == name), None)
             row |= {f"{name} {col}": found[col] if found else "-" for col in ("x target", "x assisted", "x best fixed")}
         out.append(row)
     return out

@@ -79,3 +79,12 @@ def test_summary_takes_each_variant_by_its_own_name_and_marks_a_missing_one():
     rows.append(row("ADAPTIVE+DYNAMIC+EXTEND 4 from n=8 d=4", 2.5))
     [summary] = summarize(rows, {0.0: (SimpleNamespace(predicted_speedup=1.9), None)})
     assert summary["all x target"] == 2.5 and summary["both x target"] == 2.3 and summary["extend x target"] == 2.4
+
+
+def test_every_variant_name_maps_back_to_its_column():
+    from e2e import VARIANTS, variant
+
+    for column, (name, _, dynamic) in VARIANTS.items():
+        label = f"{name} 12" if dynamic == "extend" else name
+        assert variant(f"{label} from n=16 d=5") == column
+    assert variant("SERVED n=16 d=5") is None and variant("grid n=4 d=4") is None and variant("ADAPTIVE") is None
