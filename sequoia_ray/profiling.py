@@ -303,6 +303,7 @@ def publish_heatmaps(cfg: ProfileJobConfig, hardware: str, grids: dict) -> list[
 
 # ---- a bounded trial: the main job profiles this machine within a time budget ----------------------
 BOUNDED_BUDGETS = (1, 2, 4, 8, 16, 32)  # tree sizes n profiled under a time budget (the DP's largest n)
+SIZES_FIRST = 16  # sizes up to this are timed before the batch buckets when the budget cannot fit both
 BOUNDED_CONTEXT = 64  # cached context when timing t(n) and c under a budget
 BOUNDED_REPEATS = 3
 PROFILE_SHARE = 0.25  # of the budget: profiling t(n) and c (the sizes are chosen to fit)
@@ -419,23 +420,31 @@ def monotone(prof: HardwareProfile) -> HardwareProfile:
 
 def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[tuple[int, ...], int]:
     """(sizes, batch_total) whose profiling fits ``seconds``, from a probe's target seconds at 1 and 8 tokens
-    (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats): the longest prefix of
-    BOUNDED_BUDGETS timed alone (t, c) with every batch bucket B timed at B·1 tokens at least, then the
-    largest of those sizes as the batch grid's bound (T_B, C_B at B·s <= batch_total): the batch-1 plan
-    gets the sizes first, batches are extrapolated beyond their grid (``sequoia_ray.hardware``). On hardware
-    too slow for even the shortest prefix with its batch forwards (a bf16 target on a CPU without bf16
-    kernels), the longest prefix timed alone and batch_total 0: no batch tables, every batch extrapolated."""
+    (linear beyond; the draft, at most as slow, doubles it; warm-up + repeats). Priorities, in order: the
+    sizes of BOUNDED_BUDGETS up to SIZES_FIRST (the batch-1 plan's tree can be no larger than the largest
+    size timed), then every batch bucket B timed at B·1 tokens, then the larger sizes, then the batch grid
+    (T_B, C_B at B·s <= batch_total, the largest size fitting). So: the longest prefix of BOUNDED_BUDGETS
+    timed alone that fits; with the batch buckets too when a prefix reaching min(that prefix's largest size,
+    SIZES_FIRST) fits with them (the longest such), else no batch tables (batch_total 0: every batch
+    extrapolated as one request of B·n tokens, and costed up to the largest size in all). Until session 25 the
+    batch buckets came first: a probe on a slow moment of the 2-core Xeon (0.44 s a token, 30 s for profiling)
+    timed sizes up to 4 only, with the batch tables, where sizes up to 16 alone fitted, and the main job served
+    n = 4, d = 4 (the best fixed trees there have 16-32 nodes); and 33 s gave sizes to 4 where 29 s gave 16.
+    BudgetExhausted when not even the sizes up to 4 fit alone."""
     def cost(sizes, total: int | None) -> float:
         tokens = batch_tokens(sizes, total) if total else sizes
         return 2 * (1 + BOUNDED_REPEATS) * sum(max(probe[1], probe[8] * s / 8) for s in tokens)
 
-    for total in (1, 0):
-        fits = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1)
-                if cost(BOUNDED_BUDGETS[:k], total) <= seconds]
-        if fits:
-            return fits[0], max(s for s in fits[0] if cost(fits[0], s) <= seconds) if total else 0
-    raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3], 0):.0f}s "
-                          f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
+    prefixes = [BOUNDED_BUDGETS[:k] for k in range(len(BOUNDED_BUDGETS), 2, -1)]  # longest first
+    alone = next((p for p in prefixes if cost(p, 0) <= seconds), None)
+    if alone is None:
+        raise BudgetExhausted(f"profiling t(n) and c: sizes {BOUNDED_BUDGETS[:3]} need ~{cost(BOUNDED_BUDGETS[:3], 0):.0f}s "
+                              f"of the {seconds:.0f}s given to it; raise the time budget (profile_seconds)")
+    floor = min(max(alone), SIZES_FIRST)
+    batched = next((p for p in prefixes if max(p) >= floor and cost(p, 1) <= seconds), None)
+    if batched is None:
+        return alone, 0
+    return batched, max(s for s in batched if cost(batched, s) <= seconds)
 
 
 def batch_tokens(sizes, total: int | None = None) -> list[int]:

@@ -110,14 +110,42 @@ def test_profiled_sizes_fit_their_share_of_the_budget():
     assert bounded_sizes(probe, 232.0) == ((1, 2, 4, 8, 16, 32), 32)
     # 63 + 30 (B·1) = 93 tokens = 74.4 s; the grid to 8: 63 + 14 + 12 + 8 + 16 = 113 = 90.4 s (to 16: 128.8 s)
     assert bounded_sizes(probe, 100.0) == ((1, 2, 4, 8, 16, 32), 8)
-    assert bounded_sizes(probe, 60.0) == ((1, 2, 4, 8, 16), 4)  # 31 + 30 = 48.8 s; to 4: 31 + 34 = 52 s
-    assert bounded_sizes(probe, 33.0) == ((1, 2, 4), 4)  # 7 + 30 = 29.6 s; to 4: 7 + 34 = 32.8 s
-    # too little for any sizes with their batch forwards: sizes alone, no batch tables (batch_total 0)
+    # the sizes to 16 and the batch buckets before size 32: 31 + 30 = 48.8 s; to 4: 31 + 34 = 52 s
+    assert bounded_sizes(probe, 60.0) == ((1, 2, 4, 8, 16), 4)
+    # the sizes to 16 fit alone (24.8 s), not with the batch buckets (48.8 s): the sizes, no batch tables. (The
+    # batch buckets first gave sizes to 4 here: 7 + 30 = 29.6 s, and with 4 s less budget sizes to 16.)
+    assert bounded_sizes(probe, 33.0) == ((1, 2, 4, 8, 16), 0)
     assert bounded_sizes(probe, 29.0) == ((1, 2, 4, 8, 16), 0)  # 31 tokens alone = 24.8 s; to 32: 50.4 s
     assert bounded_sizes(probe, 24.0) == ((1, 2, 4, 8), 0)  # 15 tokens = 12 s
     assert bounded_sizes(probe, 5.7) == ((1, 2, 4), 0)  # 7 tokens = 5.6 s
     with pytest.raises(BudgetExhausted, match="raise the time budget"):
         bounded_sizes(probe, 5.5)
+
+
+@pytest.mark.parametrize("probe", [{1: 0.1, 8: 0.8}, {1: 0.44, 8: 0.44}, {1: 0.1, 8: 0.2}])
+def test_more_profiling_time_never_times_fewer_sizes_or_batches(probe):
+    """Over budgets from 1 s to 400 s in steps of 0.5 s, every result fits its budget, and what is timed never
+    gets worse as the budget grows, in the order of priority: sizes up to 16, then the batch buckets, then
+    larger sizes, then the batch grid (which may shrink when size 32 comes in). The second probe is the 2-core
+    Xeon's on a slow moment (flat: 0.44 s for 1 or 8 tokens)."""
+    def cost(sizes, total):
+        tokens = profiling.batch_tokens(sizes, total) if total else sizes
+        return 8 * sum(max(probe[1], probe[8] * s / 8) for s in tokens)
+
+    last = None
+    for seconds in (x / 2 for x in range(2, 801)):
+        try:
+            sizes, total = bounded_sizes(probe, seconds)
+        except BudgetExhausted:
+            assert last is None
+            continue
+        assert cost(sizes, total) <= seconds
+        rank = (min(max(sizes), 16), total > 0, max(sizes), total)
+        assert last is None or rank >= last, (seconds, rank, last)
+        if total == 0 and max(sizes) < 32:  # no batch tables: not even sizes to min(16, largest) fit with them
+            assert cost(sizes[:sizes.index(min(max(sizes), 16)) + 1], 1) > seconds
+        last = rank
+    assert last == (16, True, 32, 32)
 
 
 def test_profile_is_made_monotone():
