@@ -5,7 +5,8 @@
 Greedy decoding of the same prompts with the built-in plan, first in-process, then through the HTTP API
 of the local Serve app, then in-process again while that app is up and idle (Ray's and Serve's background
 processes running as they do under the Serve row: this row separates what the background costs from what
-separate processes and calls cost). Prints tokens/s, per-step latency (median over requests) and their
+separate processes and calls cost). Between the first two, the draft and the target each in a process of
+their own without Ray (plain pipes, ``benchmarks/processes.py``): what the separation costs by itself. Prints tokens/s, per-step latency (median over requests) and their
 ratio, and where a step's time goes: the draft's call (``grow``) and the target's (``verify``) per step, as the
 decoder saw them (through Serve: the actor's forward plus the call's round trip); writes
 benchmarks/results/serve.json. The goal is Serve within 10% of in-process.
@@ -49,6 +50,20 @@ def in_process(pair: LocalPair, args, prompts) -> list[dict]:
         runs.append({"tokens": out.stats.tokens, "seconds": seconds, "steps": out.stats.steps, "text": out.text,
                      "draft_s": out.stats.draft_s, "verify_s": out.stats.verify_s})
     return runs
+
+
+def two_processes(pair: LocalPair, args, prompts) -> list[dict]:
+    """The draft and the target each in a process of its own, without Ray (``benchmarks/processes.py``): what
+    the separation costs by itself."""
+    from processes import apart, run
+
+    decoder, workers = apart(pair, args)
+    try:
+        decoder.generate(pair.encode("warm up", chat=False), SamplingParams(max_tokens=4))
+        return [run(decoder, pair, p, args.max_tokens) for p in prompts]
+    finally:
+        for w in workers:
+            w.close()
 
 
 def through_serve(args, prompts, pair: LocalPair) -> tuple[list[dict], list[dict]]:
@@ -105,16 +120,19 @@ def main() -> None:
     prompts = load_prompts(HERE / "prompts.jsonl")[: args.limit]
     pair = load_pair(args)
     local = in_process(pair, args, prompts)
+    split = two_processes(pair, args, prompts)
     served, beside = through_serve(args, prompts, pair)
-    rows = [summary("in-process", local), summary("Ray Serve (HTTP)", served),
+    rows = [summary("in-process", local), summary("two processes, no Ray", split), summary("Ray Serve (HTTP)", served),
             summary("in-process, Serve app idle beside it", beside)]
     for row in rows:
         row["vs in-process"] = row["tok/s"] / rows[0]["tok/s"]
     same = sum(a["text"] == b["text"] for a, b in zip(local, served))
+    same_split = sum(a["text"] == b["text"] for a, b in zip(local, split))
     print_table(rows, ["mode", "tok/s", "step ms (median)", "draft ms", "verify ms", "tok/step", "tokens",
                        "vs in-process"])
-    print(f"identical text on {same}/{len(prompts)} prompts ({args.dtype})")
-    write_json("serve", {"rows": rows, "identical": same, "prompts": len(prompts),
+    print(f"identical text on {same}/{len(prompts)} prompts through Serve, {same_split}/{len(prompts)} in two "
+          f"processes ({args.dtype})")
+    write_json("serve", {"rows": rows, "identical": same, "identical_two_processes": same_split, "prompts": len(prompts),
                          "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
 
 

@@ -1,0 +1,160 @@
+"""Where Serve's per-step overhead comes from: the same decoder with its draft and target in one process, and
+with each in a process of its own (plain multiprocessing pipes, no Ray), side by side.
+
+    .venv/bin/python benchmarks/processes.py [--tiny] [--limit 4] [--max-tokens 48] [--rounds 2]
+
+Through Serve a step costs 1.3-1.4x what it costs in process on the 2-core Xeon (``benchmarks/serve.py``:
+0.71-0.79x the tokens/s), and the draft's and target's forwards themselves run slower in their actors than in
+one process; the actor calls measured ~1-4 ms. Two causes were left open: Ray's and Serve's processes (the
+proxy, controller, GCS, raylet: ~10 processes on 2 cores), or the separation itself (each model's OpenMP
+pool and caches going cold while the other process computes). This runs greedy decoding of the same prompts
+with the built-in plan both ways, round by round with the order alternating, without Ray: what the two
+processes lose here, Ray does not explain. Prints tokens/s, ms a step and the draft's and target's calls
+(as the decoder saw them: with the pipe's round trip) and the ratio; writes benchmarks/results/processes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_json  # noqa: E402
+
+from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.engine import SpeculativeDecoder  # noqa: E402
+from sequoia_ray.local import LocalPair  # noqa: E402
+from sequoia_ray.prompts import load_prompts  # noqa: E402
+from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def serve_worker(conn, role: str, name: str, dtype: str, quantize: str | None, threads: int) -> None:
+    """A process holding one model's worker: loads it and answers (method, args) calls on ``conn``, all on its
+    main thread (load and run on one thread: ``benchmarks/threads.py``), until ``None`` arrives."""
+    import torch
+
+    from sequoia_ray.draft import DraftWorker
+    from sequoia_ray.models.loading import load_model
+    from sequoia_ray.target import TargetWorker
+
+    torch.set_num_threads(threads)
+    model = load_model(name, dtype=dtype, quantize=quantize, progress=False).model
+    worker = TargetWorker(model) if role == "target" else DraftWorker(model)
+    conn.send("ready")
+    while (call := conn.recv()) is not None:
+        method, args = call
+        try:
+            conn.send((True, getattr(worker, method)(*args)))
+        except Exception as exc:  # noqa: BLE001 - the caller raises it
+            conn.send((False, exc))
+
+
+class PipeWorker:
+    """The engine's Draft / Target protocol over a pipe to a ``serve_worker`` process."""
+
+    def __init__(self, role: str, name: str, dtype: str, quantize: str | None, threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve_worker, args=(child, role, name, dtype, quantize, threads),
+                                   daemon=True)
+        self.process.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"the {role} process did not start")
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(*args):
+            self.conn.send((method, args))
+            ok, value = self.conn.recv()
+            if not ok:
+                raise value
+            return value
+        return call
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(timeout=30)
+
+
+def apart(pair: LocalPair, args) -> tuple[SpeculativeDecoder, list[PipeWorker]]:
+    """A decoder whose target and draft each run in a process of their own (the tokenizer stays here)."""
+    target = PipeWorker("target", args.target, args.dtype, None, args.threads)
+    draft = PipeWorker("draft", args.draft, args.dtype, args.draft_quantize, args.threads)
+    t = pair.target
+    return SpeculativeDecoder(target, draft, builtin_plan(0.0).plan, tokenizer=t.tokenizer, eos_ids=t.eos_ids,
+                              max_context=t.max_context), [target, draft]
+
+
+def run(decoder: SpeculativeDecoder, pair: LocalPair, prompt, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    out = decoder.generate(pair.encode(prompt.text, chat=prompt.chat), SamplingParams(max_tokens=max_tokens))
+    return {"tokens": out.stats.tokens, "seconds": time.perf_counter() - start, "steps": out.stats.steps,
+            "text": out.text, "draft_s": out.stats.draft_s, "verify_s": out.stats.verify_s}
+
+
+def summary(name: str, runs: list[dict]) -> dict:
+    tokens, seconds, steps = (sum(r[k] for r in runs) for k in ("tokens", "seconds", "steps"))
+    return {"mode": name, "tok/s": tokens / seconds, "step ms": 1000 * seconds / steps,
+            "draft ms": 1000 * sum(r["draft_s"] for r in runs) / steps,
+            "verify ms": 1000 * sum(r["verify_s"] for r in runs) / steps, "tok/step": tokens / steps,
+            "tokens": tokens}
+
+
+def compare(pair: LocalPair, args, prompts) -> tuple[list[dict], int]:
+    """Both modes over ``prompts`` for ``args.rounds`` rounds, prompt by prompt, the order alternating."""
+    local = pair.decoder(builtin_plan(0.0).plan)
+    separate, workers = apart(pair, args)
+    runs: dict[str, list[dict]] = {"one process": [], "two processes": []}
+    decoders = {"one process": local, "two processes": separate}
+    try:
+        for decoder in decoders.values():  # warm-up
+            decoder.generate(pair.encode("warm up", chat=False), SamplingParams(max_tokens=4))
+        for r in range(args.rounds):
+            for i, prompt in enumerate(prompts):
+                order = list(decoders) if (r + i) % 2 == 0 else list(decoders)[::-1]
+                for name in order:
+                    runs[name].append(run(decoders[name], pair, prompt, args.max_tokens))
+    finally:
+        for w in workers:
+            w.close()
+    rows = [summary(name, done) for name, done in runs.items()]
+    for row in rows:
+        row["vs one process"] = row["tok/s"] / rows[0]["tok/s"]
+    same = sum(a["text"] == b["text"] for a, b in zip(runs["one process"], runs["two processes"]))
+    return rows, same
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny random models (seconds)")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads in every process")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    args.draft, args.target = ("tiny-draft", "tiny-target") if args.tiny else ("default-draft", "default-target")
+    args.dtype, args.draft_quantize = ("float32", None) if args.tiny else ("bfloat16", "int8")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(HERE / "prompts.jsonl")[: args.limit]
+    pair = LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize,
+                          progress=False)
+    rows, same = compare(pair, args, prompts)
+    print_table(rows, ["mode", "tok/s", "step ms", "draft ms", "verify ms", "tok/step", "tokens", "vs one process"])
+    runs = args.rounds * len(prompts)
+    print(f"identical text in {same}/{runs} runs ({args.dtype})")
+    write_json("processes", {"rows": rows, "identical": same, "runs": runs,
+                             "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
+
+
+if __name__ == "__main__":
+    main()
