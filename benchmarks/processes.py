@@ -1,14 +1,14 @@
 """Where Serve's per-step overhead comes from: the same decoder with its draft and target in one process, and
 with each in a process of its own (plain multiprocessing pipes, no Ray), side by side.
 
-    .venv/bin/python benchmarks/processes.py [--tiny] [--limit 4] [--max-tokens 48] [--rounds 2]
+    .venv/bin/python benchmarks/processes.py [--tiny] [--limit 4] [--max-tokens 48] [--rounds 2] [--worker-env K=V]
 
 Through Serve a step costs 1.3-1.4x what it costs in process on the 2-core Xeon (``benchmarks/serve.py``:
 0.71-0.79x the tokens/s), and the draft's and target's forwards themselves run slower in their actors than in
 one process; the actor calls measured ~1-4 ms. Two causes were left open: Ray's and Serve's processes (the
 proxy, controller, GCS, raylet: ~10 processes on 2 cores), or the separation itself (each model's OpenMP
 pool and caches going cold while the other process computes). This runs greedy decoding of the same prompts
-with the built-in plan both ways, round by round with the order alternating, without Ray: what the two
+with the built-in plan both ways, round by round with the order rotating, without Ray: what the two
 processes lose here, Ray does not explain. Prints tokens/s, ms a step and the draft's and target's calls
 (as the decoder saw them: with the pipe's round trip) and the ratio; writes benchmarks/results/processes.json.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,12 +58,23 @@ def serve_worker(conn, role: str, name: str, dtype: str, quantize: str | None, t
 class PipeWorker:
     """The engine's Draft / Target protocol over a pipe to a ``serve_worker`` process."""
 
-    def __init__(self, role: str, name: str, dtype: str, quantize: str | None, threads: int) -> None:
+    def __init__(self, role: str, name: str, dtype: str, quantize: str | None, threads: int,
+                 env: dict[str, str] | None = None) -> None:
+        """``env``: variables for the worker process only (e.g. OpenMP's, read when the process loads torch)."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve_worker, args=(child, role, name, dtype, quantize, threads),
                                    daemon=True)
-        self.process.start()
+        saved = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})  # a spawned process starts with this environment
+        try:
+            self.process.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if self.conn.recv() != "ready":
             raise RuntimeError(f"the {role} process did not start")
 
@@ -83,10 +95,11 @@ class PipeWorker:
         self.process.join(timeout=30)
 
 
-def apart(pair: LocalPair, args) -> tuple[SpeculativeDecoder, list[PipeWorker]]:
-    """A decoder whose target and draft each run in a process of their own (the tokenizer stays here)."""
-    target = PipeWorker("target", args.target, args.dtype, None, args.threads)
-    draft = PipeWorker("draft", args.draft, args.dtype, args.draft_quantize, args.threads)
+def apart(pair: LocalPair, args, env: dict[str, str] | None = None) -> tuple[SpeculativeDecoder, list[PipeWorker]]:
+    """A decoder whose target and draft each run in a process of their own (the tokenizer stays here), with
+    ``env`` set in those processes."""
+    target = PipeWorker("target", args.target, args.dtype, None, args.threads, env)
+    draft = PipeWorker("draft", args.draft, args.dtype, args.draft_quantize, args.threads, env)
     t = pair.target
     return SpeculativeDecoder(target, draft, builtin_plan(0.0).plan, tokenizer=t.tokenizer, eos_ids=t.eos_ids,
                               max_context=t.max_context), [target, draft]
@@ -108,18 +121,24 @@ def summary(name: str, runs: list[dict]) -> dict:
 
 
 def compare(pair: LocalPair, args, prompts) -> tuple[list[dict], int]:
-    """Both modes over ``prompts`` for ``args.rounds`` rounds, prompt by prompt, the order alternating."""
-    local = pair.decoder(builtin_plan(0.0).plan)
-    separate, workers = apart(pair, args)
-    runs: dict[str, list[dict]] = {"one process": [], "two processes": []}
-    decoders = {"one process": local, "two processes": separate}
+    """Every mode over ``prompts`` for ``args.rounds`` rounds, prompt by prompt, the order rotating: one process,
+    two processes, and two processes with ``args.worker_env`` in them when given."""
+    decoders = {"one process": pair.decoder(builtin_plan(0.0).plan)}
+    decoders["two processes"], workers = apart(pair, args)
+    env = dict(item.split("=", 1) for item in getattr(args, "worker_env", None) or [])
+    if env:
+        name = f"two processes, {' '.join(f'{k}={v}' for k, v in env.items())}"
+        decoders[name], more = apart(pair, args, env)
+        workers += more
+    runs: dict[str, list[dict]] = {name: [] for name in decoders}
     try:
         for decoder in decoders.values():  # warm-up
             decoder.generate(pair.encode("warm up", chat=False), SamplingParams(max_tokens=4))
         for r in range(args.rounds):
             for i, prompt in enumerate(prompts):
-                order = list(decoders) if (r + i) % 2 == 0 else list(decoders)[::-1]
-                for name in order:
+                names = list(decoders)
+                shift = (r * len(prompts) + i) % len(names)
+                for name in names[shift:] + names[:shift]:
                     runs[name].append(run(decoders[name], pair, prompt, args.max_tokens))
     finally:
         for w in workers:
@@ -138,6 +157,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads in every process")
+    ap.add_argument("--worker-env", action="append", metavar="KEY=VALUE",
+                    help="an environment variable for the two worker processes only (e.g. OMP_WAIT_POLICY=PASSIVE)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.draft, args.target = ("tiny-draft", "tiny-target") if args.tiny else ("default-draft", "default-target")
