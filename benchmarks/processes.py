@@ -16,10 +16,12 @@ processes lose here, Ray does not explain. Prints tokens/s, ms a step and the dr
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,7 +30,7 @@ from common import print_table, write_json  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.engine import SpeculativeDecoder  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
-from sequoia_ray.prompts import load_prompts  # noqa: E402
+from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -105,7 +107,7 @@ def apart(pair: LocalPair, args, env: dict[str, str] | None = None) -> tuple[Spe
                               max_context=t.max_context), [target, draft]
 
 
-def run(decoder: SpeculativeDecoder, pair: LocalPair, prompt, max_tokens: int) -> dict:
+def run(decoder: SpeculativeDecoder, pair: LocalPair, prompt: Prompt, max_tokens: int) -> dict:
     start = time.perf_counter()
     out = decoder.generate(pair.encode(prompt.text, chat=prompt.chat), SamplingParams(max_tokens=max_tokens))
     return {"tokens": out.stats.tokens, "seconds": time.perf_counter() - start, "steps": out.stats.steps,
@@ -120,9 +122,29 @@ def summary(name: str, runs: list[dict]) -> dict:
             "tokens": tokens}
 
 
+def interleave(modes: dict[str, Callable[[Prompt], dict]], prompts: list[Prompt], rounds: int) -> dict[str, list[dict]]:
+    """Each mode's runs (``modes[name](prompt)`` -> a run dict) over ``prompts`` for ``rounds`` rounds, prompt by
+    prompt, every mode in turn, the order rotated by one mode per prompt: the host's drift hits all alike."""
+    names, runs = list(modes), {name: [] for name in modes}
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            shift = (r * len(prompts) + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(modes[name](prompt))
+    return runs
+
+
+def rows_of(runs: dict[str, list[dict]], base: str, column: str | None = None) -> list[dict]:
+    """A summary row per mode, each with its tokens/s over ``base``'s (in ``column``, default ``vs <base>``)."""
+    rows = [summary(name, done) for name, done in runs.items()]
+    for row in rows:
+        row[column or f"vs {base}"] = row["tok/s"] / summary(base, runs[base])["tok/s"]
+    return rows
+
+
 def compare(pair: LocalPair, args, prompts) -> tuple[list[dict], int]:
-    """Every mode over ``prompts`` for ``args.rounds`` rounds, prompt by prompt, the order rotating: one process,
-    two processes, and two processes with ``args.worker_env`` in them when given."""
+    """One process, two processes, and two processes with ``args.worker_env`` in them when given, interleaved
+    over ``prompts`` for ``args.rounds`` rounds; the rows and how many runs gave the one-process text."""
     decoders = {"one process": pair.decoder(builtin_plan(0.0).plan)}
     decoders["two processes"], workers = apart(pair, args)
     env = dict(item.split("=", 1) for item in getattr(args, "worker_env", None) or [])
@@ -130,24 +152,16 @@ def compare(pair: LocalPair, args, prompts) -> tuple[list[dict], int]:
         name = f"two processes, {' '.join(f'{k}={v}' for k, v in env.items())}"
         decoders[name], more = apart(pair, args, env)
         workers += more
-    runs: dict[str, list[dict]] = {name: [] for name in decoders}
     try:
         for decoder in decoders.values():  # warm-up
             decoder.generate(pair.encode("warm up", chat=False), SamplingParams(max_tokens=4))
-        for r in range(args.rounds):
-            for i, prompt in enumerate(prompts):
-                names = list(decoders)
-                shift = (r * len(prompts) + i) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    runs[name].append(run(decoders[name], pair, prompt, args.max_tokens))
+        runs = interleave({name: functools.partial(run, d, pair, max_tokens=args.max_tokens)
+                           for name, d in decoders.items()}, prompts, args.rounds)
     finally:
         for w in workers:
             w.close()
-    rows = [summary(name, done) for name, done in runs.items()]
-    for row in rows:
-        row["vs one process"] = row["tok/s"] / rows[0]["tok/s"]
     same = sum(a["text"] == b["text"] for a, b in zip(runs["one process"], runs["two processes"]))
-    return rows, same
+    return rows_of(runs, "one process"), same
 
 
 def main() -> None:
