@@ -137,9 +137,32 @@ def interleave(modes: dict[str, Callable[[Prompt], dict]], prompts: list[Prompt]
 def rows_of(runs: dict[str, list[dict]], base: str, column: str | None = None) -> list[dict]:
     """A summary row per mode, each with its tokens/s over ``base``'s (in ``column``, default ``vs <base>``)."""
     rows = [summary(name, done) for name, done in runs.items()]
+    base_rate = next(row["tok/s"] for row in rows if row["mode"] == base)
     for row in rows:
-        row[column or f"vs {base}"] = row["tok/s"] / summary(base, runs[base])["tok/s"]
+        row[column or f"vs {base}"] = row["tok/s"] / base_rate
     return rows
+
+
+def warm(*decoders: SpeculativeDecoder, pair: LocalPair) -> None:
+    """One short generation per decoder, before anything is timed."""
+    for decoder in decoders:
+        decoder.generate(pair.encode("warm up", chat=False), SamplingParams(max_tokens=4))
+
+
+def pair_args(args) -> None:
+    """``args.draft``, ``args.target``, ``args.dtype``, ``args.draft_quantize`` from ``args.tiny``: the tiny pair in
+    float32, or the default pair as served (bf16 target, int8 draft)."""
+    args.draft, args.target = ("tiny-draft", "tiny-target") if args.tiny else ("default-draft", "default-target")
+    args.dtype, args.draft_quantize = ("float32", None) if args.tiny else ("bfloat16", "int8")
+
+
+def load_pair(args) -> LocalPair:
+    """The pair in this process, with ``args.threads`` torch threads."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize,
+                          progress=False)
 
 
 def compare(pair: LocalPair, args, prompts) -> tuple[list[dict], int]:
@@ -153,8 +176,7 @@ def compare(pair: LocalPair, args, prompts) -> tuple[list[dict], int]:
         decoders[name], more = apart(pair, args, env)
         workers += more
     try:
-        for decoder in decoders.values():  # warm-up
-            decoder.generate(pair.encode("warm up", chat=False), SamplingParams(max_tokens=4))
+        warm(*decoders.values(), pair=pair)
         runs = interleave({name: functools.partial(run, d, pair, max_tokens=args.max_tokens)
                            for name, d in decoders.items()}, prompts, args.rounds)
     finally:
@@ -175,15 +197,9 @@ def main() -> None:
                     help="an environment variable for the two worker processes only (e.g. OMP_WAIT_POLICY=PASSIVE)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    args.draft, args.target = ("tiny-draft", "tiny-target") if args.tiny else ("default-draft", "default-target")
-    args.dtype, args.draft_quantize = ("float32", None) if args.tiny else ("bfloat16", "int8")
-    import torch
-
-    torch.set_num_threads(args.threads)
+    pair_args(args)
     prompts = load_prompts(HERE / "prompts.jsonl")[: args.limit]
-    pair = LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize,
-                          progress=False)
-    rows, same = compare(pair, args, prompts)
+    rows, same = compare(load_pair(args), args, prompts)
     print_table(rows, ["mode", "tok/s", "step ms", "draft ms", "verify ms", "tok/step", "tokens", "vs one process"])
     runs = args.rounds * len(prompts)
     print(f"identical text in {same}/{runs} runs ({args.dtype})")

@@ -26,22 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
-from processes import apart, interleave, rows_of, run  # noqa: E402
+from processes import apart, interleave, load_pair, pair_args, rows_of, run, warm  # noqa: E402
 
-from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def load_pair(args) -> LocalPair:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    return LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize,
-                          progress=False)
 
 
 def start_serve(args):
@@ -82,8 +73,7 @@ def measure(pair: LocalPair, args, prompts) -> tuple[list[dict], dict[str, int]]
     local = pair.decoder(builtin_plan(0.0).plan)
     split, workers = apart(pair, args)
     try:
-        for decoder in (local, split):
-            decoder.generate(pair.encode("warm up", chat=False), SamplingParams(max_tokens=4))
+        warm(local, split, pair=pair)
         here = functools.partial(run, local, pair, max_tokens=args.max_tokens)
         apart_ = functools.partial(run, split, pair, max_tokens=args.max_tokens)
         before = interleave({"in-process": here, "two processes, no Ray": apart_}, prompts, args.rounds)
@@ -119,8 +109,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    args.draft, args.target = ("tiny-draft", "tiny-target") if args.tiny else ("default-draft", "default-target")
-    args.dtype, args.draft_quantize = ("float32", None) if args.tiny else ("bfloat16", "int8")
+    pair_args(args)
     prompts = load_prompts(HERE / "prompts.jsonl")[: args.limit]
     rows, same = measure(load_pair(args), args, prompts)
     print_table(rows, ["mode", "tok/s", "step ms", "draft ms", "verify ms", "tok/step", "tokens",
