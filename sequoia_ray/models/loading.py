@@ -152,15 +152,23 @@ def progress_bars(enabled: bool) -> Iterator[None]:
 
 
 def _tiny_checkpoint(source: str) -> Path:
-    """The tiny pair written once per process to a temporary directory (deterministic weights), atomically."""
+    """The tiny pair, written once per machine to a temporary directory named for what makes its bytes
+    (`tiny.py`, torch, transformers) and shared by every process after; written atomically, so concurrent
+    writers (test workers, Ray actors) race harmlessly and nothing is left behind per process."""
+    import hashlib
     import shutil
     import tempfile
 
+    import transformers
+
+    from sequoia_ray.models import tiny
     from sequoia_ray.models.tiny import char_tokenizer, layered_pair
 
-    root = Path(tempfile.gettempdir()) / f"sequoia-ray-tiny-{os.getpid()}"
+    key = hashlib.sha256(Path(tiny.__file__).read_bytes())
+    key.update(f"{torch.__version__} {transformers.__version__}".encode())
+    root = Path(tempfile.gettempdir()) / f"sequoia-ray-tiny-{key.hexdigest()[:16]}"
     if not (root / source / "config.json").is_file():
-        scratch = Path(tempfile.mkdtemp(prefix="sequoia-ray-tiny-"))
+        scratch = Path(tempfile.mkdtemp(prefix="sequoia-ray-tiny-scratch-"))
         target, draft = layered_pair()
         tok = char_tokenizer()
         for name, model in ((TINY_TARGET, target), (TINY_DRAFT, draft)):
@@ -168,8 +176,12 @@ def _tiny_checkpoint(source: str) -> Path:
             model.generation_config.eos_token_id = tok.eos_token_id
             model.save_pretrained(scratch / name, is_main_process=True)  # also on TP ranks > 0
             tok.save_pretrained(scratch / name)
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(scratch, root)
+        if root.exists() and not (root / source / "config.json").is_file():
+            shutil.rmtree(root, ignore_errors=True)  # damaged from outside (a published one is complete)
+        try:
+            os.replace(scratch, root)
+        except OSError:  # another process published the same bytes first
+            shutil.rmtree(scratch, ignore_errors=True)
     return root / source
 
 
