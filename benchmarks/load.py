@@ -50,6 +50,7 @@ from common import print_table, write_json  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.config import ServeConfig  # noqa: E402
+from actors.quiet_ray import quiet_ray_environ  # noqa: E402
 from deployments.launch import app_args  # noqa: E402
 from actors.target import free_port  # noqa: E402
 from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
@@ -92,7 +93,8 @@ def serving(cfg: dict) -> Iterator[str]:
     """Local Ray + Serve with the app on a free loopback port (as ``deployments.launch.start``, without
     per-request access logs); yields its base URL, shuts everything down afterwards."""
     port, quiet = free_port(), {"enable_access_log": False}
-    ray.init(num_cpus=max(4, int((cfg["tp_size"] + 1) * cfg["num_cpus"]) + 1), include_dashboard=False)
+    with quiet_ray_environ():  # Ray's idle timers as the service starts them
+        ray.init(num_cpus=max(4, int((cfg["tp_size"] + 1) * cfg["num_cpus"]) + 1), include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
         serve.run(build_app(cfg), name=APP, route_prefix="/", logging_config=quiet)

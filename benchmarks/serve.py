@@ -44,7 +44,7 @@ def start_serve(args):
     cfg = {"model_name": "bench", "draft": args.draft, "target": args.target, "dtype": args.dtype,
            "draft_quantize": args.draft_quantize, "tp_size": args.tp_size, "num_cpus": args.num_cpus,
            "threads": args.threads}
-    url = start(cfg, args.port, None)
+    url = start(cfg, args.port, None, quiet=not args.ray_default_timers)
     post = lambda body: requests.post(f"{url}/v1/{'chat/' if 'messages' in body else ''}completions",  # noqa: E731
                                       json={"model": "bench", "temperature": 0, **body}, timeout=900).json()
     post({"prompt": "warm up", "max_tokens": 4})
@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--num-cpus", type=float, default=1, help="logical CPUs each model actor reserves")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per model actor (in-process: 2 too)")
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--ray-default-timers", action="store_true",
+                    help="Ray's own idle timers (default: slowed, as the service starts it: actors/quiet_ray.py)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     pair_args(args)

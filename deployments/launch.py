@@ -12,6 +12,9 @@ vector p, the plans are chosen for this machine's t(n) and c with the built-in p
 ``source``); a later run given more seconds profiles again. A plan already in the store, ``--no-profile``, a remote
 store, ``--address`` (the actors run elsewhere) or tensor parallelism skip it.
 
+A local Ray starts with its idle processes' timers slowed (``actors/quiet_ray.py``; ``--ray-default-timers``
+keeps Ray's): on a 2-core host they cost the models' forwards 11-17%.
+
 ``--demo`` sends a real chat request twice (tree speculation, then the target alone, via the
 ``speculative: false`` request extension) and prints the answer and the speedup. ``--exit`` stops the
 service afterwards; otherwise it keeps serving until Ctrl-C, printing the URL to call.
@@ -171,8 +174,13 @@ def _call_probe():
     return measure_calls
 
 
-def init_ray(address: str | None) -> None:
+def init_ray(address: str | None, quiet: bool = True) -> None:
+    """Ray at ``address``, else a new local Ray, its idle timers slowed unless ``quiet`` is False
+    (``actors.quiet_ray``: on the 2-core Xeon the idle app cost a decoder beside it 11-17% with Ray's
+    defaults, 4% with these)."""
     import ray
+
+    from actors.quiet_ray import quiet_ray_environ
 
     if ray.is_initialized():
         return
@@ -181,15 +189,16 @@ def init_ray(address: str | None) -> None:
     else:
         # a new local Ray with the machine's real CPUs (what `serve run` gets too); a bare ray.init() would
         # attach to any Ray already running here (another job's, a test's) and replace its "sequoia" app
-        ray.init(address="local", include_dashboard=False)
+        with quiet_ray_environ(quiet):
+            ray.init(address="local", include_dashboard=False)
 
 
-def start(args: dict, port: int, address: str | None):
+def start(args: dict, port: int, address: str | None, quiet: bool = True):
     from ray import serve
 
     from deployments.app import build_app
 
-    init_ray(address)
+    init_ray(address, quiet)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="sequoia", route_prefix="/")
     return f"http://127.0.0.1:{port}"
@@ -248,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-seconds", type=nonneg_float, default=PROFILE_SECONDS,
                    help="time budget for profiling this machine when the plan store has no plan for it")
     p.add_argument("--no-profile", action="store_true", help="never profile: serve stored or built-in plans")
+    p.add_argument("--ray-default-timers", action="store_true",
+                   help="start local Ray with its own idle timers (default: slowed, actors/quiet_ray.py)")
     opts = p.parse_args(argv)
     args = app_args(opts.config, opts.set)
     cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("fetching the default model pair (first run: ~3 minutes, then cached) ...", flush=True)
         fetch_default_pair()
-    init_ray(opts.address)  # first: the profile measures the actor calls a served step makes
+    init_ray(opts.address, quiet=not opts.ray_default_timers)  # first: the profile measures the actor calls a served step makes
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
     url = start(args, opts.port, opts.address)

@@ -32,13 +32,17 @@ def session_ray() -> None:
     would attach to any Ray already running on the machine (a killed run's, another job's) and then refuse
     ``num_cpus``. Ray exports metrics to ``METRICS_PORT`` every second. Its workers run at nice 0, as the
     other pytest worker does: at Ray's default nice 15 a model load or a forward in the other worker took
-    them ~30x longer (a tiny draft loaded in 33.5 s) and a 5-second step timeout of the fault app fired."""
+    them ~30x longer (a tiny draft loaded in 33.5 s) and a 5-second step timeout of the fault app fired.
+    Ray's idle timers are the service's (``actors.quiet_ray``)."""
     import ray
+
+    from actors.quiet_ray import quiet_ray_environ
 
     if not ray.is_initialized():  # first use, or ``stop_ray`` ended it since
         _SESSION["port"] = None
-        ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
-                 _system_config={"metrics_report_interval_ms": 1000, "worker_niceness": 0})
+        with quiet_ray_environ():
+            ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=METRICS_PORT,
+                     _system_config={"metrics_report_interval_ms": 1000, "worker_niceness": 0})
 
 
 def _ray_and_serve() -> int:
