@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 from processes import interleave, load_pair, pair_args, rows_of, run, warm  # noqa: E402
-from serve import start_serve  # noqa: E402
 
 from sequoia_ray.prompts import load_prompts  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
@@ -118,6 +117,7 @@ def main() -> None:
     local = pair.decoder(builtin_plan(0.0).plan)
     import ray
     from ray import serve
+    from serve import start_serve  # serve.py imports this module's pauses
 
     try:
         start_serve(args)  # the app up and warmed by one request; then idle

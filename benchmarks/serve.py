@@ -2,15 +2,17 @@
 
     .venv/bin/python benchmarks/serve.py [--tiny] [--limit 4] [--max-tokens 48] [--rounds 1] [--tp-size 1]
 
-Greedy decoding of the same prompts with the built-in plan, in two phases, each interleaved prompt by prompt
+Greedy decoding of the same prompts with the built-in plan, in three phases, each interleaved prompt by prompt
 (every mode in turn, the order rotated by one mode a prompt: this host's speed moves up to 2x within minutes,
 and rows run one after another carried that drift). Before Ray starts: in process, and with the draft and the
 target each in a process of its own without Ray (plain pipes, ``benchmarks/processes.py``: what the separation
 costs by itself). Then with the local Serve app up: through its HTTP API, in process and in the two processes
-again (the app idle beside them: Ray's and Serve's background running as under the Serve row). Then, Ray
-stopped, the first phase again. Each row's ratio is to the in-process row of its phase, so Serve against
-in-process beside the idle app is what Ray's actors and calls cost, and the in-process rows beside the app
-against the mean of those before and after it what the idle app costs.
+again (the app idle beside them: Ray's and Serve's background running as under the Serve row). And in process
+with every Ray process paused (SIGSTOP for the run, ``benchmarks/background.py``): the app as if it were not
+there, interleaved with the Serve row, so Serve against it is what Serve costs against a clean in-process run
+without the drift between phases. Then, Ray stopped, the first phase again. Each row's ratio is to the in-process
+row of its phase, so Serve against in-process beside the idle app is what Ray's actors and calls cost, and the
+in-process rows beside the app against the mean of those before and after it what the idle app costs.
 Prints tokens/s, ms a step and where a step's time goes (the draft's call ``grow`` and the target's ``verify``
 per step, as the decoder saw them: with the call's round trip); writes benchmarks/results/serve.json. The goal
 is Serve within 10% of in-process.
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from background import paused, ray_groups  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 from processes import apart, interleave, load_pair, pair_args, rows_of, run, warm  # noqa: E402
 
@@ -78,8 +81,15 @@ def measure(pair: LocalPair, args, prompts) -> tuple[list[dict], dict[str, int]]
         apart_ = functools.partial(run, split, pair, max_tokens=args.max_tokens)
         before = interleave({"in-process": here, "two processes, no Ray": apart_}, prompts, args.rounds)
         try:
-            beside = interleave({"in-process, Serve app idle beside it": here, "Ray Serve (HTTP)": start_serve(args),
-                                 "two processes, Serve app idle beside them": apart_}, prompts, args.rounds)
+            through_serve = start_serve(args)
+            every = [p for procs in ray_groups().values() for p in procs]
+
+            def ray_paused(prompt) -> dict:
+                with paused(every):
+                    return here(prompt)
+            beside = interleave({"in-process, Serve app idle beside it": here, "Ray Serve (HTTP)": through_serve,
+                                 "two processes, Serve app idle beside them": apart_,
+                                 "in-process, all of Ray paused": ray_paused}, prompts, args.rounds)
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -123,6 +133,10 @@ def main() -> None:
     bracket = (rate["in-process"] + rate["in-process, Ray stopped"]) / 2
     print(f"in process: {rate['in-process, Serve app idle beside it'] / bracket:.2f}x with the Serve app idle beside "
           f"it (against the mean of before and after); Ray Serve {rate['Ray Serve (HTTP)'] / bracket:.2f}x of that mean")
+    clean = rate["in-process, all of Ray paused"]
+    print(f"within the app's phase: Ray Serve {rate['Ray Serve (HTTP)'] / clean:.2f}x and in process beside the idle app "
+          f"{rate['in-process, Serve app idle beside it'] / clean:.2f}x in process with all of Ray paused (no drift between "
+          "phases: the goal's measure)")
     write_json("serve", {"rows": rows, "identical": same, "runs": runs,
                          "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
 
