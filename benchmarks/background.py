@@ -97,17 +97,14 @@ def paired(base: list[dict], runs: list[dict]) -> dict:
 
 
 def main() -> None:
+    from serve import add_app_args, start_serve  # serve.py imports this module's pauses
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random models (seconds)")
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--num-cpus", type=float, default=1, help="logical CPUs each model actor reserves")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads per model actor (in-process: 2 too)")
-    ap.add_argument("--port", type=int, default=8012)
-    ap.add_argument("--ray-default-timers", action="store_true",
-                    help="Ray's own idle timers (default: slowed, as the service starts it: actors/quiet_ray.py)")
+    add_app_args(ap, port=8012)
     ap.add_argument("--all-only", action="store_true", help="only nothing paused and all Ray paused")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -117,8 +114,6 @@ def main() -> None:
     local = pair.decoder(builtin_plan(0.0).plan)
     import ray
     from ray import serve
-    from serve import start_serve  # serve.py imports this module's pauses
-
     try:
         start_serve(args)  # the app up and warmed by one request; then idle
         groups = ray_groups()

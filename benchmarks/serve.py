@@ -38,6 +38,16 @@ from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
+def add_app_args(ap: argparse.ArgumentParser, port: int) -> None:
+    """The options ``start_serve`` reads: how the app's actors run, its port, Ray's timers."""
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--num-cpus", type=float, default=1, help="logical CPUs each model actor reserves")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per model actor (in-process: 2 too)")
+    ap.add_argument("--port", type=int, default=port)
+    ap.add_argument("--ray-default-timers", action="store_true",
+                    help="Ray's own idle timers (default: slowed, as the service starts it: actors/quiet_ray.py)")
+
+
 def start_serve(args):
     """The app on local Ray; a function running one prompt through its HTTP API (a run dict as ``run``'s)."""
     import requests
@@ -113,12 +123,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the prompts per phase")
-    ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--num-cpus", type=float, default=1, help="logical CPUs each model actor reserves")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads per model actor (in-process: 2 too)")
-    ap.add_argument("--port", type=int, default=8011)
-    ap.add_argument("--ray-default-timers", action="store_true",
-                    help="Ray's own idle timers (default: slowed, as the service starts it: actors/quiet_ray.py)")
+    add_app_args(ap, port=8011)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     pair_args(args)
