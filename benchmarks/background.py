@@ -2,15 +2,15 @@
 
     .venv/bin/python benchmarks/background.py [--tiny] [--limit 3] [--max-tokens 48] [--rounds 2]
 
-``benchmarks/serve.py`` measured the in-process decoder ~16% slower beside the idle Serve app than without Ray
-on the 2-core Xeon, while the app's ~14 processes used ~13% of one core. This starts the same app, then decodes
-the same prompts in process (greedy, the built-in plan) under conditions interleaved prompt by prompt: nothing
-paused, every Ray process paused (SIGSTOP, then SIGCONT after the run: the app as if it were not there), and
-each group of processes paused alone (GCS, raylet, the agents, the head's daemons, the Serve controller, the proxy, the replicas,
-the model actors, idle workers). A group whose pause wins back tokens/s is one whose wake-ups cost; a pause
-lasts one generation (seconds), far below Ray's and Serve's health-check timeouts. Prints tokens/s and the
-ratio to "nothing paused" (over all runs, and the median and interquartile range of the ratios paired by prompt and
-round); writes benchmarks/results/background.json.
+``benchmarks/serve.py`` measured the in-process decoder ~16% slower beside the idle Serve app than without Ray on
+the 2-core Xeon, while the app's ~14 processes used ~13% of one core. This starts the same app, then decodes the
+same prompts in process (greedy, the built-in plan) under conditions interleaved prompt by prompt: nothing paused,
+every Ray process paused (SIGSTOP, then SIGCONT after the run: the app as if it were not there), and each group of
+processes paused alone (GCS, raylet, the agents, the head's daemons, the Serve controller, the proxy, the replicas,
+the model actors, idle workers). A group whose pause wins back tokens/s is one whose wake-ups cost; a pause lasts
+one generation (seconds), far below Ray's and Serve's health-check timeouts. Prints tokens/s and the ratio to
+"nothing paused" (over all runs, and the median and interquartile range of the ratios paired by prompt and round);
+writes benchmarks/results/background.json.
 """
 
 from __future__ import annotations
@@ -88,6 +88,14 @@ def paused(procs: list) -> Iterator[None]:
                 proc.resume()
 
 
+def while_paused(procs: list, fn):
+    """``fn`` with ``procs`` paused for each call."""
+    def call(*args):
+        with paused(procs):
+            return fn(*args)
+    return call
+
+
 def paired(base: list[dict], runs: list[dict]) -> dict:
     """The median and interquartile range over the runs of ``base``'s seconds over ``runs``'s on the same prompt
     and round (the same tokens: the speed ratio; pairs cancel a drift slower than one round of modes)."""
@@ -119,14 +127,10 @@ def main() -> None:
         groups = ray_groups()
         warm(local, pair=pair)
         every = [p for procs in groups.values() for p in procs]
-
-        def under(procs: list, prompt) -> dict:
-            with paused(procs):
-                return run(local, pair, prompt, args.max_tokens)
-
-        modes = {"nothing paused": functools.partial(under, []), "all Ray paused": functools.partial(under, every)}
+        here = functools.partial(run, local, pair, max_tokens=args.max_tokens)
+        modes = {"nothing paused": while_paused([], here), "all Ray paused": while_paused(every, here)}
         if not args.all_only:
-            modes |= {f"{group} paused": functools.partial(under, procs) for group, procs in sorted(groups.items())}
+            modes |= {f"{group} paused": while_paused(procs, here) for group, procs in sorted(groups.items())}
         runs = interleave(modes, prompts, args.rounds)
     finally:
         serve.shutdown()

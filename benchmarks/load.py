@@ -50,8 +50,8 @@ from common import print_table, write_json  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.config import ServeConfig  # noqa: E402
-from actors.quiet_ray import quiet_ray_environ  # noqa: E402
 from deployments.launch import app_args  # noqa: E402
+from actors.quiet_ray import quiet_ray_environ  # noqa: E402
 from actors.target import free_port  # noqa: E402
 from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
 

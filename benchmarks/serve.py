@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import paused, ray_groups  # noqa: E402
+from background import ray_groups, while_paused  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 from processes import apart, interleave, load_pair, pair_args, rows_of, run, warm  # noqa: E402
 
@@ -75,11 +75,11 @@ def start_serve(args):
 
 
 def measure(pair: LocalPair, args, prompts) -> tuple[list[dict], dict[str, int]]:
-    """Before Ray: in process and in two processes, interleaved. Then with the app up: through Serve, in
-    process and in two processes (the app idle beside them), interleaved. Then, Ray stopped, the first phase
-    again (before and after bracket the app's phase: a steady drift of the host moves their mean as much as
-    the middle phase). Each row's ratio is to the in-process row of its phase. Also how many runs gave the
-    in-process text, per mode."""
+    """Before Ray: in process and in two processes, interleaved. Then with the app up: through Serve, in process and in
+    two processes (the app idle beside them), and in process with all of Ray paused, interleaved. Then, Ray
+    stopped, the first phase again (before and after bracket the app's phase: a steady drift of the host moves
+    their mean as much as the middle phase). Each row's ratio is to the in-process row of its phase. Also how
+    many runs gave the in-process text, per mode."""
     import ray
     from ray import serve
 
@@ -93,13 +93,9 @@ def measure(pair: LocalPair, args, prompts) -> tuple[list[dict], dict[str, int]]
         try:
             through_serve = start_serve(args)
             every = [p for procs in ray_groups().values() for p in procs]
-
-            def ray_paused(prompt) -> dict:
-                with paused(every):
-                    return here(prompt)
             beside = interleave({"in-process, Serve app idle beside it": here, "Ray Serve (HTTP)": through_serve,
                                  "two processes, Serve app idle beside them": apart_,
-                                 "in-process, all of Ray paused": ray_paused}, prompts, args.rounds)
+                                 "in-process, all of Ray paused": while_paused(every, here)}, prompts, args.rounds)
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -136,12 +132,13 @@ def main() -> None:
                                                  if name != "in-process") + f" ({args.dtype})")
     rate = {r["mode"]: r["tok/s"] for r in rows}
     bracket = (rate["in-process"] + rate["in-process, Ray stopped"]) / 2
-    print(f"in process: {rate['in-process, Serve app idle beside it'] / bracket:.2f}x with the Serve app idle beside "
-          f"it (against the mean of before and after); Ray Serve {rate['Ray Serve (HTTP)'] / bracket:.2f}x of that mean")
+    print(f"in process: {rate['in-process, Serve app idle beside it'] / bracket:.2f}x with the Serve app idle "
+          f"beside it (against the mean of before and after); Ray Serve {rate['Ray Serve (HTTP)'] / bracket:.2f}x "
+          "of that mean")
     clean = rate["in-process, all of Ray paused"]
-    print(f"within the app's phase: Ray Serve {rate['Ray Serve (HTTP)'] / clean:.2f}x and in process beside the idle app "
-          f"{rate['in-process, Serve app idle beside it'] / clean:.2f}x in process with all of Ray paused (no drift between "
-          "phases: the goal's measure)")
+    print(f"within the app's phase: Ray Serve {rate['Ray Serve (HTTP)'] / clean:.2f}x and in process beside the "
+          f"idle app {rate['in-process, Serve app idle beside it'] / clean:.2f}x in process with all of Ray paused "
+          "(no drift between phases: the goal's measure)")
     write_json("serve", {"rows": rows, "identical": same, "runs": runs,
                          "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
 

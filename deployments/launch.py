@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print("fetching the default model pair (first run: ~3 minutes, then cached) ...", flush=True)
         fetch_default_pair()
-    init_ray(opts.address, quiet=not opts.ray_default_timers)  # first: the profile measures the actor calls a served step makes
+    # first: the profile measures the actor calls a served step makes
+    init_ray(opts.address, quiet=not opts.ray_default_timers)
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
     url = start(args, opts.port, opts.address)

@@ -57,3 +57,15 @@ def test_paired_ratios_are_per_prompt_and_round():
     out = background.paired(base, runs)
     assert out["paired median"] == 1.5
     assert out["paired IQR"] == "0.88-2.00"
+
+
+def test_while_paused_pauses_for_each_call_only():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc = psutil.Process(child.pid)
+        status = background.while_paused([proc], lambda x: (x, proc.status()))
+        assert status(7) == (7, psutil.STATUS_STOPPED)
+        assert proc.status() != psutil.STATUS_STOPPED
+    finally:
+        child.kill()
+        child.wait()
