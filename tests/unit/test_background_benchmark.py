@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -37,15 +38,26 @@ def test_role_of(cmdline, group):
     assert background.role_of(cmdline) == group
 
 
+def reaches(proc, stopped: bool, timeout: float = 10.0) -> bool:
+    """Whether ``proc`` shows as stopped (or as not stopped) within ``timeout`` s: SIGSTOP and SIGCONT are
+    delivered asynchronously, and /proc can show the old state just after on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while (proc.status() == psutil.STATUS_STOPPED) != stopped:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_paused_stops_and_always_resumes():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         proc = psutil.Process(child.pid)
         with pytest.raises(RuntimeError, match="inside"):
             with background.paused([proc]):
-                assert proc.status() == psutil.STATUS_STOPPED
+                assert reaches(proc, stopped=True)
                 raise RuntimeError("inside")
-        assert proc.status() != psutil.STATUS_STOPPED
+        assert reaches(proc, stopped=False)
     finally:
         child.kill()
         child.wait()
@@ -63,9 +75,9 @@ def test_while_paused_pauses_for_each_call_only():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         proc = psutil.Process(child.pid)
-        status = background.while_paused([proc], lambda x: (x, proc.status()))
-        assert status(7) == (7, psutil.STATUS_STOPPED)
-        assert proc.status() != psutil.STATUS_STOPPED
+        call = background.while_paused([proc], lambda x: (x, reaches(proc, stopped=True)))
+        assert call(7) == (7, True)
+        assert reaches(proc, stopped=False)
     finally:
         child.kill()
         child.wait()
