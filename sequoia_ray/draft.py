@@ -139,7 +139,7 @@ class DraftTree:
 
     def __reduce__(self):
         """Pickled (as it crosses between actors) with host tensors as Python lists: torch's own pickling
-        costs ~0.15 ms a tensor and a sampled tree has two per inner node (a 16-node tree with 7 inner nodes:
+        costs ~0.15 ms a tensor and a sampled tree has two per inner node (a 15-node tree with 7 inner nodes:
         1.7 ms and 23.5 KB a round trip; a Ray call carrying a root-only tree cost caller and callee 0.3 ms
         of CPU each more than one carrying a list). Exact for every dtype (a Python int or float holds any
         int64, float32 or bf16 value); the dists come back packed as ``to`` packs them. A tensor on an
@@ -157,7 +157,13 @@ def _to_wire(t: torch.Tensor):
 
 
 def _from_wire(x) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.tensor(x[0], dtype=getattr(torch, x[1]))
+    if isinstance(x, torch.Tensor):
+        return x
+    values, name = x
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a draft tree's tensor arrived with dtype {name!r}, which is not a torch dtype")
+    return torch.tensor(values, dtype=dtype)
 
 
 def _tree_from_wire(parts: tuple, nodes: list[int], sizes: list[int], plan: TreePlan | None,

@@ -52,3 +52,10 @@ def test_a_tree_off_the_host_keeps_its_device():
     back, _ = round_trip(tree)
     assert back.tokens.device.type == "meta" and back.dists[1].probs.device.type == "meta"
     assert back.tokens.shape == (3,) and back.dists[1].tokens.shape == (2,)
+
+
+def test_a_wire_form_naming_no_torch_dtype_is_refused():
+    from sequoia_ray.draft import _tree_from_wire
+
+    with pytest.raises(ValueError, match="'manual_seed'.*not a torch dtype"):
+        _tree_from_wire((([1, 2], "manual_seed"),), [], [], None, 0)
