@@ -128,13 +128,8 @@ class DraftTree:
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree on ``device``: every node's D is packed into one tensor of tokens and one of
         probabilities, so crossing devices costs one transfer each, not two per inner node."""
-        if not self.dists:
-            return DraftTree(self.tokens.to(device), {}, self.plan, self.prefill_beside)
-        nodes = list(self.dists)
-        sizes = [len(self.dists[node].tokens) for node in nodes]
-        tokens = torch.cat([self.dists[node].tokens for node in nodes]).to(device)  # [sum K] int64
-        probs = torch.cat([self.dists[node].probs for node in nodes]).to(device)  # [sum K] float
-        dists = {node: SparseDist(t, p) for node, t, p in zip(nodes, tokens.split(sizes), probs.split(sizes))}
+        nodes, sizes, packed = self._packed()
+        dists = _unpacked(nodes, sizes, [t.to(device) for t in packed])
         return DraftTree(self.tokens.to(device), dists, self.plan, self.prefill_beside)
 
     def __reduce__(self):
@@ -144,12 +139,27 @@ class DraftTree:
         of CPU each more than one carrying a list). Exact for every dtype (a Python int or float holds any
         int64, float32 or bf16 value); the dists come back packed as ``to`` packs them. A tensor on an
         accelerator is pickled as itself (its device kept)."""
-        nodes = list(self.dists)
-        sizes = [len(self.dists[node].tokens) for node in nodes]
-        packed = ((torch.cat([self.dists[node].tokens for node in nodes]),
-                   torch.cat([self.dists[node].probs for node in nodes])) if nodes else ())
+        nodes, sizes, packed = self._packed()
         return _tree_from_wire, (tuple(_to_wire(t) for t in (self.tokens, *packed)), nodes, sizes, self.plan,
                                  self.prefill_beside)
+
+    def _packed(self) -> tuple[list[int], list[int], tuple[torch.Tensor, ...]]:
+        """(the inner nodes in draw order, their supports' sizes, (tokens [sum K] int64, probs [sum K] float))
+        of every node's D concatenated; no tensors for a greedy tree."""
+        nodes = list(self.dists)
+        sizes = [len(self.dists[node].tokens) for node in nodes]
+        if not nodes:
+            return nodes, sizes, ()
+        return nodes, sizes, (torch.cat([self.dists[node].tokens for node in nodes]),
+                              torch.cat([self.dists[node].probs for node in nodes]))
+
+
+def _unpacked(nodes: list[int], sizes: list[int], packed) -> dict[int, SparseDist]:
+    """``DraftTree._packed``'s inverse: each node's D as views into the packed tokens and probs."""
+    if not nodes:
+        return {}
+    tokens, probs = packed
+    return {node: SparseDist(t, p) for node, t, p in zip(nodes, tokens.split(sizes), probs.split(sizes))}
 
 
 def _to_wire(t: torch.Tensor):
@@ -169,11 +179,7 @@ def _from_wire(x) -> torch.Tensor:
 def _tree_from_wire(parts: tuple, nodes: list[int], sizes: list[int], plan: TreePlan | None,
                     prefill_beside: int) -> DraftTree:
     tokens, *packed = (_from_wire(x) for x in parts)
-    dists = {}
-    if nodes:
-        dist_tokens, dist_probs = packed
-        dists = {node: SparseDist(t, q) for node, t, q in zip(nodes, dist_tokens.split(sizes), dist_probs.split(sizes))}
-    return DraftTree(tokens, dists, plan, prefill_beside)
+    return DraftTree(tokens, _unpacked(nodes, sizes, packed), plan, prefill_beside)
 
 
 @dataclass
