@@ -3,8 +3,8 @@ lists (``DraftTree.__reduce__``, what crosses between the actors) against torch'
 
     .venv/bin/python benchmarks/calls.py [--calls 300] [--rounds 3]
 
-A local Ray with one actor whose ``call`` answers at once with a verdict (no model). Per tree (root-only, 16
-nodes greedy, 16 nodes sampled with top-32 dists at the inner nodes) and wire form, ``--calls`` calls back to
+A local Ray with one actor whose ``call`` answers at once with a verdict (no model). Per tree (root-only, 15
+nodes greedy, 15 nodes sampled with top-32 dists at its 7 inner nodes) and wire form, ``--calls`` calls back to
 back, ``--rounds`` rounds in turn; CPU seconds from each process's user + system time (Ray's own threads
 included). Prints the medians over rounds; writes benchmarks/results/calls.json.
 """
