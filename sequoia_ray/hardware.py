@@ -74,6 +74,7 @@ SCHEMA_VERSION = 1
 DEFAULT_BUDGETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 MAX_DRIFT = 0.15  # rounds whose speeds differ more are timed again (round_drift)
+ANCHOR_EVERY = 6  # t(1), which every table is divided by, is timed again after every this many forwards a round
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes with a plan of their own; a batch uses its bucket's
 BATCH_LAYOUT = "auto"  # hidden_many's layout when timing batches: the serving default
 
@@ -311,7 +312,7 @@ def choose_buckets(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUD
 # ---- measuring -----------------------------------------------------------------------------------
 def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 1, seed: int = 0,
                  head_rows: int | None = None) -> dict[int, float]:
-    """Median seconds to forward s new tokens after ``context`` cached ones, for each s in ``sizes``, with
+    """Seconds (``quiet``) to forward s new tokens after ``context`` cached ones, for each s in ``sizes``, with
     the LM head on the first ``head_rows`` of them (None = all, as the draft and the verifier do)."""
     device = model.device
     gen = torch.Generator(device="cpu").manual_seed(seed)  # the same random inputs on every device
@@ -334,13 +335,13 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
         for s in sizes:
             step(s)
     rounds = [[step(s) for s in sizes] for _ in range(repeats)]  # round-robin: drift hits every size alike
-    return {s: statistics.median(r[i] for r in rounds) for i, s in enumerate(sizes)}
+    return {s: quiet(r[i] for r in rounds) for i, s in enumerate(sizes)}
 
 
 def time_batched(model, batch: int, sizes, *, context: int, repeats: int = 3, warmup: int = 1, seed: int = 0,
                  layout: str = BATCH_LAYOUT) -> dict[int, float]:
-    """Median seconds of one batched forward: ``batch`` requests, each with ``context`` cached tokens and s new
-    ones, in one ``hidden_many`` call plus one LM head call over all batch·s rows (as a batched worker runs
+    """Seconds (``quiet``) of one batched forward: ``batch`` requests, each with ``context`` cached tokens and s
+    new ones, in one ``hidden_many`` call plus one LM head call over all batch·s rows (as a batched worker runs
     it), for each s in ``sizes``; keyed by the batch's total tokens batch·s."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     steps = batch_steps(model, batch, sizes, context=context, gen=gen, layout=layout)
@@ -371,17 +372,40 @@ def batch_steps(model, batch: int, sizes, *, context: int, gen: torch.Generator,
 
 
 def round_robin(steps: dict, *, repeats: int, warmup: int = 1) -> dict:
-    """The median of ``repeats`` calls of each timing function, called in turn (drift hits every one alike)."""
-    return {k: statistics.median(v) for k, v in timed_rounds(steps, repeats=repeats, warmup=warmup).items()}
+    """The ``quiet`` time of ``repeats`` calls of each timing function, called in turn (drift hits every one
+    alike)."""
+    return {k: quiet(v) for k, v in timed_rounds(steps, repeats=repeats, warmup=warmup).items()}
 
 
-def timed_rounds(steps: dict, *, repeats: int, warmup: int = 1) -> dict[object, list[float]]:
-    """Every one of ``repeats`` results of each timing function, the functions called in turn."""
+def quiet(samples) -> float:
+    """What a forward costs, from its timed repeats: the fastest. Interference on a shared host only ever adds
+    time, and on the 2-core Xeon VM it comes in phases of seconds that slow a forward up to 2.5x (t(1) timed 411,
+    382 and 171 ms in one bounded profile; 145-166 ms in 10 of the 12 repeats of a longer one): a median of three
+    takes such a phase for the machine. Two long profiles (12 repeats) of the real pair minutes apart, every
+    table over its t(1): read by medians they differed by a mean 19-25% a cell, by fastest repeats 2.7-3.1%
+    (``benchmarks/profile_estimators.py``, two runs, session 28)."""
+    return min(samples)
+
+
+def timed_rounds(steps: dict, *, repeats: int, warmup: int = 1, anchor=None, every: int = 0
+                 ) -> dict[object, list[float]]:
+    """Every one of ``repeats`` results of each timing function, the functions called in turn. With an
+    ``anchor`` (a key of ``steps``) it is also called after every ``every`` functions of a round, its extra
+    results listed after its ``repeats`` own (``round_drift`` reads the first ``repeats`` of every list)."""
     for _ in range(warmup):
         for f in steps.values():
             f()
-    rounds = [{k: f() for k, f in steps.items()} for _ in range(repeats)]
-    return {k: [r[k] for r in rounds] for k in steps}
+    rounds, extra = [], []
+    for _ in range(repeats):
+        rounds.append({})
+        for i, (k, f) in enumerate(steps.items(), 1):
+            rounds[-1][k] = f()
+            if anchor is not None and every and i % every == 0 and i < len(steps):
+                extra.append(steps[anchor]())
+    out = {k: [r[k] for r in rounds] for k in steps}
+    if anchor is not None:
+        out[anchor] += extra
+    return out
 
 
 def relative_noise(samples: dict[object, list[float]]) -> float:
@@ -399,8 +423,10 @@ def round_drift(samples: dict[object, list[float]]) -> float:
     sizes timed before the change their fast median and sizes after it their slow one: t(n) then jumps at
     whatever size the change hit, while the MAD of three repeats stays small."""
     rows = [v for v in samples.values() if len(v) > 1 and statistics.median(v) > 0]
-    if not rows or len({len(v) for v in rows}) != 1:
+    if not rows:
         return math.nan
+    rounds = min(len(v) for v in rows)  # an anchor's extra results (``timed_rounds``) are in no round
+    rows = [v[:rounds] for v in rows]
     mids = [statistics.median(v) for v in rows]
     factors = [statistics.median(v[i] / mid for v, mid in zip(rows, mids)) for i in range(len(rows[0]))]
     return max(factors) / min(factors) - 1
@@ -413,7 +439,7 @@ def _mad(values: list[float]) -> float:
 
 def time_steps(target, draft, plans: list[TreePlan], batch: int, *, context: int, repeats: int = 3,
                warmup: int = 1, seed: int = 0, layout: str = BATCH_LAYOUT) -> list[float]:
-    """Median seconds of the forwards of one batched step on each of ``plans``, timed for real and round-robin
+    """Seconds (``quiet``) of the forwards of one batched step on each of ``plans``, timed for real and round-robin
     (drift hits every plan alike): per level with inner nodes one draft ``hidden_many`` over the ``batch``
     requests' inner nodes (+ head), then one target ``hidden_many`` over their ``plan.n`` tree tokens each
     (+ one head call). What ``step_cost`` predicts; sampling and the verify walk are not in it. A root-only
@@ -443,7 +469,7 @@ def time_steps(target, draft, plans: list[TreePlan], batch: int, *, context: int
         for plan in plans:
             step(plan)
     rounds = [[step(plan) for plan in plans] for _ in range(repeats)]
-    return [statistics.median(r[i] for r in rounds) for i in range(len(plans))]
+    return [quiet(r[i] for r in rounds) for i in range(len(plans))]
 
 
 def _same_context(model, batch: int, context: int, gen: torch.Generator) -> list[KVSession]:
@@ -486,7 +512,7 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
     group, every rank in lockstep) and the profile has no batch tables. In process, a timing whose rounds drift
     apart by more than ``max_drift`` is taken again, up to ``retries`` times, and the least drifting kept."""
     sizes = sorted(set(budgets) | {1})
-    noise = drift = math.nan  # a target timed elsewhere (a group of ranks) reports medians only
+    noise = drift = math.nan  # a target timed elsewhere (a group of ranks) reports its quiet times only
     if target is None:
         target_s = time_target(sizes, context, repeats)
         draft_s = time_forward(draft, widths, context=context, repeats=repeats)
@@ -495,7 +521,7 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
         grid = {b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1}
         rounds, drift = _calm_rounds(lambda: _time_all(target, draft, sizes, widths, context=context,
                                                        repeats=repeats, grid=grid), hardware, max_drift, retries)
-        timed, noise = {k: statistics.median(v) for k, v in rounds.items()}, relative_noise(rounds)
+        timed, noise = {k: quiet(v) for k, v in rounds.items()}, relative_noise(rounds)
         target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
     one = target_s[1]
     batch_t, batch_c = ({b: {k: v / one for (m, bb, k), v in timed.items() if (m, bb) == (name, b)}
@@ -527,13 +553,17 @@ def _calm_rounds(time_all: Callable[[], dict], hardware: str, max_drift: float, 
 def _time_all(target, draft, sizes, widths, *, context: int, repeats: int, grid: dict[int, tuple[int, ...]]
               ) -> dict[tuple[str, int, int], list[float]]:
     """Seconds (every repeat) per ("t" | "c", batch, total tokens): the target at ``sizes`` and the draft at
-    ``widths`` alone (batch 1), both at every batch of ``grid`` (its per-request sizes), in one round-robin loop."""
+    ``widths`` alone (batch 1), both at every batch of ``grid`` (its per-request sizes), in one round-robin loop.
+    t(1) is timed again after every ``ANCHOR_EVERY`` forwards (its extra repeats follow its own): every table is
+    divided by it, so a slow phase of a shared host over its few repeats would skew them all (in one bounded
+    profile of the 2-core Xeon all three took 331-375 ms where a quiet t(1) takes ~150, and every ratio came out
+    ~0.45x); ~6 more forwards of one token a round, ~10% of a round."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     plan = [("t", target, 1, sizes), ("c", draft, 1, widths)]
     plan += [(name, model, b, per) for b, per in grid.items() for name, model in (("t", target), ("c", draft))]
     steps = {(name, b, k): f for name, model, b, per in plan
              for k, f in batch_steps(model, b, per, context=context, gen=gen).items()}
-    return timed_rounds(steps, repeats=repeats)
+    return timed_rounds(steps, repeats=repeats, anchor=("t", 1, 1), every=ANCHOR_EVERY)
 
 
 def library_versions() -> dict[str, str]:

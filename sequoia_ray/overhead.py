@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import ROOT_ONLY
-from sequoia_ray.hardware import HardwareProfile, StepOverhead, relative_noise, timed_rounds
+from sequoia_ray.hardware import HardwareProfile, StepOverhead, quiet, relative_noise, timed_rounds
 from sequoia_ray.lockstep import run_lockstep
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import TreePlan
@@ -30,19 +30,20 @@ OVERHEAD_BATCHES = (1, 4)  # batch sizes the overhead is measured at (fixed + pe
 class OverheadMeasurement:
     overhead: StepOverhead  # in target steps
     residual: dict[tuple[str, int], float]  # (alone | tree, batch) -> measured step - predicted forwards, in target steps
-    step_s: dict[tuple[str, int], float]  # (alone | tree, batch) -> median seconds of a step holding every request
+    step_s: dict[tuple[str, int], float]  # (alone | tree, batch) -> seconds of a step holding every request
     noise: float  # relative MAD of the repeats (see ``hardware.relative_noise``)
 
 
 def measure_overhead(target_model, draft_model, prof: HardwareProfile, plan: TreePlan, prompts: list[list[int]],
                      params: SamplingParams, *, batches=OVERHEAD_BATCHES, repeats: int = 3) -> OverheadMeasurement:
     """Every (kind, batch) run ``repeats`` times, round-robin; a run decodes ``params.max_tokens`` tokens for
-    ``batch`` of ``prompts`` (cycled) and yields the median seconds of its steps that held the whole batch."""
+    ``batch`` of ``prompts`` (cycled) and yields the median seconds of its steps that held the whole batch; the
+    quietest run counts (``hardware.quiet``), as the profile's forwards it is set against."""
     plans = {"alone": ROOT_ONLY, "tree": plan}
     runs = {(kind, b): functools.partial(_median_step, target_model, draft_model, _cycle(prompts, b), p, params)
             for kind, p in plans.items() for b in batches}
     rounds = timed_rounds(runs, repeats=repeats, warmup=0)
-    step_s = {k: statistics.median(v) for k, v in rounds.items()}
+    step_s = {k: quiet(v) for k, v in rounds.items()}  # the quietest run, as the forwards it is set against
     residual = {(kind, b): step_s[kind, b] / prof.target_step_s - prof.step_cost(plans[kind], b)
                 for kind, b in step_s}
     fitted = {kind: fit_linear({b: residual[kind, b] for b in batches}) for kind in plans}

@@ -404,18 +404,38 @@ def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadl
 
 
 def monotone(prof: HardwareProfile) -> HardwareProfile:
-    """t(n), c(w) and every batch's T_B, C_B made non-decreasing (a running maximum): more tokens never cost
-    less, and a few repeats on a busy machine can say otherwise, which would make the DP favour big trees for
-    free."""
-    def running_max(table: dict[int, float]) -> dict[int, float]:
-        out, top = {}, 0.0
-        for k in sorted(table):
-            top = out[k] = max(top, table[k])
-        return out
+    """t(n), c(w) and every batch's T_B, C_B made non-decreasing: more tokens never cost less, and a few repeats
+    on a busy machine can say otherwise, which would make the DP favour big trees for free. Each table is fitted
+    by ``isotonic`` regression, then all are divided by the fitted t(1) (so t(1) = 1 again, ``target_step_s``
+    scaled to match). Until session 28 a running maximum: one slow timing at a small size then set every
+    larger size (t(8) = 1.42 copied to t(16) and t(32) in a profile of this 2-core Xeon). Bounded profiles
+    against long ones (``benchmarks/profile_estimators.py``, session 28, 8 comparisons): read as until then
+    (median repeats, running maximum) a median 21% off a cell; with the fastest repeats (``hardware.quiet``),
+    t(1)'s extra repeats (``hardware._time_all``) and this fit 3.0%. The fit's own share is small (with the
+    fastest repeats: running maximum 6.6%, the fit 6.8%; the worst cell 23% against 19%)."""
+    t = isotonic(prof.t)
+    one = t[1] if 1 in t else 1.0
 
-    return replace(prof, t=running_max(prof.t), c=running_max(prof.c),
-                   batch_t={b: running_max(row) for b, row in prof.batch_t.items()},
-                   batch_c={b: running_max(row) for b, row in prof.batch_c.items()})
+    def fit(table: dict[int, float]) -> dict[int, float]:
+        return {k: v / one for k, v in isotonic(table).items()}
+
+    return replace(prof, t=fit(prof.t), c=fit(prof.c), target_step_s=prof.target_step_s * one,
+                   batch_t={b: fit(row) for b, row in prof.batch_t.items()},
+                   batch_c={b: fit(row) for b, row in prof.batch_c.items()})
+
+
+def isotonic(table: dict[int, float]) -> dict[int, float]:
+    """The non-decreasing fit of ``table`` (by key) nearest it in least squares: pool adjacent violators, each
+    run of keys that decreases replaced by its mean."""
+    blocks: list[tuple[float, int]] = []  # (sum, count) of consecutive keys, means increasing
+    for k in sorted(table):
+        total, count = table[k], 1
+        while blocks and blocks[-1][0] / blocks[-1][1] > total / count:
+            total, count = total + blocks[-1][0], count + blocks[-1][1]
+            blocks.pop()
+        blocks.append((total, count))
+    means = [total / count for total, count in blocks for _ in range(count)]
+    return dict(zip(sorted(table), means))
 
 
 def bounded_sizes(probe: dict[int, float], seconds: float) -> tuple[tuple[int, ...], int]:

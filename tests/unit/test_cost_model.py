@@ -10,7 +10,7 @@ import pytest
 from sequoia_ray.config import SamplingParams
 from sequoia_ray import hardware
 from sequoia_ray.hardware import (Choice, HardwareProfile, ProfileError, StepOverhead, check_noise,
-                                  choose, profile, relative_noise, round_drift)
+                                  choose, profile, relative_noise, round_drift, timed_rounds)
 from sequoia_ray.measured_choice import Measured, measure_choices, pick, top_candidates
 from sequoia_ray.overhead import fit_linear, measure_overhead
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
@@ -110,7 +110,19 @@ def test_round_drift_sees_a_step_change_that_the_mad_does_not():
     assert round_drift(step) == pytest.approx(1.0)  # round factors 0.5, 1, 1
     jitter = {k: [1.0 + k, (1.0 + k) * (1.1 if k % 2 else 0.9), 1.0 + k] for k in range(12)}
     assert round_drift(jitter) < 0.15 < round_drift({k: [1.0, 1.2, 1.0] for k in range(3)})
-    assert math.isnan(round_drift({"a": [1.0]})) and math.isnan(round_drift({"a": [1.0, 2.0], "b": [1.0, 2.0, 3.0]}))
+    assert math.isnan(round_drift({"a": [1.0]}))
+    # an anchor's extra repeats (``timed_rounds``) follow its per-round ones and belong to no round
+    assert round_drift({"a": [1.0, 2.0], "b": [1.0, 2.0, 9.0, 9.0]}) == pytest.approx(1.0)
+
+
+def test_timed_rounds_times_the_anchor_again_after_every_few_functions():
+    calls = []
+    steps = {k: (lambda k=k: calls.append(k) or float(len(calls))) for k in "abcdefg"}
+    rounds = timed_rounds(steps, repeats=2, warmup=0, anchor="a", every=3)
+    assert calls == list("abcadefag") * 2  # after c and f, not after the round's last
+    assert rounds["a"] == [1.0, 10.0, 4.0, 8.0, 13.0, 17.0]  # its own per round first, then the extras
+    assert [len(v) for k, v in rounds.items() if k != "a"] == [2] * 6
+    assert timed_rounds(steps, repeats=1, warmup=0)["a"] == [19.0]  # no anchor: one per round
 
 
 def _rounds(slow_after: int | None) -> dict:
@@ -129,11 +141,12 @@ def test_a_drifting_profile_is_timed_again_and_the_calm_timing_kept(monkeypatch)
 
 
 def test_a_profile_still_drifting_keeps_its_least_drifting_timing_and_is_refused(monkeypatch):
-    attempts = [_rounds(slow_after=1), _rounds(slow_after=2)]  # the second drifts as much: the first is kept
+    second = {k: [1.5 * x for x in v] for k, v in _rounds(slow_after=2).items()}  # drifts as much: the first is kept
+    attempts = [_rounds(slow_after=1), second]
     monkeypatch.setattr(hardware, "_time_all", lambda *a, **k: attempts.pop(0))
     prof = profile(object(), object(), hardware="hw", budgets=(1, 2), widths=(1, 2), context=8, repeats=3)
     assert not attempts and prof.drift == pytest.approx(1.0)
-    assert prof.target_step_s == pytest.approx(0.2)  # the first timing: median of (0.1, 0.2, 0.2)
+    assert prof.target_step_s == pytest.approx(0.1)  # the first timing's fastest of (0.1, 0.2, 0.2); not 0.15
     with pytest.raises(ProfileError, match=r"drift between rounds 100% exceeds the bound 25%.*max_noise"):
         check_noise(prof, 0.25)
     monkeypatch.setattr(hardware, "_time_all", lambda *a, **k: _rounds(slow_after=1))

@@ -5,8 +5,10 @@ time budget (a fake clock); plans record the serving configuration they were mea
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -148,10 +150,44 @@ def test_more_profiling_time_never_times_fewer_sizes_or_batches(probe):
     assert last == (16, True, 32, 32)
 
 
-def test_profile_is_made_monotone():
-    noisy = replace(_profile(), t={1: 1.0, 2: 0.9, 4: 1.3, 8: 1.2}, c={1: 0.2, 2: 0.1})
+def test_profile_is_made_monotone_by_the_least_squares_fit_then_renormalised():
+    noisy = replace(_profile(step_s=0.2), t={1: 1.0, 2: 0.9, 4: 1.3, 8: 1.2, 16: 2.0}, c={1: 0.2, 2: 0.1},
+                    batch_t={4: {4: 1.5, 8: 1.4}}, batch_c={4: {4: 0.3, 8: 0.4}})
     fixed = profiling.monotone(noisy)
-    assert fixed.t == {1: 1.0, 2: 1.0, 4: 1.3, 8: 1.3} and fixed.c == {1: 0.2, 2: 0.2}
+    one = 0.95  # t(1) and t(2) pooled: (1.0 + 0.9) / 2; every table is divided by it, the step scaled by it
+    assert fixed.t == pytest.approx({1: 1.0, 2: 1.0, 4: 1.25 / one, 8: 1.25 / one, 16: 2.0 / one})
+    assert fixed.c == pytest.approx({1: 0.15 / one, 2: 0.15 / one})
+    assert fixed.batch_t == {4: pytest.approx({4: 1.45 / one, 8: 1.45 / one})}
+    assert fixed.batch_c == {4: pytest.approx({4: 0.3 / one, 8: 0.4 / one})}  # already monotone: only rescaled
+    assert fixed.target_step_s == pytest.approx(0.2 * one)
+    # seconds are kept: t(n) x target_step_s is the fitted seconds of n tokens
+    assert fixed.t[4] * fixed.target_step_s == pytest.approx(1.25 * 0.2)
+    # a single slow timing at a small size no longer sets every larger one (a running maximum gave 1.3 to 8, 16)
+    spike = profiling.monotone(replace(_profile(), t={1: 1.0, 2: 1.0, 4: 1.6, 8: 1.1, 16: 1.2}, c={1: 0.2}))
+    assert spike.t[2] == 1.0 and spike.t[4] == spike.t[8] == spike.t[16] == pytest.approx((1.6 + 1.1 + 1.2) / 3)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_isotonic_fit_is_the_least_squares_non_decreasing_fit(seed):
+    """Against brute force: the fit is the block means of some split of the keys into runs; try every split."""
+    rng = random.Random(seed)
+    keys = sorted(rng.sample(range(1, 65), rng.randint(1, 7)))
+    table = {k: rng.uniform(0.1, 2.0) for k in keys}
+    values = [table[k] for k in keys]
+    best = None
+    for cuts in itertools.product((False, True), repeat=len(keys) - 1):
+        fit, start = [], 0
+        for i in range(len(keys)):
+            if i == len(keys) - 1 or cuts[i]:
+                run = values[start:i + 1]
+                fit += [sum(run) / len(run)] * len(run)
+                start = i + 1
+        if all(a <= b + 1e-12 for a, b in zip(fit, fit[1:])):
+            sse = sum((f - v) ** 2 for f, v in zip(fit, values))
+            best = min(best or (sse, fit), (sse, fit))
+    got = profiling.isotonic(table)
+    assert list(got) == keys and all(a <= b for a, b in zip(list(got.values()), list(got.values())[1:]))
+    assert list(got.values()) == pytest.approx(best[1])
 
 
 def test_deadline_reads_the_injected_clock():
