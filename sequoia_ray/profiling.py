@@ -413,13 +413,16 @@ def monotone(prof: HardwareProfile) -> HardwareProfile:
     (median repeats, running maximum) a median 21% off a cell; with the fastest repeats (``hardware.quiet``),
     t(1)'s extra repeats (``hardware._time_all``) and this fit 3.0%. The fit's own share is small (with the
     fastest repeats: running maximum 6.6%, the fit 6.8%; the worst cell 23% against 19%)."""
-    t = isotonic(prof.t)
-    one = t[1] if 1 in t else 1.0
+    fitted_t = isotonic(prof.t)
+    one = fitted_t.get(1, 1.0)
+
+    def scaled(table: dict[int, float]) -> dict[int, float]:
+        return {k: v / one for k, v in table.items()}
 
     def fit(table: dict[int, float]) -> dict[int, float]:
-        return {k: v / one for k, v in isotonic(table).items()}
+        return scaled(isotonic(table))
 
-    return replace(prof, t=fit(prof.t), c=fit(prof.c), target_step_s=prof.target_step_s * one,
+    return replace(prof, t=scaled(fitted_t), c=fit(prof.c), target_step_s=prof.target_step_s * one,
                    batch_t={b: fit(row) for b, row in prof.batch_t.items()},
                    batch_c={b: fit(row) for b, row in prof.batch_c.items()})
 
