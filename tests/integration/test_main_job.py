@@ -32,7 +32,7 @@ def _any_noise(job, hardware, serving, **kwargs):
 
 def test_profiled_plan_is_the_one_served(tmp_path):
     args = {**BASE, "plan_store": str(tmp_path / "plans"), "num_cpus": 1, "threads": 1}
-    assert ensure_plans(ServeConfig.model_validate(args), 30.0, run=_any_noise) == "profiled"
+    assert ensure_plans(ServeConfig.model_validate(args), 15.0, run=_any_noise) == "profiled"
     published = PlanStore(args["plan_store"]).list_plans()
     assert len(published) == 2 * len(BATCH_BUCKETS)  # T=0.0 and T=0.6, a plan per batch bucket each
     with serving({"main": args}) as url:
