@@ -1,0 +1,166 @@
+"""Our target alone against vLLM's, decoding in process, the two engines loaded side by side and alternated.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/vllm_decode.py [--rounds 6] [--limit 2] [--tokens 33]
+        [--vllm-python /work/.vllm-venv/bin/python] [--gap-s 2]
+
+The load benchmark (``load.py --vllm``) runs our service and then vLLM's, minutes apart, on a host whose speed
+moves up to 2.5x within minutes. This isolates the engines' decoding: this process loads our target as served
+(bf16, packed Linear layers: ``LocalPair``, ``speculate=False``), a child process in the vLLM venv holds vLLM's
+offline ``LLM`` (bf16, prefix caching off, every core bound, as ``vllm_peer.py`` sets it up), and each round runs
+every prompt of ``benchmarks/prompts.jsonl`` (``--limit``) on both engines in turn, the order flipped every
+prompt and round, ``--gap-s`` seconds between engines (vLLM's OpenMP threads spin for a while after a call).
+Each run is greedy, ignores EOS, once for 1 token and once for ``--tokens``; decode ms a token = (t(tokens) -
+t(1)) / (tokens - 1), prefill = t(1). Reports each engine's median and fastest, the paired ratios ours / vLLM
+(median and quartiles over every prompt and round) and how many runs gave the same tokens. Table + JSON
+(benchmarks/results/vllm-decode.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_json  # noqa: E402
+from vllm_peer import ALL_CORES, HERE, encode, load_prompts, vllm_env  # noqa: E402  (stdlib only)
+
+DEFAULT_VLLM_PYTHON = Path("/work/.vllm-venv/bin/python")
+
+
+def vllm_worker(model: str) -> None:
+    """In the vLLM venv: load ``model``, then answer ``[ids, n]`` lines with ``[seconds, token ids]``."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        ids, n = json.loads(line)
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        print(json.dumps([time.perf_counter() - start, list(out[0].outputs[0].token_ids)]), flush=True)
+
+
+class Child:
+    """An engine in a child process speaking ``vllm_worker``'s protocol."""
+
+    def __init__(self, argv: list[str], env: dict, log: Path) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"),
+                                     text=True, env=env)
+        while (line := self.proc.stdout.readline()) and line.strip() != "ready":
+            pass
+        if not line:
+            raise RuntimeError(f"the engine process exited before it was ready; its log is {log}")
+
+    def __call__(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+        self.proc.stdin.write(json.dumps([ids, n]) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine process died; its log is {self.log}")
+        seconds, tokens = json.loads(line)
+        return seconds, tokens
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def ours():
+    """Our target alone, as served, in this process: a function ``(ids, n) -> (seconds, token ids)``."""
+    from sequoia_ray.config import SamplingParams
+    from sequoia_ray.local import LocalPair
+    from sequoia_ray.tree.plan import chain
+
+    pair = LocalPair.load(draft=None, dtype="bfloat16", progress=False)
+    decoder = pair.decoder(chain(0), speculate=False)
+    decoder.generate([1, 2, 3], SamplingParams(max_tokens=4))
+
+    def run(ids: list[int], n: int) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        out = decoder.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start, list(out.token_ids)
+
+    return run
+
+
+def alternate(engines: dict, prompts: list[list[int]], rounds: int, tokens: int, gap_s: float) -> dict:
+    """Every prompt on every engine in turn, each round; per engine the (t(1), t(tokens)) pairs and the tokens."""
+    runs = {name: [] for name in engines}
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            order = list(engines) if (r + i) % 2 == 0 else list(engines)[::-1]
+            for name in order:
+                time.sleep(gap_s)
+                one, _ = engines[name](ids, 1)
+                full, out = engines[name](ids, tokens)
+                runs[name].append({"prompt": i, "round": r, "t1 s": one, "tn s": full, "tokens": out})
+    return runs
+
+
+def summarize(runs: dict, tokens: int, reference: str = "vllm") -> list[dict]:
+    """A row per engine: decode ms a token and prefill ms (median, fastest), and against ``reference`` the
+    paired ratios (median, quartiles) and the runs whose tokens equal the reference's."""
+    decode = {name: [(r["tn s"] - r["t1 s"]) / (tokens - 1) * 1e3 for r in rs] for name, rs in runs.items()}
+    prefill = {name: [r["t1 s"] * 1e3 for r in rs] for name, rs in runs.items()}
+    rows = []
+    for name in runs:
+        row = {"engine": name, "decode ms/token (median)": statistics.median(decode[name]),
+               "decode ms/token (fastest)": min(decode[name]), "prefill ms (median)": statistics.median(prefill[name])}
+        ratios = [a / b for a, b in zip(decode[name], decode[reference])]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        row[f"decode / {reference} (paired)"] = statistics.median(ratios)
+        row["quartiles"] = f"{q[0]:.3f}-{q[2]:.3f}"
+        row[f"prefill / {reference} (paired)"] = statistics.median(
+            a / b for a, b in zip(prefill[name], prefill[reference]))
+        row[f"same tokens as {reference}"] = (f"{sum(a['tokens'] == b['tokens'] for a, b in zip(runs[name], runs[reference]))}"
+                                              f"/{len(runs[name])}")
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--limit", type=int, default=2, help="the first prompts of benchmarks/prompts.jsonl")
+    ap.add_argument("--tokens", type=int, default=33, help="tokens a long run generates (>= 2)")
+    ap.add_argument("--gap-s", type=float, default=2.0)
+    ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--vllm-worker", metavar="MODEL", help=argparse.SUPPRESS)  # the child's own mode
+    args = ap.parse_args(argv)
+    if args.vllm_worker:
+        vllm_worker(args.vllm_worker)
+        return
+    if args.tokens < 2:
+        raise SystemExit(f"--tokens {args.tokens}: give at least 2 (decode time is t(tokens) - t(1))")
+    if not args.vllm_python.exists():
+        raise SystemExit(f"no vLLM python at {args.vllm_python}; make the venv with scripts/vllm_venv.sh or pass "
+                         "--vllm-python")
+    from sequoia_ray.models.loading import DEFAULT_TARGET, load_tokenizer, resolve
+
+    model, _ = resolve(DEFAULT_TARGET, progress=False)
+    tokenizer = load_tokenizer(DEFAULT_TARGET, progress=False)
+    prompts = [encode(tokenizer, p) for p in load_prompts(HERE / "prompts.jsonl", args.limit)]
+    env = vllm_env(ALL_CORES, 2, args.vllm_python.parent.parent)
+    log = HERE / "results" / "vllm-decode-worker.log"
+    log.parent.mkdir(exist_ok=True)
+    child = Child([str(args.vllm_python), __file__, "--vllm-worker", model], env, log)
+    try:
+        runs = alternate({"vllm": child, "ours": ours()}, prompts, args.rounds, args.tokens, args.gap_s)
+    finally:
+        child.close()
+    rows = summarize(runs, args.tokens)
+    print_table(rows, list(rows[0]))
+    write_json("vllm-decode", {"args": {k: str(v) for k, v in vars(args).items()},
+                               "prompt lengths": [len(p) for p in prompts], "rows": rows, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
