@@ -120,8 +120,8 @@ def summarize(runs: dict, tokens: int, reference: str = "vllm") -> list[dict]:
         row["quartiles"] = f"{q[0]:.3f}-{q[2]:.3f}"
         row[f"prefill / {reference} (paired)"] = statistics.median(
             a / b for a, b in zip(prefill[name], prefill[reference]))
-        row[f"same tokens as {reference}"] = (f"{sum(a['tokens'] == b['tokens'] for a, b in zip(runs[name], runs[reference]))}"
-                                              f"/{len(runs[name])}")
+        same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs[name], runs[reference]))
+        row[f"same tokens as {reference}"] = f"{same}/{len(runs[name])}"
         rows.append(row)
     return rows
 

@@ -4,7 +4,7 @@
 # a bare `torch` from PyPI is a multi-GB CUDA build on Linux. The CPU build comes from wherever pip finds it
 # (a local wheel folder or index), else from PyTorch's CPU wheel index. Another build (a GPU machine: see
 # scripts/gpu_check.sh): SEQUOIA_TORCH="torch==X" and SEQUOIA_TORCH_PIP_ARGS="<pip options>". pip installs
-# without byte-compiling; one compileall on every core does it after (pip compiles on one: 152 -> 132 s here).
+# without byte-compiling; one compileall on every core does it after (pip compiles on one: 152 -> 137 s here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -220,7 +220,7 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:  # the kernels release the GIL
         for (parent, name, _), quantized in zip(slots, pool.map(lambda slot: int8_linear(slot[2]), slots)):
             setattr(parent, name, quantized)
-    del slots
+    del slots  # the last references to the fp32 layers: their weights are freed before the trim
     _release_freed_memory()
     return model
 

@@ -29,19 +29,20 @@ PACKABLE = (torch.float32, torch.bfloat16)
 # The rows oneDNN is told to expect when it picks the blocked layout; None: no hint. With a hint of 1 (sessions 7-28)
 # it blocks a bf16 weight 64 outputs wide (AB16b64a2b), without one 32 wide (AB16b32a2b, as vLLM's CPU GEMM):
 # the 1.5B target's forward took 0.73-0.76x the time at 1 x 1, 8 x 1 and 1 x 16 tokens and 0.91-0.93x at 8 x 4
-# (paired medians, both layouts of every weight in one model, alternated, in either packing order), the same at the
-# fastest repeats, and bitwise the same logits as aten either way (benchmarks/weight_layout.py).
+# (paired medians, both layouts of every weight in one model, alternated, in either packing order), alike at the
+# fastest repeats; without the hint the logits were aten's bit for bit, with it not on every prompt
+# (benchmarks/weight_layout.py).
 ROWS_HINT: int | None = None
 
 
 class PackedLinear(torch.nn.Module):
     """``y = x @ W.T + b`` with ``W`` held only in oneDNN's blocked layout (the plain weight is dropped)."""
 
-    def __init__(self, linear: torch.nn.Linear, rows_hint: int | None = ROWS_HINT) -> None:
+    def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint), persistent=False)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), persistent=False)
         self.bias = linear.bias  # a Parameter or None, shared
 
     @property
