@@ -36,6 +36,7 @@ from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.hardware import batch_steps  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.models.loading import TINY_DRAFT, TINY_TARGET  # noqa: E402
+from sequoia_ray.models.packed_linear import PackedLinear  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 from sequoia_ray.tree.plan import chain  # noqa: E402
@@ -44,16 +45,16 @@ HERE = Path(__file__).resolve().parent
 
 
 class Layouts(torch.nn.Module):
-    """A Linear whose weight is held packed in every hinted layout; ``switch["hint"]`` picks the one used."""
+    """A Linear held as one ``PackedLinear`` per hinted layout (the shipped module, its weight packed with that
+    rows hint); ``switch["hint"]`` picks the one used."""
 
     def __init__(self, linear: torch.nn.Linear, hints: list[int | None], switch: dict) -> None:
         super().__init__()
-        self.bias, self.switch = linear.bias, switch
-        weight = linear.weight.detach()
-        self.packed = {hint: torch.ops.mkldnn._reorder_linear_weight(weight, hint) for hint in hints}
+        self.switch = switch
+        self.packed = {hint: PackedLinear(linear, rows_hint=hint) for hint in hints}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed[self.switch["hint"]], self.bias, "none", [], "")
+        return self.packed[self.switch["hint"]](x)
 
 
 def install(model: torch.nn.Module, hints: list[int | None]) -> dict:

@@ -38,11 +38,11 @@ ROWS_HINT: int | None = None
 class PackedLinear(torch.nn.Module):
     """``y = x @ W.T + b`` with ``W`` held only in oneDNN's blocked layout (the plain weight is dropped)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, rows_hint: int | None = ROWS_HINT) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), persistent=False)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint), persistent=False)
         self.bias = linear.bias  # a Parameter or None, shared
 
     @property
