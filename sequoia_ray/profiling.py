@@ -23,7 +23,7 @@ from sequoia_ray.measured_choice import Measured, measure_choices, pick, top_can
 from sequoia_ray.overhead import OVERHEAD_BATCHES, measure_overhead
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
-from sequoia_ray.prompts import Prompt, load_prompts
+from sequoia_ray.prompts import Prompt, interleave_kinds, load_prompts
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_acceptance
 from sequoia_ray.tree.dp import solve
@@ -224,7 +224,7 @@ def _name(cfg: ProfileJobConfig, role: str) -> str:
 
 
 def _prompts(cfg: ProfileJobConfig) -> list[Prompt]:
-    prompts = load_prompts(cfg.prompts) if cfg.prompts else BUILTIN_PROMPTS
+    prompts = interleave_kinds(load_prompts(cfg.prompts) if cfg.prompts else BUILTIN_PROMPTS)
     return prompts[: 2 if cfg.smoke_test else cfg.max_prompts]
 
 

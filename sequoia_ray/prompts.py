@@ -32,3 +32,17 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not out:
         raise ValueError(f"{path} holds no prompts")
     return out
+
+
+def interleave_kinds(prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts taken round-robin by kind (kinds in order of first appearance, each keeping its own order),
+    so that any prefix mixes the kinds as evenly as it can. The profiler measures p on the prompts in order
+    until its time runs out, keeps the first ``max_prompts``, and a measured choice at batch 1 runs one prompt
+    a round: with the built-in set in its old order (code, code, prose, ...) the main job's two rounds measured
+    its trees on code alone (the 600 s profile's three on code, code, prose) while p came from three prompts of
+    each kind, and a file of code prompts followed by prose ones was profiled on code only."""
+    by_kind: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_kind.setdefault(p.kind, []).append(p)
+    queues = list(by_kind.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
