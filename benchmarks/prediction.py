@@ -1,6 +1,7 @@
 """Where the cost model's prediction misses: predicted against measured speedup of every tree a profile measured.
 
     .venv/bin/python benchmarks/prediction.py STORE [STORE ...] [--out results/prediction.json]
+    .venv/bin/python benchmarks/prediction.py STORE --measure [--repeats 3] [--prompts FILE]
 
 Reads no model and times nothing: the profile job (``tuning/profile.py``, the main job's bounded profile,
 ``benchmarks/e2e.py``) already ran each measured candidate for real and recorded its predicted speedup,
@@ -16,11 +17,22 @@ tokens per step over measured speedup. ``pred check`` recomputes the recorded pr
 whose latest profile is not the one its plans were chosen with shows a mismatch there).
 Columns: ``G err`` = measured tokens per step / G - 1 (acceptance), ``step err`` = measured step / predicted
 step - 1 (cost), ``err`` = predicted / measured speedup - 1 (the goal: within 10%).
+
+``--measure`` runs the published tree again instead, with more work than the profile could afford: the latest
+batch-1 plan of every temperature for this machine's hardware id, against the target alone, at batch 1 on every
+prompt (the profiler's built-in set, or ``--prompts``, round-robin by kind as the profiler takes them; one prompt
+a round, tree and target alone alternating), ``--repeats`` times over all of them. The pair is loaded as the
+plan's provenance records it (dtype, draft quantisation, Linear kernels): the prediction is only right for the
+configuration it was profiled with — measuring an int8 draft's plan with a bf16 draft puts its draft levels
+~40% slower here (session 31). Columns: ``profile`` = what the profile's own measured choice recorded (its
+``measure_rounds`` prompts), ``measured`` = the median over the repeats (``lo``/``hi`` their range), ``err`` =
+predicted / measured - 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -28,27 +40,42 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.hardware import NO_OVERHEAD, StepOverhead  # noqa: E402
+from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.engine import ROOT_ONLY  # noqa: E402
+from sequoia_ray.hardware import NO_OVERHEAD, Choice, StepOverhead, hardware_id  # noqa: E402
+from sequoia_ray.local import LocalPair  # noqa: E402
+from sequoia_ray.measured_choice import measure_choices  # noqa: E402
 from sequoia_ray.plan_store import PlanStore  # noqa: E402
+from sequoia_ray.profiling import BUILTIN_PROMPTS  # noqa: E402
+from sequoia_ray.prompts import Prompt, interleave_kinds, load_prompts  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
 from sequoia_ray.tree.plan import chain  # noqa: E402
+from sequoia_ray.tree.plan_file import PlannedTree, Provenance  # noqa: E402
 
 COLUMNS = ["store", "T", "tree", "G", "tok/step", "G err", "step", "measured step", "step err", "predicted",
            "pred check", "measured", "err"]
+MEASURE_COLUMNS = ["store", "T", "tree", "config", "G", "tok/step", "predicted", "profile", "measured", "lo", "hi",
+                   "err"]
 
 
-def rows_of(uri: str) -> list[dict]:
-    store = PlanStore(uri)
+def latest_batch_one(store: PlanStore) -> list[PlannedTree]:
+    """The latest plan of every (hardware, pair, temperature) folder that is a batch-1 plan (the publisher
+    writes ``batch`` None for it), in path order."""
     latest: dict[str, str] = {}  # folder (one per key) -> its latest plan (names sort by time)
     for path in store.list_plans():
         folder = path.rsplit("/", 1)[0]
         latest[folder] = max(latest.get(folder, ""), path)
+    plans = (store.read_plan(path) for path in sorted(latest.values()))
+    return [p for p in plans if p.provenance.batch in (None, 1)]
+
+
+def rows_of(uri: str) -> list[dict]:
+    store = PlanStore(uri)
     rows, profiles = [], {}
-    for path in sorted(latest.values()):
-        planned = store.read_plan(path)
+    for planned in latest_batch_one(store):
         prov = planned.provenance
         measured = [c for c in prov.candidates or [] if c["n"] > 1]
-        if prov.batch not in (None, 1) or not measured:  # batch 1 only (the publisher writes None for it)
+        if not measured:
             continue
         if prov.hardware not in profiles:
             profiles[prov.hardware] = store.fetch_profile(prov.hardware)
@@ -71,11 +98,75 @@ def rows_of(uri: str) -> list[dict]:
     return rows
 
 
+def load_as_recorded(prov: Provenance) -> LocalPair:
+    """The pair in the configuration the plan was profiled with."""
+    device = (prov.device or "cpu").split(":")[0]
+    return LocalPair.load(prov.target, prov.draft, dtype=prov.dtype or "float32", draft_quantize=prov.draft_quantize,
+                          device=device, linears=prov.linears or "auto", progress=False)
+
+
+def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: int, hardware: str,
+                 load=load_as_recorded) -> list[dict]:
+    """Every latest batch-1 plan of ``uri`` for ``hardware`` whose tree is more than the root, run against the
+    target alone on all ``prompts`` ``repeats`` times (see the module docstring); ``load(provenance)`` gives the
+    pair (one load per configuration)."""
+    pairs: dict[tuple, LocalPair] = {}
+    rows = []
+    for planned in latest_batch_one(PlanStore(uri)):
+        prov = planned.provenance
+        if prov.hardware != hardware or planned.plan.n == 1:
+            if prov.hardware != hardware:
+                print(f"skipped the T = {prov.temperature} plan of {prov.hardware}: this machine is {hardware}")
+            continue
+        config = (prov.target, prov.draft, prov.dtype, prov.draft_quantize, prov.linears, prov.device)
+        if config not in pairs:
+            pairs[config] = load(prov)
+        pair = pairs[config]
+        ids = [pair.encode(p.text, chat=p.chat) for p in prompts]
+        params = SamplingParams(max_tokens=max_tokens, temperature=prov.temperature or 0.0)
+        n, d = planned.budget, planned.max_depth or planned.plan.num_levels
+        root = Choice(1, 1, 1.0, 1.0, ROOT_ONLY)
+        tree = Choice(n, d, planned.expected_tokens, prov.predicted_speedup or math.nan, planned.plan)
+        runs = [measure_choices(pair.target.model, pair.draft.model, [root, tree], ids, params, batch=1,
+                                rounds=len(ids))[1] for _ in range(repeats)]
+        speedups = [m.measured_speedup for m in runs]
+        measured = statistics.median(speedups)
+        rows.append({"store": uri, "T": prov.temperature, "tree": f"n={n} d={d}",
+                     "config": f"{prov.dtype}/{prov.draft_quantize or '-'}/{prov.linears or '-'}",
+                     "G": planned.expected_tokens, "tok/step": statistics.mean(m.tokens_per_step for m in runs),
+                     "predicted": tree.predicted_speedup, "profile": prov.measured_speedup, "measured": measured,
+                     "lo": min(speedups), "hi": max(speedups), "err": tree.predicted_speedup / measured - 1,
+                     "repeats": speedups, "prompts": len(ids), "max tokens": max_tokens})
+    return rows
+
+
+def measure_main(args) -> None:
+    prompts = interleave_kinds(load_prompts(args.prompts) if args.prompts else BUILTIN_PROMPTS)[: args.max_prompts]
+    hardware = hardware_id()
+    rows = [row for uri in args.stores
+            for row in measure_rows(uri, prompts, repeats=args.repeats, max_tokens=args.max_tokens, hardware=hardware)]
+    if not rows:
+        raise SystemExit(f"prediction.py --measure: no batch-1 tree plan for this machine ({hardware}) in the stores")
+    print_table(rows, MEASURE_COLUMNS)
+    within = sum(abs(r["err"]) <= 0.10 for r in rows)
+    print(f"err within 10%: {within} of {len(rows)} ({len(prompts)} prompts x {args.repeats} repeats, "
+          f"{args.max_tokens} tokens each)")
+    write_json("prediction-measured", {"stores": args.stores, "rows": rows, "within 10%": within}, args.out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stores", nargs="+", help="plan stores (paths or URIs) a profile published to")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--measure", action="store_true", help="run the published trees again on every prompt")
+    ap.add_argument("--repeats", type=int, default=3, help="--measure: passes over all the prompts")
+    ap.add_argument("--prompts", help="--measure: a prompt file (default: the profiler's built-in set)")
+    ap.add_argument("--max-prompts", type=int, default=6, help="--measure: prompts used (the profiler's default)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="--measure: tokens a prompt (the profiler's default)")
     args = ap.parse_args(argv)
+    if args.measure:
+        measure_main(args)
+        return
     rows = [row for uri in args.stores for row in rows_of(uri)]
     if not rows:
         raise SystemExit("prediction.py: no batch-1 plan with measured candidates in the stores given")

@@ -71,3 +71,57 @@ def test_only_the_latest_batch_one_plan_with_measured_trees_counts(tmp_path, cap
     empty = tmp_path / "empty"
     with pytest.raises(SystemExit, match="no batch-1 plan"):
         main([str(empty)])
+
+
+def _tiny_plan(hardware: str, temperature: float, n: int, **prov) -> tuple[PlannedTree, PlanKey]:
+    acceptance = AcceptanceVector.from_p([0.6, 0.2])
+    table = solve(acceptance, 4, 3)
+    provenance = Provenance(hardware=hardware, temperature=temperature, draft="tiny-draft", target="tiny-target",
+                            predicted_speedup=1.4 if n > 1 else 1.0, measured_speedup=1.3, **prov)
+    planned = PlannedTree(table.tree(n, 3), acceptance, n, 3, table.value(n, 3), provenance)
+    return planned, PlanKey(hardware, "tiny-draft", "tiny-target", temperature)
+
+
+def test_measure_runs_this_machines_tree_plans_with_the_recorded_configuration(tmp_path):
+    from prediction import measure_rows
+
+    from sequoia_ray.local import LocalPair
+    from sequoia_ray.prompts import Prompt
+
+    store = PlanStore(str(tmp_path))
+    for planned, key in (_tiny_plan("here", 0.0, 4, dtype="float32", draft_quantize="int8", linears="aten"),
+                         _tiny_plan("here", 0.6, 1, dtype="float32"),  # the target alone: nothing to measure
+                         _tiny_plan("elsewhere", 0.0, 4, dtype="float32")):  # another machine's plan
+        store.publish_plan(planned, key)
+    loaded = []
+
+    def load(prov):
+        loaded.append(prov)
+        return LocalPair.tiny(device="cpu")
+
+    prompts = [Prompt("def add(a, b):", kind="code"), Prompt("The weather today", kind="prose")]
+    rows = measure_rows(str(tmp_path), prompts, repeats=2, max_tokens=6, hardware="here", load=load)
+    assert [(r["T"], r["tree"]) for r in rows] == [(0.0, "n=4 d=3")]
+    assert [(p.hardware, p.dtype, p.draft_quantize, p.linears) for p in loaded] == [("here", "float32", "int8", "aten")]
+    row = rows[0]
+    assert row["config"] == "float32/int8/aten" and row["prompts"] == 2 and len(row["repeats"]) == 2
+    assert row["lo"] <= row["measured"] <= row["hi"] and row["lo"] > 0
+    assert row["err"] == pytest.approx(1.4 / row["measured"] - 1)
+    assert row["tok/step"] >= 1.0
+
+
+def test_load_as_recorded_passes_the_provenance_configuration(monkeypatch):
+    from prediction import load_as_recorded
+
+    from sequoia_ray.local import LocalPair
+
+    seen = {}
+    monkeypatch.setattr(LocalPair, "load", classmethod(lambda cls, *a, **k: seen.update(args=a, kwargs=k)))
+    load_as_recorded(Provenance(draft="d", target="t", dtype="bfloat16", draft_quantize="int8", linears="packed",
+                                device="cpu"))
+    assert seen["args"] == ("t", "d")
+    assert seen["kwargs"] == {"dtype": "bfloat16", "draft_quantize": "int8", "device": "cpu", "linears": "packed",
+                              "progress": False}
+    load_as_recorded(Provenance(draft="d", target="t", device="cuda:1"))  # nothing recorded: the loader's defaults
+    assert seen["kwargs"] == {"dtype": "float32", "draft_quantize": None, "device": "cuda", "linears": "auto",
+                              "progress": False}
