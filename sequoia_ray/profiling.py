@@ -545,21 +545,25 @@ def check_buckets(picks: dict[int, Picked], measure, fits) -> dict[int, Picked]:
 
 def check_seconds(prof: HardwareProfile, pace: float, batch: int, prompt_len: int) -> float:
     """A bound on one ``check_buckets`` measure at ``batch``: two runs (the target alone, the tree), each
-    prefilling ``batch`` prompts and stepping MIN_CHOICE_TOKENS times; a tree step counted as CHECK_TREE_STEPS
+    prefilling ``batch`` prompts (the tree's run in the draft too) and stepping MIN_CHOICE_TOKENS times; a tree step counted as CHECK_TREE_STEPS
     root-only steps (it yields more tokens, so fewer steps, but costs more), times ``pace``."""
     alone = prof.target_step_s * prof.target_cost(batch, batch)
-    return pace * (2 * batch * _prefill_s(prof, prompt_len) + (1 + CHECK_TREE_STEPS) * MIN_CHOICE_TOKENS * alone)
+    prefills = batch * (_prefill_s(prof, prompt_len, draft=False) + _prefill_s(prof, prompt_len))
+    return pace * (prefills + (1 + CHECK_TREE_STEPS) * MIN_CHOICE_TOKENS * alone)
 
 
 def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int) -> int:
     """Tokens per run that fit ``plan_buckets`` at batch 1 in ``seconds``: BOUNDED_ROUNDS rounds of the
     overhead runs (root-only and a tree at OVERHEAD_BATCHES) and of the 1 + ``candidates`` measured trees, each
-    run a prefill and one root-only step's time per token (a tree step costs more, and yields more tokens;
-    the profiled times scaled by ``pace``)."""
+    run a prefill of each of its prompts (in the draft too where it grows trees) and one root-only step's time
+    per token (a tree step costs more, and yields more tokens; the profiled times scaled by ``pace``)."""
     alone = {b: pace * prof.target_step_s * prof.target_cost(b, b) for b in OVERHEAD_BATCHES}
     per_token = BOUNDED_ROUNDS * (2 * sum(alone.values()) + (1 + candidates) * alone[1])
-    runs = BOUNDED_ROUNDS * (2 * len(OVERHEAD_BATCHES) + 1 + candidates)
-    return tokens_within(seconds, per_token, runs * pace * _prefill_s(prof, prompt_len))
+    prompts = sum(OVERHEAD_BATCHES)  # prompts a round's runs of each kind prefill: root-only and tree
+    target = _prefill_s(prof, prompt_len, draft=False)
+    both = _prefill_s(prof, prompt_len)
+    fixed = BOUNDED_ROUNDS * (prompts * (target + both) + target + candidates * both)
+    return tokens_within(seconds, per_token, pace * fixed)
 
 
 def tokens_within(seconds: float, step_s: float, fixed_s: float) -> int:
@@ -568,10 +572,17 @@ def tokens_within(seconds: float, step_s: float, fixed_s: float) -> int:
     return max(0, int((seconds - fixed_s) / step_s))
 
 
-def _prefill_s(prof: HardwareProfile, prompt_len: int) -> float:
-    """Target and draft prefill of a prompt, from t(n) (linear beyond the largest profiled n)."""
-    top = max(prof.t)
-    return 2 * prof.target_step_s * prof.t_of(top) * -(-prompt_len // top)
+def _prefill_s(prof: HardwareProfile, prompt_len: int, *, draft: bool = True) -> float:
+    """Seconds to prefill a prompt of ``prompt_len`` tokens: the target's forward, t(n), and with ``draft`` the
+    draft's, c(n); beyond the largest profiled n each grows in proportion to it (an upper bound: a forward's
+    time per token only falls as it grows). The real pair here, prompts of 13-41 tokens: estimated 0.25-0.56 s,
+    measured 0.25-0.55 s (target 0.20-0.42, draft 0.05-0.13); the earlier estimate — the target's t at the
+    largest n for every chunk of that many tokens, twice — said 0.69-1.37 s."""
+    def forward(table: dict[int, float], of) -> float:
+        top = max(table)
+        return of(prompt_len) if prompt_len <= top else table[top] * prompt_len / top
+
+    return prof.target_step_s * (forward(prof.t, prof.t_of) + (forward(prof.c, prof.c_of) if draft else 0.0))
 
 
 def measure_within(cfg: ProfileJobConfig, pair, prompts, temperature: float, deadline: Deadline, until: float,

@@ -211,10 +211,10 @@ class FakePair:
 
 
 def _measure_taking(clock: FakeClock, seconds_per_unit: float, asked: list):
-    """A fake ``measure`` that takes ``seconds_per_unit`` x (2 prefill units + one unit per token asked)."""
+    """A fake ``measure`` that takes ``seconds_per_unit`` x (1 prefill unit + one unit per token asked)."""
     def fake(decoder_for, prompts, *, width, temperature, max_tokens, seed, progress):
         asked.append(max_tokens)
-        clock.now += seconds_per_unit * (2 + max_tokens)
+        clock.now += seconds_per_unit * (1 + max_tokens)
         return AcceptanceVector.from_p([0.5] + [0.0] * (width - 1)), max_tokens  # worst case: a token a step
     return fake
 
@@ -223,14 +223,15 @@ def _measure_taking(clock: FakeClock, seconds_per_unit: float, asked: list):
     # as profiled: a share of 40/6 s fits 4 tokens (< 8), so each prompt gets the minimum 8 (10 s) while the
     # whole time left fits them: four prompts, then nothing is left
     (1.0, 40.0, [8, 8, 8, 8], 1.0),
-    # 3x slower than profiled (not yet known): a share of 15 s fits 13 tokens (45 s); then at the pace seen a
-    # share of 45/5 s fits 1 token, the 45 s left fit 13: the minimum 8 (30 s); 15 s left fit 3: stop
-    (3.0, 90.0, [13, 8], 3.0),
-    # 4x faster (a profile on a busy machine): after the first prompt, every share of 3.5 s fits 12 tokens
-    (0.25, 20.0, [8, 12, 12, 12, 12, 12], 0.25),
+    # 3x slower than profiled (not yet known): a share of 15 s fits 14 tokens (45 s); then at the pace seen a
+    # share of 45/5 s fits 2 tokens, the 45 s left fit 14: the minimum 8 (27 s); 18 s left fit 5: stop
+    (3.0, 90.0, [14, 8], 3.0),
+    # 4x faster (a profile on a busy machine): after the first prompt (2.25 s), shares of 3.55-3.75 s fit 13-14
+    (0.25, 20.0, [8, 13, 13, 13, 13, 14], 0.25),
 ])
 def test_measuring_fits_its_time(monkeypatch, unit_s, until, expected_asks, pace):
-    """The profile says 1 s a step and 2 s of prefill; the fake takes ``unit_s`` per unit. Every prompt asks
+    """The profile says 1 s a step and 1 s of prefill (t = 1, a draft that costs nothing); the fake takes
+    ``unit_s`` per unit. Every prompt asks
     for what fits its equal share of the time left at the pace seen so far (at least 8 tokens while they fit),
     so p is spread over the prompts and the clock never passes ``until``."""
     clock, asked = FakeClock(), []
@@ -420,12 +421,15 @@ def test_a_noisy_bounded_profile_publishes_nothing_and_the_builtin_plan_serves(t
 
 
 def test_choice_tokens_fit_their_time():
-    """1 s a target step everywhere, prompts of 10 tokens (2 s of prefill): 2 rounds of 4 overhead runs and
-    1 + 2 measured trees = 14 runs, 28 s of prefill; a token costs 2 x (2 x (1 + 1) + 3 x 1) = 14 s."""
-    prof = _profile()
-    assert profiling.choice_tokens(28 + 14 * 5, prof, 1.0, 2, 10) == 5
-    assert profiling.choice_tokens(2 * (28 + 14 * 5), prof, 2.0, 2, 10) == 5  # twice as slow as profiled
-    assert profiling.choice_tokens(27, prof, 1.0, 2, 10) == 0
+    """1 s a target step everywhere, prompts of 10 tokens: the target prefills one in 1 s, the draft in 0.5 s.
+    A round: the overhead runs root-only and with a tree at batch 1 and 4 (5 prompts each: 5 x 1 + 5 x 1.5 s),
+    the target alone and 2 trees measured (1 + 2 x 1.5 s); 2 rounds: 33 s of prefill. A token costs
+    2 x (2 x (1 + 1) + 3 x 1) = 14 s."""
+    prof = replace(_profile(), c={1: 0.5, 32: 0.5})
+    assert profiling.choice_tokens(33 + 14 * 5, prof, 1.0, 2, 10) == 5
+    assert profiling.choice_tokens(33 + 14 * 5 - 0.1, prof, 1.0, 2, 10) == 4
+    assert profiling.choice_tokens(2 * (33 + 14 * 5), prof, 2.0, 2, 10) == 5  # twice as slow as profiled
+    assert profiling.choice_tokens(32.9, prof, 1.0, 2, 10) == 0
 
 
 # ---- the larger buckets' trees checked against the target alone -----------------------------------
@@ -485,8 +489,17 @@ def test_a_check_that_does_not_fit_is_skipped_and_a_smaller_one_still_runs():
 
 
 def test_check_seconds_counts_prefills_and_both_runs():
-    """1 s a target step, T_B(B) = 1 with the fake profile: 2 runs x B prompts of 10 tokens (2 s each) plus
-    (1 + 1.5) x 16 root-only steps."""
-    prof = _profile()
-    assert profiling.check_seconds(prof, 1.0, 4, 10) == pytest.approx(2 * 4 * 2 + 2.5 * 16 * prof.target_cost(4, 4))
+    """1 s a target step, T_B(B) = 1 with the fake profile: B prompts of 10 tokens prefilled by the target
+    alone's run (1 s each) and by the tree's run (1 s, and 0.5 s in the draft) plus (1 + 1.5) x 16 root-only
+    steps."""
+    prof = replace(_profile(), c={1: 0.5, 32: 0.5})
+    assert profiling.check_seconds(prof, 1.0, 4, 10) == pytest.approx(4 * 2.5 + 2.5 * 16 * prof.target_cost(4, 4))
     assert profiling.check_seconds(prof, 2.0, 4, 10) == pytest.approx(2 * profiling.check_seconds(prof, 1.0, 4, 10))
+
+
+def test_prefill_is_each_models_forward_over_the_prompt():
+    """t(n) and c(n) at the prompt's length, in proportion to the largest profiled n beyond it."""
+    prof = replace(_profile(step_s=0.1), t={1: 1.0, 16: 2.0, 32: 4.0}, c={1: 0.25, 32: 0.5})
+    assert profiling._prefill_s(prof, 16, draft=False) == pytest.approx(0.1 * 2.0)
+    assert profiling._prefill_s(prof, 24) == pytest.approx(0.1 * (3.0 + 0.25 + 0.25 * 23 / 31))
+    assert profiling._prefill_s(prof, 64) == pytest.approx(0.1 * (8.0 + 1.0))  # twice the largest n: twice
