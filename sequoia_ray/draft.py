@@ -350,10 +350,11 @@ class DraftWorker(RequestTable):
         """One draft forward over ``segments``; their logits ([q, V], or [1, V] at the last token)."""
         if not segments:
             return {}
-        hidden = hidden_many(self.model, list(segments.values()), self.layout)
-        rows = [h[-1:] for h in hidden] if last_only else hidden
-        head = next(iter(segments.values())).session.head
-        logits = head(torch.cat(rows)).split([r.shape[0] for r in rows])  # one LM-head call for the batch
+        with self.forward_clock.timing():
+            hidden = hidden_many(self.model, list(segments.values()), self.layout)
+            rows = [h[-1:] for h in hidden] if last_only else hidden
+            head = next(iter(segments.values())).session.head
+            logits = head(torch.cat(rows)).split([r.shape[0] for r in rows])  # one LM-head call for the batch
         return dict(zip(segments, logits))
 
     def _next_level(self, g: _Growth, logits: torch.Tensor) -> Segment | None:

@@ -28,8 +28,9 @@ weights dominates a step, optimistic when reading the B contexts' K/V does (long
 
 Overhead. The forwards are not the whole step: drawing children, the verifier's walk, the KV compaction, the
 Python around them and, when served, the actor calls take time too. ``StepOverhead`` holds it, measured by
-running real steps (``sequoia_ray.overhead``: lockstep steps in process, minus the forwards predicted here) as
-a fixed part plus a part per request of the batch, for a root-only step and for a step that grows a tree:
+running real steps (``sequoia_ray.overhead``: lockstep steps in process, the time each spends outside its
+forwards) as a fixed part plus a part per request of the batch, for a root-only step and for a step that grows
+a tree:
 
     step(B, n, d) = T_B(B·n) + sum_l C_B(B·i_l) + O_tree(B)        O(B) = fixed + B·(per_request + calls)
     alone(B)      = T_B(B) + O_alone(B)

@@ -30,6 +30,7 @@ class LockstepRun:
     step_tokens: tuple[int, ...]  # tokens the requests kept in each of those steps (within max_tokens)
     tokens_per_step: float  # per request and step, over every step
     outputs: tuple[tuple[int, ...], ...] = ()  # each request's tokens (its first max_tokens)
+    forward_s: tuple[float, ...] = ()  # seconds of each timed step inside the models' forwards (time_forwards)
 
     @property
     def seconds(self) -> float:
@@ -43,6 +44,13 @@ class LockstepRun:
         """The seconds of the timed steps that held every request (the tail, as requests finish, holds fewer)."""
         top = max(self.batch, default=0)
         return tuple(s for s, b in zip(self.step_s, self.batch) if b == top)
+
+    def full_steps_outside(self) -> tuple[float, ...]:
+        """The seconds of those steps spent outside the models' forwards (a run with ``time_forwards``)."""
+        if len(self.forward_s) != len(self.step_s):
+            raise ValueError("this run did not time its forwards; run it with time_forwards=True")
+        top = max(self.batch, default=0)
+        return tuple(s - f for s, f, b in zip(self.step_s, self.forward_s, self.batch) if b == top)
 
 
 @dataclass
@@ -59,13 +67,16 @@ class _Running:
 
 
 def run_lockstep(target: TargetWorker, draft: DraftWorker | None, prompts: list[list[int]], plan: TreePlan,
-                 params: SamplingParams, *, seed: int = 0) -> LockstepRun:
+                 params: SamplingParams, *, seed: int = 0, time_forwards: bool = False) -> LockstepRun:
     """Decode every prompt for ``params.max_tokens`` tokens (EOS ignored) on ``plan``'s tree (the root-only
     tree, or no draft: the target alone), all in lockstep. Request i's generators are seeded from ``seed + i``.
-    Any request's failure raises (a measurement has no partial result)."""
+    Any request's failure raises (a measurement has no partial result). ``time_forwards``: also record each
+    step's seconds inside the models' forwards (turns the workers' ``forward_clock`` on)."""
     params = params.model_copy(update={"ignore_eos": True})
     running = [_Running(f"lockstep-{seed}-{i}", len(p), p[-1]) for i, p in enumerate(prompts)]
     workers = [w for w in (target, draft if plan.n > 1 else None) if w is not None]
+    for worker in workers:
+        worker.forward_clock.on = worker.forward_clock.on or time_forwards
     for i, (r, prompt) in enumerate(zip(running, prompts)):
         for k, worker in enumerate(workers):
             worker.start(r.rid, prompt, params, 2 * (seed + i) + k)
@@ -79,13 +90,16 @@ def run_lockstep(target: TargetWorker, draft: DraftWorker | None, prompts: list[
 
 def _steps(target: TargetWorker, draft: DraftWorker | None, running: list[_Running], plan: TreePlan,
            max_tokens: int) -> LockstepRun:
-    step_s, batch, step_tokens, accepted, steps = [], [], [], 0, 0
+    step_s, batch, step_tokens, forward_s, accepted, steps = [], [], [], [], 0, 0
+    clocks = [w.forward_clock for w in (target, draft) if w is not None]
     live = list(running)
     while live:
         plans = [first_levels(plan, max_tokens - r.produced) if draft else ROOT_ONLY for r in live]
+        inside = sum(c.seconds for c in clocks)
         start = _clock(target)
         verdicts = _step(target, draft, live, plans)
         elapsed = _clock(target) - start
+        inside = sum(c.seconds for c in clocks) - inside
         kept = 0
         for r, verdict in zip(live, verdicts):
             r.commits.append((verdict.path, verdict.tokens, r.length))
@@ -97,11 +111,13 @@ def _steps(target: TargetWorker, draft: DraftWorker | None, running: list[_Runni
             step_s.append(elapsed)
             batch.append(len(live))
             step_tokens.append(kept)
+            forward_s.append(inside)
         steps += len(live)
         live = [r for r in live if r.produced < max_tokens]
     outputs = tuple(tuple(r.out[:max_tokens]) for r in running)
+    timed = all(c.on for c in clocks)
     return LockstepRun(sum(map(len, outputs)), tuple(step_s), tuple(batch), tuple(step_tokens), accepted / steps,
-                       outputs)
+                       outputs, tuple(forward_s) if timed else ())
 
 
 def _step(target: TargetWorker, draft: DraftWorker | None, live: list[_Running], plans: list[TreePlan]) -> list:

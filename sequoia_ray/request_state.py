@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sequoia_ray.config import SamplingParams
+from sequoia_ray.forward_clock import ForwardClock
 from sequoia_ray.models.tree_lm import KVSession, new_cache
 from sequoia_ray.request_errors import UnknownRequest
 
@@ -39,6 +40,7 @@ class RequestTable:
         self.requests: dict[str, RequestState] = {}
         self.prefix_cache = prefix_cache  # K/V of prompt prefixes shared across requests (None: none)
         self._prompts: dict[str, int] = {}  # request -> its prompt's length (what the prefix cache may keep)
+        self.forward_clock = ForwardClock(model.device)  # time inside the model's forwards (off unless turned on)
 
     @property
     def device(self) -> torch.device:

@@ -113,7 +113,8 @@ class TargetWorker(RequestTable):
         if not prepared:
             return {}
         try:
-            hidden = hidden_many(self.model, [p.segment for p in prepared.values()], self.layout)
+            with self.forward_clock.timing():
+                hidden = hidden_many(self.model, [p.segment for p in prepared.values()], self.layout)
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
             for p in prepared.values():
                 p.req.session.truncate(p.cached)  # a solo forward may have written some layers' K/V
@@ -130,7 +131,8 @@ class TargetWorker(RequestTable):
             # One LM-head call for every tree row of the batch: the head is memory-bound, so rows cost about
             # what one row does, and a call per request would re-read the vocab x hidden weights each time.
             rows = list(trees.values())
-            logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows))  # [sum n, V]
+            with self.forward_clock.timing():
+                logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows))  # [sum n, V]
             for (i, _), node_logits in zip(trees.items(), logits.split([r.shape[0] for r in rows])):
                 out[i] = self._walk(prepared[i], node_logits)
         return out

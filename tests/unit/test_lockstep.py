@@ -4,6 +4,9 @@ every request gets exactly max_tokens, and a failing request fails the run loudl
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 
 from sequoia_ray.config import SamplingParams
@@ -68,3 +71,44 @@ def test_a_failing_request_fails_the_run(models):
     bad = [[target.config.vocab_size + 5]]  # a token id outside the vocabulary
     with pytest.raises(RuntimeError, match="lockstep"):
         run_lockstep(TargetWorker(target), DraftWorker(draft), bad, PLAN, SamplingParams(max_tokens=4))
+
+
+def _slowed(fn, seconds: float):
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+    return slow
+
+
+def test_time_outside_the_forwards_counts_the_walk_not_the_forwards(models, monkeypatch):
+    """50 ms added inside every target forward lengthens the steps, not their time outside the forwards; 50 ms
+    added to every walk lengthens both (each step makes one forward and one walk at batch 1). The margins are
+    half the delay: the tiny models' own steps take a few ms."""
+    import sequoia_ray.target as target_module
+
+    target, draft = models
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def run():
+        r = run_lockstep(TargetWorker(target), DraftWorker(draft), ragged_prompts(1), PLAN, params, time_forwards=True)
+        assert len(r.forward_s) == len(r.step_s) and all(0 < f < s for f, s in zip(r.forward_s, r.step_s))
+        return statistics.median(r.full_steps()), statistics.median(r.full_steps_outside())
+
+    step, outside = run()
+    with monkeypatch.context() as m:
+        m.setattr(target_module, "hidden_many", _slowed(target_module.hidden_many, 0.05))
+        slow_forward = run()
+    with monkeypatch.context() as m:
+        m.setattr(target_module, "verify_tree", _slowed(target_module.verify_tree, 0.05))
+        slow_walk = run()
+    assert slow_forward[0] > step + 0.04 and slow_forward[1] < outside + 0.025
+    assert slow_walk[0] > step + 0.04 and slow_walk[1] > outside + 0.04
+
+
+def test_forwards_are_timed_only_when_asked(models):
+    target, draft = models
+    workers = TargetWorker(target), DraftWorker(draft)
+    run = run_lockstep(*workers, ragged_prompts(2), PLAN, SamplingParams(max_tokens=5, temperature=0.0))
+    assert run.forward_s == () and all(w.forward_clock.seconds == 0.0 for w in workers)  # off: no clock, no sync
+    with pytest.raises(ValueError, match="time_forwards"):
+        run.full_steps_outside()
