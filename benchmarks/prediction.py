@@ -114,9 +114,10 @@ def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: i
     rows = []
     for planned in latest_batch_one(PlanStore(uri)):
         prov = planned.provenance
-        if prov.hardware != hardware or planned.plan.n == 1:
-            if prov.hardware != hardware:
-                print(f"skipped the T = {prov.temperature} plan of {prov.hardware}: this machine is {hardware}")
+        if prov.hardware != hardware:
+            print(f"skipped the T = {prov.temperature} plan of {prov.hardware}: this machine is {hardware}")
+            continue
+        if planned.plan.n == 1:  # the target alone: nothing to measure against it
             continue
         config = (prov.target, prov.draft, prov.dtype, prov.draft_quantize, prov.linears, prov.device)
         if config not in pairs:
