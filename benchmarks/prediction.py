@@ -40,14 +40,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.config import ProfileJobConfig, SamplingParams  # noqa: E402
 from sequoia_ray.engine import ROOT_ONLY  # noqa: E402
 from sequoia_ray.hardware import NO_OVERHEAD, Choice, StepOverhead, hardware_id  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.measured_choice import measure_choices  # noqa: E402
 from sequoia_ray.plan_store import PlanStore  # noqa: E402
-from sequoia_ray.profiling import BUILTIN_PROMPTS  # noqa: E402
-from sequoia_ray.prompts import Prompt, interleave_kinds, load_prompts  # noqa: E402
+from sequoia_ray.profiling import profile_prompts  # noqa: E402
+from sequoia_ray.prompts import Prompt  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
 from sequoia_ray.tree.plan import chain  # noqa: E402
 from sequoia_ray.tree.plan_file import PlannedTree, Provenance  # noqa: E402
@@ -142,7 +142,7 @@ def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: i
 
 
 def measure_main(args) -> None:
-    prompts = interleave_kinds(load_prompts(args.prompts) if args.prompts else BUILTIN_PROMPTS)[: args.max_prompts]
+    prompts = profile_prompts(ProfileJobConfig(storage="unused", prompts=args.prompts, max_prompts=args.max_prompts))
     hardware = hardware_id()
     rows = [row for uri in args.stores
             for row in measure_rows(uri, prompts, repeats=args.repeats, max_tokens=args.max_tokens, hardware=hardware)]

@@ -81,7 +81,7 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
     of a served step's actor calls (``actors.call_probe.measure_calls``), when the plans will be served."""
     store = PlanStore(cfg.storage)
     pair = pair or load_pair(cfg, progress=progress)
-    prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
+    prompts = [pair.encode(p.text, chat=p.chat) for p in profile_prompts(cfg)]
     budgets = SMOKE_BUDGETS if cfg.smoke_test else cfg.budgets
     depth = min(cfg.max_depth, 5) if cfg.smoke_test else cfg.max_depth
     prof = profile(target_model(pair), pair.draft.model, hardware=hardware, budgets=budgets,
@@ -223,7 +223,9 @@ def _name(cfg: ProfileJobConfig, role: str) -> str:
     return cfg.draft if role == "draft" else cfg.target
 
 
-def _prompts(cfg: ProfileJobConfig) -> list[Prompt]:
+def profile_prompts(cfg: ProfileJobConfig) -> list[Prompt]:
+    """The prompts a profile measures on: ``cfg.prompts`` or the built-in set, round-robin by kind, the first
+    ``max_prompts``."""
     prompts = interleave_kinds(load_prompts(cfg.prompts) if cfg.prompts else BUILTIN_PROMPTS)
     return prompts[: 2 if cfg.smoke_test else cfg.max_prompts]
 
@@ -379,7 +381,7 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
     try:
         stages.next("loading models")
         pair = pair or load_pair(cfg, progress=False)
-        prompts = [pair.encode(p.text, chat=p.chat) for p in _prompts(cfg)]
+        prompts = [pair.encode(p.text, chat=p.chat) for p in profile_prompts(cfg)]
         stages.deadline = deadline = Deadline(serving.time_budget_s, clock)  # from here: loading is not ours
         stages.next("profiling t(n) and c")
         prof = _bounded_profile(cfg, pair, hardware, deadline)
@@ -545,8 +547,9 @@ def check_buckets(picks: dict[int, Picked], measure, fits) -> dict[int, Picked]:
 
 def check_seconds(prof: HardwareProfile, pace: float, batch: int, prompt_len: int) -> float:
     """A bound on one ``check_buckets`` measure at ``batch``: two runs (the target alone, the tree), each
-    prefilling ``batch`` prompts (the tree's run in the draft too) and stepping MIN_CHOICE_TOKENS times; a tree step counted as CHECK_TREE_STEPS
-    root-only steps (it yields more tokens, so fewer steps, but costs more), times ``pace``."""
+    prefilling ``batch`` prompts (the tree's run in the draft too) and stepping MIN_CHOICE_TOKENS times; a tree
+    step counted as CHECK_TREE_STEPS root-only steps (it yields more tokens, so fewer steps, but costs more),
+    times ``pace``."""
     alone = prof.target_step_s * prof.target_cost(batch, batch)
     prefills = batch * (_prefill_s(prof, prompt_len, draft=False) + _prefill_s(prof, prompt_len))
     return pace * (prefills + (1 + CHECK_TREE_STEPS) * MIN_CHOICE_TOKENS * alone)

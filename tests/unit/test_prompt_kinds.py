@@ -21,7 +21,7 @@ def test_kinds_taken_in_turn_each_in_its_own_order():
 def test_builtin_prompts_alternate_from_the_first():
     """A measured choice at batch 1 runs prompts[0], prompts[1], ... one a round: its first two rounds see
     both kinds (they saw code twice before)."""
-    kinds = [p.kind for p in profiling._prompts(ProfileJobConfig(storage="unused"))]
+    kinds = [p.kind for p in profiling.profile_prompts(ProfileJobConfig(storage="unused"))]
     assert kinds[:2] == ["code", "prose"] and sorted(kinds) == sorted(p.kind for p in profiling.BUILTIN_PROMPTS)
     assert all(a != b for a, b in zip(kinds, kinds[1:]))
 
@@ -31,5 +31,5 @@ def test_max_prompts_keeps_both_kinds_of_a_sorted_file(tmp_path):
     rows = [{"prompt": f"code {i}", "kind": "code"} for i in range(5)] + \
            [{"prompt": f"prose {i}", "kind": "prose"} for i in range(5)]
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    kept = profiling._prompts(ProfileJobConfig(storage="unused", prompts=str(path), max_prompts=4))
+    kept = profiling.profile_prompts(ProfileJobConfig(storage="unused", prompts=str(path), max_prompts=4))
     assert [p.text for p in kept] == ["code 0", "prose 0", "code 1", "prose 1"]
