@@ -212,3 +212,24 @@ class ServeConfig(BaseModel):
 
     def resources(self) -> ActorResources:
         return ActorResources(self.num_cpus, self.num_gpus, self.accelerator_type)
+
+    def measured_otherwise(self, prov) -> str | None:
+        """How the serving configuration a plan's provenance ``prov`` records differs from this one (None: it
+        does not, or the plan records none): its dtype, draft quantisation or Linear kernels — a plan whose t,
+        c and p were measured under another configuration chose its tree for other costs. A plan that records
+        its dtype but not its Linear kernels predates packing: aten."""
+        import torch
+
+        from sequoia_ray.models.loading import DTYPES
+        from sequoia_ray.models.packed_linear import kernels_for
+
+        if prov.dtype is None:
+            return None
+        if prov.dtype != self.dtype:
+            return f"dtype {prov.dtype}, not {self.dtype}"
+        if (prov.draft_quantize or None) != (self.draft_quantize or None):
+            return f"draft_quantize {prov.draft_quantize}, not {self.draft_quantize}"
+        kernels = kernels_for(self.linears, DTYPES.get(self.dtype, torch.float32), self.device_type)
+        if (prov.linears or "aten") != kernels:
+            return f"{prov.linears or 'aten'} Linear kernels, not {kernels} (linears {self.linears})"
+        return None

@@ -174,6 +174,7 @@ class OpenAIIngress:
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
                 "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()},
                 "plan_store_errors": plans.errors, "plan_store_last_error": plans.last_error,
+                "plans_measured_otherwise": plans.measured_otherwise(),
                 "live_acceptance": self.live.summary() if self.live else None,
                 "step_rates": self.rates.summary() if self.rates else None,
                 "dynamic_trees": self.rules.summary() if self.rules else None}

@@ -93,25 +93,14 @@ def missing_temperatures(cfg: ServeConfig, hardware: str, seconds: float | None 
 
 
 def stale(prov, cfg: ServeConfig, seconds: float | None = None) -> str | None:
-    """How a stored plan's recorded serving configuration differs from ``cfg`` (None: it does not, or the
-    plan records none). A plan that records its dtype but not its Linear kernels predates packing: aten. A
-    plan made with the built-in acceptance vector (its budget had no time to measure p) is stale when more
-    ``seconds`` than that budget are given now."""
-    import torch
-
-    from sequoia_ray.models.loading import DTYPES
-    from sequoia_ray.models.packed_linear import kernels_for
+    """Why a stored plan must be profiled again (None: it need not): it was measured under another serving
+    configuration (``ServeConfig.measured_otherwise``), or it was made with the built-in acceptance vector (its
+    budget had no time to measure p) and more ``seconds`` than that budget are given now."""
     from sequoia_ray.tree.plan_file import BUILTIN_ACCEPTANCE
 
-    if prov.dtype is None:
-        return None
-    if prov.dtype != cfg.dtype:
-        return f"dtype {prov.dtype}, not {cfg.dtype}"
-    if (prov.draft_quantize or None) != (cfg.draft_quantize or None):
-        return f"draft_quantize {prov.draft_quantize}, not {cfg.draft_quantize}"
-    kernels = kernels_for(cfg.linears, DTYPES.get(cfg.dtype, torch.float32), cfg.device_type)
-    if (prov.linears or "aten") != kernels:
-        return f"{prov.linears or 'aten'} Linear kernels, not {kernels} (linears {cfg.linears})"
+    why = cfg.measured_otherwise(prov)
+    if why or prov.dtype is None:
+        return why
     budget = prov.time_budget_s or 0.0
     if prov.source == BUILTIN_ACCEPTANCE and seconds and seconds > budget:
         return f"the built-in acceptance vector ({budget:.0f}s left no time to measure p; {seconds:.0f}s now)"

@@ -44,6 +44,7 @@ class ActivePlan:
     planned: PlannedTree
     source: str  # "store:<path>", "builtin", or "live:<path>" / "live" (re-planned here; published or not)
     bucket: int = 1  # the batch bucket the plan was chosen for (1 when a bigger bucket falls back to it)
+    measured_otherwise: str | None = None  # a stored plan measured under another serving configuration: how
 
 
 class PlanProvider:
@@ -62,6 +63,7 @@ class PlanProvider:
         self.keys: dict[str, tuple[float, int]] = {}  # folder name -> (temperature, batch bucket)
         self.seen: dict[str, str] = {}  # folder name -> the store's latest plan when last looked ("store:<path>")
         self.errors, self.last_error = 0, None
+        self.warned: set[str] = set()  # stored plans measured under another serving configuration, logged once
 
     def get(self, temperature: float, batch_size: int = 1) -> ActivePlan:
         """The plan for a batch of ``batch_size`` requests at ``temperature``: its bucket's (the largest
@@ -102,6 +104,10 @@ class PlanProvider:
         if current is None or fresh.source != current.source:
             logger.info("new plan for %s: %s", name, fresh.source)
             self.plans[name] = fresh
+
+    def measured_otherwise(self) -> dict[str, str]:
+        """Folder name -> how the served plan's measuring configuration differs from this service's."""
+        return {name: active.measured_otherwise for name, active in self.plans.items() if active.measured_otherwise}
 
     def current(self, temperature: float) -> dict[int, PlannedTree]:
         """The plans served at ``temperature`` per batch bucket that has its own (not a fallback)."""
@@ -166,7 +172,14 @@ class PlanProvider:
             log("plan store error, keeping the current plan: %s", error)
             self.errors, self.last_error = self.errors + 1, error
             return None
-        return ActivePlan(planned, f"store:{path}", bucket)
+        why = self.cfg.measured_otherwise(planned.provenance)
+        if why and path not in self.warned:  # served all the same: a tree for this machine beats the built-in one
+            self.warned.add(path)
+            logger.warning("the plan %s for T=%s batch bucket %d was measured with %s: its tree was chosen for "
+                           "other costs; profile again with this configuration (scripts/main.sh does, or "
+                           "`sequoia-ray profile --dtype %s%s`)", path, temperature, bucket, why, self.cfg.dtype,
+                           f" --draft-quantize {self.cfg.draft_quantize}" if self.cfg.draft_quantize else "")
+        return ActivePlan(planned, f"store:{path}", bucket, why)
 
 
 class LivePlanner:

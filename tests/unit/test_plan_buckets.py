@@ -95,3 +95,40 @@ def test_a_loaded_bucket_costs_no_io(store, monkeypatch):
 def test_a_bad_batch_size_is_an_error():
     with pytest.raises(ValueError, match="batch size 0 must be >= 1"):
         provider(None).get(0.0, 0)
+
+
+def _served_kernels() -> str:
+    import torch
+
+    from sequoia_ray.models.packed_linear import kernels_for
+
+    return kernels_for("auto", torch.bfloat16, "cpu")  # what ServeConfig's defaults run here
+
+
+@pytest.mark.parametrize("recorded, why", [
+    (dict(dtype="bfloat16", draft_quantize="int8"), "draft_quantize int8, not None"),
+    (dict(dtype="float32", linears="aten"), "dtype float32, not bfloat16"),
+    (dict(dtype="bfloat16"), None),  # linears: the kernels this machine serves (below)
+    (dict(), None),  # a plan that records no serving configuration is taken as it is
+])
+def test_a_plan_measured_under_another_configuration_is_served_and_reported(store, caplog, recorded, why):
+    from sequoia_ray.tree.plan_file import PlannedTree, Provenance
+
+    if "dtype" in recorded:
+        recorded = {"linears": _served_kernels(), **recorded}
+    base = plan_for(AcceptanceVector.from_p([0.8, 0.1]), 8, 4)[0]
+    planned = PlannedTree(base.plan, base.acceptance, base.budget, base.max_depth, base.expected_tokens,
+                          Provenance(**recorded))
+    path = store.publish_plan(planned, PlanKey(HW, "tiny-draft", "tiny-target", 0.0, 1))
+    plans = provider(store.uri)  # ServeConfig's defaults: bfloat16, the draft not quantised, linears auto
+    with caplog.at_level("WARNING", logger="sequoia_ray.serve"):
+        active = plans.get(0.0, 1)
+        plans.refresh()
+        plans.get(0.0, 2)  # bucket 2 falls back to the same plan: still one warning
+    assert active.source == f"store:{path}" and active.planned.plan == base.plan  # served all the same
+    assert active.measured_otherwise == why
+    assert plans.measured_otherwise() == ({"t0.0": why, "t0.0-b2": why} if why else {})  # b2 serves it too
+    warnings = [r.getMessage() for r in caplog.records if "was measured with" in r.getMessage()]
+    assert warnings == ([f"the plan {path} for T=0.0 batch bucket 1 was measured with {why}: its tree was chosen for "
+                         "other costs; profile again with this configuration (scripts/main.sh does, or "
+                         "`sequoia-ray profile --dtype bfloat16`)"] if why else [])
