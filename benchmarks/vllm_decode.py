@@ -1,7 +1,7 @@
 """Our target alone against vLLM's, decoding in process, the two engines loaded side by side and alternated.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/vllm_decode.py [--rounds 6] [--limit 2] [--tokens 33]
-        [--vllm-python /work/.vllm-venv/bin/python] [--gap-s 2]
+        [--batch 1] [--vllm-python /work/.vllm-venv/bin/python] [--gap-s 2]
 
 The load benchmark (``load.py --vllm``) runs our service and then vLLM's, minutes apart, on a host whose speed
 moves up to 2.5x within minutes. This isolates the engines' decoding: this process loads our target as served
@@ -9,10 +9,13 @@ moves up to 2.5x within minutes. This isolates the engines' decoding: this proce
 offline ``LLM`` (bf16, prefix caching off, every core bound, as ``vllm_peer.py`` sets it up), and each round runs
 every prompt of ``benchmarks/prompts.jsonl`` (``--limit``) on both engines in turn, the order flipped every
 prompt and round, ``--gap-s`` seconds between engines (vLLM's OpenMP threads spin for a while after a call).
-Each run is greedy, ignores EOS, once for 1 token and once for ``--tokens``; decode ms a token = (t(tokens) -
-t(1)) / (tokens - 1), prefill = t(1). Reports each engine's median and fastest, the paired ratios ours / vLLM
-(median and quartiles over every prompt and round) and how many runs gave the same tokens. Table + JSON
-(benchmarks/results/vllm-decode.json).
+Each run is greedy, ignores EOS, once for 1 token and once for ``--tokens``; decode ms a step = (t(tokens) -
+t(1)) / (tokens - 1), prefill = t(1). ``--batch B``: a run decodes B prompts together (consecutive prompts of
+the ``--limit``; a step is a token for each of them): vLLM's ``generate`` with the B prompts, ours the batched
+target alone the served rank runs (``run_lockstep`` over a ``TargetWorker``: one forward per step for every
+request); B = 1 is our decoder as served for one request. Reports each engine's median and fastest, the
+paired ratios ours / vLLM (median and quartiles over every batch and round), tokens/s at the median step and
+how many runs gave the same tokens. Table + JSON (benchmarks/results/vllm-decode[-bB].json).
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ def vllm_worker(model: str) -> None:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     print("ready", flush=True)
     for line in sys.stdin:
-        ids, n = json.loads(line)
+        batch, n = json.loads(line)
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        print(json.dumps([time.perf_counter() - start, list(out[0].outputs[0].token_ids)]), flush=True)
+        out = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+        print(json.dumps([time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in out]]), flush=True)
 
 
 class Child:
@@ -59,8 +62,8 @@ class Child:
         if not line:
             raise RuntimeError(f"the engine process exited before it was ready; its log is {log}")
 
-    def __call__(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        self.proc.stdin.write(json.dumps([ids, n]) + "\n")
+    def __call__(self, batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps([batch, n]) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -74,46 +77,55 @@ class Child:
 
 
 def ours():
-    """Our target alone, as served, in this process: a function ``(ids, n) -> (seconds, token ids)``."""
+    """Our target alone, as served, in this process: a function ``(prompts, n) -> (seconds, token ids of
+    each)``; one prompt runs the decoder as served for one request, several the batched steps of the rank."""
     from sequoia_ray.config import SamplingParams
     from sequoia_ray.local import LocalPair
+    from sequoia_ray.lockstep import ROOT_ONLY, run_lockstep
     from sequoia_ray.tree.plan import chain
 
     pair = LocalPair.load(draft=None, dtype="bfloat16", progress=False)
     decoder = pair.decoder(chain(0), speculate=False)
     decoder.generate([1, 2, 3], SamplingParams(max_tokens=4))
 
-    def run(ids: list[int], n: int) -> tuple[float, list[int]]:
+    def run(batch: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
-        out = decoder.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - start, list(out.token_ids)
+        if len(batch) == 1:
+            outs = [list(decoder.generate(batch[0], params).token_ids)]
+        else:
+            outs = [list(o) for o in run_lockstep(decoder.target, None, batch, ROOT_ONLY, params).outputs]
+        return time.perf_counter() - start, outs
 
     return run
 
 
-def alternate(engines: dict, prompts: list[list[int]], rounds: int, tokens: int, gap_s: float) -> dict:
-    """Every prompt on every engine in turn, each round; per engine the (t(1), t(tokens)) pairs and the tokens."""
+def alternate(engines: dict, batches: list[list[list[int]]], rounds: int, tokens: int, gap_s: float) -> dict:
+    """Every batch of prompts on every engine in turn, each round; per engine the (t(1), t(tokens)) pairs and
+    the tokens of each prompt."""
     runs = {name: [] for name in engines}
     for r in range(rounds):
-        for i, ids in enumerate(prompts):
+        for i, batch in enumerate(batches):
             order = list(engines) if (r + i) % 2 == 0 else list(engines)[::-1]
             for name in order:
                 time.sleep(gap_s)
-                one, _ = engines[name](ids, 1)
-                full, out = engines[name](ids, tokens)
-                runs[name].append({"prompt": i, "round": r, "t1 s": one, "tn s": full, "tokens": out})
+                one, _ = engines[name](batch, 1)
+                full, out = engines[name](batch, tokens)
+                runs[name].append({"batch": i, "round": r, "t1 s": one, "tn s": full, "tokens": out})
     return runs
 
 
-def summarize(runs: dict, tokens: int, reference: str = "vllm") -> list[dict]:
-    """A row per engine: decode ms a token and prefill ms (median, fastest), and against ``reference`` the
-    paired ratios (median, quartiles) and the runs whose tokens equal the reference's."""
+def summarize(runs: dict, tokens: int, reference: str = "vllm", batch: int = 1) -> list[dict]:
+    """A row per engine: decode ms a step (a token for each of the ``batch`` prompts) and prefill ms (median,
+    fastest), tokens/s at the median step, and against ``reference`` the paired ratios (median, quartiles) and
+    the runs whose tokens equal the reference's."""
     decode = {name: [(r["tn s"] - r["t1 s"]) / (tokens - 1) * 1e3 for r in rs] for name, rs in runs.items()}
     prefill = {name: [r["t1 s"] * 1e3 for r in rs] for name, rs in runs.items()}
     rows = []
     for name in runs:
-        row = {"engine": name, "decode ms/token (median)": statistics.median(decode[name]),
-               "decode ms/token (fastest)": min(decode[name]), "prefill ms (median)": statistics.median(prefill[name])}
+        step = statistics.median(decode[name])
+        row = {"engine": name, "decode ms/step (median)": step, "decode ms/step (fastest)": min(decode[name]),
+               "tokens/s (median step)": batch * 1e3 / step, "prefill ms (median)": statistics.median(prefill[name])}
         ratios = [a / b for a, b in zip(decode[name], decode[reference])]
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         row[f"decode / {reference} (paired)"] = statistics.median(ratios)
@@ -131,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--limit", type=int, default=2, help="the first prompts of benchmarks/prompts.jsonl")
     ap.add_argument("--tokens", type=int, default=33, help="tokens a long run generates (>= 2)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (--limit a multiple of it)")
     ap.add_argument("--gap-s", type=float, default=2.0)
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--vllm-worker", metavar="MODEL", help=argparse.SUPPRESS)  # the child's own mode
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.tokens < 2:
         raise SystemExit(f"--tokens {args.tokens}: give at least 2 (decode time is t(tokens) - t(1))")
+    if args.batch < 1 or args.limit % args.batch:
+        raise SystemExit(f"--batch {args.batch} with --limit {args.limit}: give a batch >= 1 that divides the limit")
     if not args.vllm_python.exists():
         raise SystemExit(f"no vLLM python at {args.vllm_python}; make the venv with scripts/vllm_venv.sh or pass "
                          "--vllm-python")
@@ -153,12 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     log.parent.mkdir(exist_ok=True)
     child = Child([str(args.vllm_python), __file__, "--vllm-worker", model], env, log)
     try:
-        runs = alternate({"vllm": child, "ours": ours()}, prompts, args.rounds, args.tokens, args.gap_s)
+        batches = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+        runs = alternate({"vllm": child, "ours": ours()}, batches, args.rounds, args.tokens, args.gap_s)
     finally:
         child.close()
-    rows = summarize(runs, args.tokens)
+    rows = summarize(runs, args.tokens, batch=args.batch)
     print_table(rows, list(rows[0]))
-    write_json("vllm-decode", {"args": {k: str(v) for k, v in vars(args).items()},
+    write_json("vllm-decode" + (f"-b{args.batch}" if args.batch > 1 else ""), {"args": {k: str(v) for k, v in vars(args).items()},
                                "prompt lengths": [len(p) for p in prompts], "rows": rows, "runs": runs})
 
 
