@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         child.close()
     rows = summarize(runs, args.tokens, batch=args.batch)
     print_table(rows, list(rows[0]))
-    write_json("vllm-decode" + (f"-b{args.batch}" if args.batch > 1 else ""), {"args": {k: str(v) for k, v in vars(args).items()},
-                               "prompt lengths": [len(p) for p in prompts], "rows": rows, "runs": runs})
+    name = "vllm-decode" + (f"-b{args.batch}" if args.batch > 1 else "")
+    write_json(name, {"args": {k: str(v) for k, v in vars(args).items()},
+                      "prompt lengths": [len(p) for p in prompts], "rows": rows, "runs": runs})
 
 
 if __name__ == "__main__":
