@@ -326,7 +326,7 @@ def time_forward(model, sizes, *, context: int, repeats: int = 3, warmup: int = 
 
     def step(s: int) -> float:
         start = _clock(device)
-        hidden = session.hidden(inputs[s], positions[s])
+        hidden = hidden_many(model, [Segment(session, inputs[s], positions[s])])[0]  # as a lone request is served
         session.head(hidden if head_rows is None else hidden[:head_rows])
         elapsed = _clock(device) - start
         session.truncate(context)

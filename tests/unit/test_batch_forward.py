@@ -271,3 +271,30 @@ def test_ragged_forwards_overlapping_in_threads_restore_the_models_own_attention
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("attn, layout, ran_ragged", [("sdpa", "auto", True), ("sdpa", "flat", False),
+                                                     ("eager", "auto", False)])
+def test_a_lone_request_runs_ragged_where_a_batch_would_and_matches_its_session(attn, layout, ran_ragged,
+                                                                                 monkeypatch):
+    """One segment (a tree level with cached siblings, a decode token, a prefill growing its store) takes the
+    ragged path under SDPA and ``auto`` (packed GQA, in-place K/V) and ``KVSession.hidden`` otherwise: the same
+    hidden states and the same stores either way. fp32, so the two paths agree to rounding."""
+    model = tiny_model("qwen2", attn=attn, seed=7)
+    expected = _alone(model, 3)
+    ran = []
+    run = batch_forward.ragged.run
+    monkeypatch.setattr(batch_forward.ragged, "run", lambda *a: ran.append(len(a[1])) or run(*a))
+    segments = _mixed_sessions(model, 3)
+    got = [hidden_many(model, [s], layout)[0] for s in segments]
+    assert ran == ([1, 1, 1] if ran_ragged else [])
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)
+    assert [s.session.length for s in segments] == [69, 21, 13]
+    again = _mixed_sessions(model, 3)  # and the next forward sees the K/V the lone one wrote
+    for s, t in zip(segments, again):
+        t.session.hidden(t.tokens, t.positions, t.allowed, t.tree_start)
+    nxt = [Segment(s.session, torch.tensor([3]), torch.tensor([s.session.length])) for s in segments + again]
+    out = [hidden_many(model, [n], layout)[0] for n in nxt]
+    for a, b in zip(out[:3], out[3:]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
