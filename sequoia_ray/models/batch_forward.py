@@ -38,7 +38,8 @@ batch can be retried request by request; ``ragged`` truncates what it appended).
 one buffer), so each copy is one op per request for keys and one for values, not one per layer: at B = 8
 decode steps of the 1.5B target that took a step from 104-107 to 95-98 ms (interleaved, two rounds), the
 ~2,000 small ``cat``s, copies and fills become ~30 copies; what remains is the data itself (~6 ms of copies
-a step at contexts ~130). A single segment skips all of it (``KVSession.hidden`` directly).
+a step at contexts ~130). A single segment runs ragged where a batch would (``_ragged_alone``), else
+``KVSession.hidden`` directly.
 
 Devices: all tensors are built on the model's device; segments must carry tensors already on it.
 """
