@@ -20,8 +20,9 @@ cost is one small attention call per request and layer (~30 us on the CPU here).
 beyond it is kept to views made once a forward (at the first layer, where each store also gets room for its new
 rows): one ``_foreach_copy_`` writes every request's new K/V of a layer, one ``split`` hands out the queries.
 Against slicing and writing store by store in every layer (sessions 20-32), at B = 8 that took a draft level
-(int8 0.5B, a token a request) from 45.3 to 41.2 ms and a decode step of the bf16 1.5B target from 184.5 to
-176.7 ms (paired medians of 15, contexts 64-420, bitwise the same hidden states; ``/tmp`` scratch, session 33).
+(int8 0.5B, a token a request) from 43.5 to 40.0 ms (0.92x) and a decode step of the bf16 1.5B target from 166.0
+to 157.4 ms (0.95x): paired medians of 15 in one process, contexts 64-420, bitwise the same hidden states
+(session 33; README, "Session 33").
 
 A forward that fails leaves every store as long as it was (the rows written are truncated away), so the
 sessions stay the single home of each request's state and a failed batch can be retried request by request.
