@@ -130,8 +130,9 @@ def attention(module, query, key, value, attention_mask, scaling: float | None =
     layer, (_, heads, _, dim) = module.layer_idx, query.shape  # query: [1, heads, sum q, dim]
     forward.attends += 1
     out = []
-    for r, queries, keys, values in zip(forward.rows, query.split(forward.sizes, 2), forward.keys, forward.values):
-        keys, values = keys[layer], values[layer]  # [1, kv heads, past + q, dim], views of the store: nothing copied
+    for r, queries, keys_of, values_of in zip(forward.rows, query.split(forward.sizes, 2), forward.keys,
+                                              forward.values):
+        keys, values = keys_of[layer], values_of[layer]  # [1, kv heads, past + q, dim], store views: nothing copied
         kv_heads = keys.shape[1]
         # GQA without repeating K/V: the query heads that share a K/V head become rows of one attention
         # ([1, kv heads, groups * q, dim]) under the request's mask tiled per group; far cheaper on the CPU
