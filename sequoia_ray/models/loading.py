@@ -70,13 +70,16 @@ def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
 
 def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
                progress: bool = True, tp_plan: str | None = None, device: str | torch.device = "cpu",
-               linears: str = "auto") -> LoadedModel:
+               linears: str = "auto", layers: str = "auto") -> LoadedModel:
     """Load onto ``device`` (``auto | cpu | cuda`` or a torch device; see ``sequoia_ray.devices``).
     ``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel);
     transformers then places each shard on the rank's device (``LOCAL_RANK``). ``linears``: ``auto | packed |
     aten``, whether the Linear layers run on weights packed once for oneDNN (``models.packed_linear``); an
-    int8 model (its layers are quantised, not ``nn.Linear``) and tensor-parallel shards stay unpacked."""
+    int8 model (its layers are quantised, not ``nn.Linear``) and tensor-parallel shards stay unpacked.
+    ``layers``: ``auto | traced | eager``, whether the decoder layers' dense parts run as TorchScript traces
+    (``models.traced_layers``; bitwise the same output, checked at load)."""
     from sequoia_ray.devices import resolve_device
+    from sequoia_ray.models import traced_layers
     from sequoia_ray.models.packed_linear import check_mode, pack_linears
 
     if dtype not in DTYPES:
@@ -88,6 +91,9 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
     if quantize is not None and quantize != "int8":
         raise ValueError(f"quantize {quantize!r} is not supported; use 'int8' or leave it unset")
     check_mode(linears)
+    traced_layers.check_mode(layers)
+    if tp_plan and layers == "traced":
+        raise ValueError("layers 'traced': tensor-parallel shards keep transformers' hooks; use 'auto' or 'eager'")
     logger.info("loading %s on %s ...", source, device)
     start = time.perf_counter()
     with progress_bars(progress):
@@ -104,6 +110,8 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
         logger.info("linear layers not packed: tensor-parallel shards keep transformers' hooks")
     elif pack_linears(model, linears):
         _release_freed_memory()  # the plain weights: else the process keeps both copies' pages (+2.6 GB at 1.5B)
+    if not tp_plan:
+        traced_layers.trace_layers(model, layers)  # after quantising and packing: the traces call the final modules
     logger.info("loading %s on %s ... done in %.1f s", source, model.device, time.perf_counter() - start)
     eos = eos_ids(tokenizer, getattr(model, "generation_config", None))
     return LoadedModel(model, tokenizer, eos, source, model.config.max_position_embeddings)

@@ -16,6 +16,7 @@ are not plain tensors (tensor-parallel shards keep their hooks and run unpacked)
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -53,10 +54,25 @@ class PackedLinear(torch.nn.Module):
         if x.dtype != self.packed.dtype:
             raise TypeError(f"PackedLinear holds {self.packed.dtype} weights but got a {x.dtype} input; "
                             "cast the input (or load the model with linears='aten')")
+        if torch.jit.is_tracing():  # the tracer cannot record the empty ``Scalar?[]`` argument: a script can
+            return _scripted().packed_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+_SCRIPT = """
+def packed_linear(x: Tensor, packed: Tensor, bias: Optional[Tensor]):
+    none: List[Optional[number]] = []
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", none, "")
+"""
+
+
+@functools.cache
+def _scripted():
+    """TorchScript's ``packed_linear``, what a trace of a packed layer (``models.traced_layers``) calls."""
+    return torch.jit.CompilationUnit(_SCRIPT)
 
 
 def check_mode(mode: str) -> str:

@@ -150,3 +150,16 @@ def test_batched_layouts_equal_each_request_alone_on_cuda(layout):
     for e, g in zip(alone, hidden_many(model, batched, layout)):
         torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
     assert all(s.session.length == s.positions.numel() + p for s, p in zip(batched, (7, 0, 12, 20)))
+
+
+def test_traced_layers_on_cuda_are_the_stock_layers():
+    """``traced`` on a CUDA model (``auto`` traces CPU models only): the trace made on the model's device, its
+    greedy tokens the stock model's."""
+    from sequoia_ray.models.traced_layers import trace_layers, traced_count
+
+    target, draft = (m.to(CUDA) for m in host_pair())
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    expected = generate(target, draft, k_ary(2, 2), params).token_ids
+    assert trace_layers(target, "auto") == 0
+    assert trace_layers(target, "traced") == traced_count(target) > 0 and trace_layers(draft, "traced") > 0
+    assert generate(target, draft, k_ary(2, 2), params).token_ids == expected
