@@ -21,6 +21,7 @@ class ModelActorSpec:
     dtype: str = "float32"
     quantize: str | None = None  # "int8": dynamic int8 (CPU only)
     linears: str = "auto"  # auto | packed | aten: Linear weights packed for oneDNN (sequoia_ray.models.packed_linear)
+    layers: str = "auto"  # auto | traced | eager: layers run as TorchScript traces (sequoia_ray.models.traced_layers)
     device: str = "auto"  # auto | cpu | cuda; auto = the accelerator Ray assigned, else the CPU
     threads: int = 1  # torch intra-op threads
     idle_timeout_s: float = IDLE_TIMEOUT_S
@@ -37,10 +38,12 @@ class ModelActorSpec:
     def __post_init__(self) -> None:
         from sequoia_ray.models.batch_forward import check_layout
 
+        from sequoia_ray.models import traced_layers
         from sequoia_ray.models.packed_linear import check_mode
 
         check_device(self.device)
         check_mode(self.linears)
+        traced_layers.check_mode(self.layers)
         self.limits()  # checks the batch limits
         check_layout(self.batch_layout)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:

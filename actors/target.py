@@ -68,7 +68,8 @@ class TargetRank(ModelActor):
         from sequoia_ray.models.loading import load_model
 
         return load_model(self.spec.source, dtype=self.spec.dtype, progress=False, device=self.device,
-                          tp_plan="auto" if self.world > 1 else None, linears=self.spec.linears)
+                          tp_plan="auto" if self.world > 1 else None, linears=self.spec.linears,
+                          layers=self.spec.layers)
 
     def lead(self, followers: list) -> None:
         """Make this rank (0) the group's entry point for ``followers`` (ranks 1..tp-1)."""

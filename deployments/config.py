@@ -26,6 +26,10 @@ class ServeConfig(BaseModel):
     linears: Literal["auto", "packed", "aten"] = Field("auto", description="Linear layers on weights packed once "
                                                        "for oneDNN (CPU; ~2x a decode forward): auto = bf16 models, "
                                                        "packed = also fp32, aten = never.")
+    layers: Literal["auto", "traced", "eager"] = Field("auto", description="Decoder layers' dense parts as "
+                                                      "TorchScript traces, bitwise the same output (CPU; a draft "
+                                                      "level ~0.8x): auto = CPU models, traced = also elsewhere, "
+                                                      "eager = never.")
     tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the target (one actor each).")
     tp_backend: str = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPU).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (each TP rank and the draft).")
@@ -194,7 +198,7 @@ class ServeConfig(BaseModel):
         draft = role == "draft"
         return ModelActorSpec(self.draft if draft else self.target, dtype=self.dtype,
                               quantize=self.draft_quantize if draft else None, device=self.device,
-                              linears=self.linears,
+                              linears=self.linears, layers=self.layers,
                               threads=self.threads or max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
                               collective_timeout_s=self.collective_timeout_s,
                               max_batch_requests=self.max_batch_requests, max_batch_tokens=self.max_batch_tokens,

@@ -86,8 +86,8 @@ def given(args: argparse.Namespace, names: list[str]) -> dict:
 
 
 # ---- the profiling job (``sequoia-ray profile`` and ``tuning/profile.py``) -------------------------
-_JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "linears", "device",
-              "tp_size"]
+_JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "linears", "layers",
+              "device", "tp_size"]
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +108,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=doc("dtype"))
     p.add_argument("--draft-quantize", choices=["int8"], help=doc("draft_quantize"))
     p.add_argument("--linears", choices=["auto", "packed", "aten"], help=doc("linears"))
+    p.add_argument("--layers", choices=["auto", "traced", "eager"], help=doc("layers"))
     p.add_argument("--device", choices=DEVICE_CHOICES, help=doc("device"))
     p.add_argument("--tp-size", type=int, help=doc("tp_size"))
     p.add_argument("--smoke-test", action="store_true", help=ProfileJobConfig.model_fields["smoke_test"].description)

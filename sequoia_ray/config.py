@@ -78,6 +78,9 @@ class ProfileJobConfig(BaseModel):
     draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
     linears: Literal["auto", "packed", "aten"] = Field("auto", description="Linear layers on weights packed once for "
                                                        "oneDNN (CPU): auto = bf16 models, packed = also fp32, aten = never.")
+    layers: Literal["auto", "traced", "eager"] = Field("auto", description="Decoder layers' dense parts as TorchScript "
+                                                      "traces, bitwise the same output: auto = CPU models, traced = "
+                                                      "also elsewhere, eager = never.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size of the target (part of the hardware id).")
     hardware: tuple[str, ...] = Field((), description="Accelerator types to profile; default: every type in the cluster.")
     smoke_test: bool = Field(False, description="Tiny random models and small sizes: seconds, for CI.")

@@ -19,12 +19,12 @@ class LocalPair:
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *, dtype: str = "float32",
              draft_quantize: str | None = None, progress: bool = True, device: str = "auto",
-             linears: str = "auto") -> LocalPair:
+             linears: str = "auto", layers: str = "auto") -> LocalPair:
         """Both models on ``device`` (``auto | cpu | cuda``, see ``sequoia_ray.devices``); ``linears``: see
-        ``sequoia_ray.models.packed_linear``."""
-        t = load_model(target, dtype=dtype, progress=progress, device=device, linears=linears)
+        ``sequoia_ray.models.packed_linear``; ``layers``: see ``sequoia_ray.models.traced_layers``."""
+        t = load_model(target, dtype=dtype, progress=progress, device=device, linears=linears, layers=layers)
         d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device,
-                       linears=linears) if draft else None
+                       linears=linears, layers=layers) if draft else None
         if d is not None:
             check_same_vocab(t, d)
         return cls(t, d)

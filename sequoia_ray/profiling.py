@@ -67,7 +67,7 @@ def load_pair(cfg: ProfileJobConfig, *, progress: bool = True) -> LocalPair:
     if cfg.smoke_test:
         return LocalPair.tiny(device=cfg.device)
     return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize,
-                          device=cfg.device, progress=progress, linears=cfg.linears)
+                          device=cfg.device, progress=progress, linears=cfg.linears, layers=cfg.layers)
 
 
 def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None, calls=None

@@ -20,9 +20,9 @@ class GroupPair:
         draft, target = (TINY_DRAFT, TINY_TARGET) if cfg.smoke_test else (cfg.draft, cfg.target)
         dtype = "float32" if cfg.smoke_test else cfg.dtype
         self.draft = load_model(draft, dtype=dtype, quantize=cfg.draft_quantize, progress=False,
-                                device=assigned_device(cfg.device), linears=cfg.linears)
+                                device=assigned_device(cfg.device), linears=cfg.linears, layers=cfg.layers)
         spec = ModelActorSpec(target, dtype=dtype, device=cfg.device, threads=max(1, int(num_cpus)),
-                              linears=cfg.linears)
+                              linears=cfg.linears, layers=cfg.layers)
         self.group = TargetGroup(spec, cfg.tp_size, backend, ActorResources(num_cpus, num_gpus),
                                  first_bundle=1)
         self.tokenizer = self.draft.tokenizer

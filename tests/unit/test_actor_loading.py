@@ -1,5 +1,6 @@
 """The model actors, built in-process (no Ray), load what their spec asks for and serve it: packed Linear
-layers included (the target rank once read ``q_proj.weight``, which a packed layer does not have)."""
+layers included (the target rank once read ``q_proj.weight``, which a packed layer does not have), and traced
+decoder layers or not."""
 
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.local import LocalPair
 from sequoia_ray.models.packed_linear import packed_count
+from sequoia_ray.models.traced_layers import traced_count
 from sequoia_ray.tree.plan import chain, k_ary
 
 pytestmark = pytest.mark.usefixtures("keep_logging")  # tests/conftest.py
 
 
-@pytest.mark.parametrize("linears", ["packed", "aten"])
-def test_actors_load_their_linears_and_decode_the_targets_greedy_tokens(linears):
-    rank = TargetRank(0, 1, "127.0.0.1", free_port(), "gloo", ModelActorSpec("tiny-target", linears=linears))
+@pytest.mark.parametrize("linears,layers", [("packed", "traced"), ("aten", "eager"), ("aten", "auto")])
+def test_actors_load_their_linears_and_decode_the_targets_greedy_tokens(linears, layers):
+    spec = ModelActorSpec("tiny-target", linears=linears, layers=layers)
+    rank = TargetRank(0, 1, "127.0.0.1", free_port(), "gloo", spec)
     assert not dist.is_initialized()  # one rank has no collectives: no group (no gloo loop thread)
-    draft = DraftActor(ModelActorSpec("tiny-draft", linears=linears))
+    draft = DraftActor(ModelActorSpec("tiny-draft", linears=linears, layers=layers))
     models = (rank.worker.model, draft.worker.model)
     assert [packed_count(m) > 0 for m in models] == [linears == "packed"] * 2
-    reference = LocalPair.load("tiny-target", None, progress=False, linears="aten").decoder(chain(0))
+    assert [traced_count(m) > 0 for m in models] == [layers != "eager"] * 2  # auto traces CPU models
+    reference = LocalPair.load("tiny-target", None, progress=False, linears="aten", layers="eager").decoder(chain(0))
     spec = SpeculativeDecoder(rank.worker, draft.worker, k_ary(2, 3))
     prompt = [5, 17, 33, 8]
     expected = reference.generate(prompt, SamplingParams(max_tokens=16)).token_ids

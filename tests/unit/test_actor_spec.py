@@ -20,6 +20,8 @@ def test_serve_config_builds_the_actor_specs():
                                    prefill_chunk=cfg.prefill_chunk, prefix_cache_tokens=cfg.prefix_cache_tokens,
                                    prefix_block=cfg.prefix_block, batch_wait_s=1.0, wait_trees=True)
     assert target.source == "t" and target.quantize is None  # only the draft is quantised
+    assert ServeConfig(layers="eager").actor_spec("draft").layers == "eager"
+    assert ServeConfig(layers="eager").actor_spec("target").layers == "eager"
     # lockstep tree steps: the target waits for them, the draft only gathers
     policy, drafts = target.batcher_policy(), target.batcher_policy(waits=False)
     assert (policy["limits"].wait_s, policy["limits"].gather_s, policy["lookback"]) == (1.0, GATHER_S, LOCKSTEP_LOOKBACK)
@@ -75,6 +77,8 @@ def test_actor_spec_validates_itself():
         ModelActorSpec("m", prefill_chunk=0)
     with pytest.raises(ValueError, match="layout 'x'"):
         ModelActorSpec("m", batch_layout="x")
+    with pytest.raises(ValueError, match="layers 'jit' must be one of auto, traced, eager"):
+        ModelActorSpec("m", layers="jit")
     with pytest.raises(ValueError, match="set tp_backend: nccl"):
         check_backend("gloo", "cuda", world=2)
     check_backend("gloo", "cuda", world=1)

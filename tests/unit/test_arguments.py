@@ -20,8 +20,8 @@ def test_unset_options_take_the_model_defaults():
 
 def test_given_options_override_the_model():
     cfg = job_config(parse("--storage", "s", "--budgets", "4,2", "--temperatures", "0.6", "--max-depth", "3",
-                           "--dtype", "float32", "--acceptance", "0.6=a.json", "--smoke-test"))
-    assert cfg.budgets == (1, 2, 4) and cfg.temperatures == (0.6,) and cfg.max_depth == 3
+                           "--dtype", "float32", "--acceptance", "0.6=a.json", "--smoke-test", "--layers", "eager"))
+    assert cfg.budgets == (1, 2, 4) and cfg.temperatures == (0.6,) and cfg.max_depth == 3 and cfg.layers == "eager"
     assert cfg.dtype == "float32" and cfg.acceptance == {0.6: "a.json"} and cfg.smoke_test
     assert cfg.draft == ProfileJobConfig.model_fields["draft"].default
 
