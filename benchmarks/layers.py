@@ -24,16 +24,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
+from layout import CONTEXTS, sessions  # noqa: E402  (the same requests as the layout benchmark's)
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.models.batch_forward import Segment, hidden_many  # noqa: E402
 from sequoia_ray.models.traced_layers import TracedForward, traced_count  # noqa: E402
-from sequoia_ray.models.tree_lm import KVSession  # noqa: E402
 from sequoia_ray.prompts import load_prompts  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 
-CONTEXTS = [64, 420, 180, 300, 96, 250, 140, 360]
 PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 
 
@@ -58,23 +57,18 @@ def quantiles(ratios: list[float]) -> tuple[float, float, float]:
 
 
 def forwards(model, switch: Switch, batch: int, q: int, repeats: int, vocab: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    sessions = []
-    for ctx in CONTEXTS[:batch]:
-        s = KVSession(model)
-        s.hidden(torch.randint(5, vocab, (ctx,), generator=gen), torch.arange(ctx))
-        sessions.append(s)
+    requests = sessions(model, batch, vocab)
     allowed = torch.eye(q, dtype=torch.bool)
     allowed[:, 0] = True  # a tree: every token sees the first
 
     def run(traced: bool, seed: int) -> tuple[float, torch.Tensor]:
         switch(traced)
         tokens = torch.randint(5, vocab, (batch, q), generator=torch.Generator().manual_seed(seed))
-        segs = [Segment(s, t, s.length + torch.arange(q), allowed) for s, t in zip(sessions, tokens)]
+        segs = [Segment(s, t, s.length + torch.arange(q), allowed) for s, t in zip(requests, tokens)]
         start = time.perf_counter()
         hidden = hidden_many(model, segs)
         seconds = time.perf_counter() - start
-        for s, ctx in zip(sessions, CONTEXTS):
+        for s, ctx in zip(requests, CONTEXTS):
             s.truncate(ctx)
         return seconds, torch.cat(hidden)
 
