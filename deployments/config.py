@@ -141,6 +141,9 @@ class ServeConfig(BaseModel):
     num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
     autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the draft and target "
                                      "deployments; target_ongoing_requests counts requests held per replica.")
+    drain_timeout_s: float = Field(300.0, gt=0, description="How long a model replica being removed (scaling "
+                                   "down, a redeploy) waits for the requests its actors hold to finish before "
+                                   "Serve stops it (its graceful_shutdown_timeout_s).")
 
     @field_validator("dtype")
     @classmethod
@@ -169,6 +172,9 @@ class ServeConfig(BaseModel):
             raise ValueError(f"draft_quantize {self.draft_quantize!r} runs on the CPU only; drop it and use "
                              "dtype bfloat16 or float16 for a GPU draft (or set device: cpu)")
         check_backend(self.tp_backend, self.device_type, self.tp_size)
+        if self.layers == "traced" and self.tp_size > 1:
+            raise ValueError(f"layers 'traced' cannot apply to a target sharded over tp_size {self.tp_size} "
+                             "(its shards keep transformers' hooks); use layers auto or eager")
         return self
 
     @model_validator(mode="after")

@@ -47,6 +47,7 @@ def test_serve_config_builds_the_actor_specs():
     ({"batch_layout": "paged"}, "layout 'paged' must be one of auto, flat, padded"),
     ({"max_batch_requests": 0}, "greater than or equal to 1"),
     ({"prefill_chunk": 0}, "greater than or equal to 1"),
+    ({"tp_size": 2, "layers": "traced"}, "layers 'traced' cannot apply to a target sharded over tp_size 2"),
 ])
 def test_bad_placement_is_a_config_error_naming_the_fix(args, needle):
     with pytest.raises(ValidationError) as err:

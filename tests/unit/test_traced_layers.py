@@ -186,3 +186,37 @@ def test_load_model_traces_cpu_models_by_default():
     assert traced_count(load_model(TINY_TARGET, progress=False, layers="eager").model) == 0
     with pytest.raises(ValueError, match="layers 'fast' must be one of"):
         load_model(TINY_TARGET, progress=False, layers="fast")
+
+
+def test_a_traced_layer_takes_the_stock_path_once_the_traces_no_longer_stand_for_it():
+    """Hooks added after tracing (transformers' output capture hooks ``self_attn``, which the traced path never
+    calls as a module) and another dtype than traced (``model.to``): the stock forward, and the hooks fire."""
+    model = tiny_model("qwen2", seed=9)
+    ids = torch.arange(1, 6)[None]
+    expected = model(input_ids=ids).logits
+    trace_layers(model, "traced")
+
+    def broken(*args):
+        raise AssertionError("a traced part ran")
+
+    for layer in model.model.layers:
+        layer.forward.after = broken
+    with pytest.raises(AssertionError, match="a traced part ran"):
+        model(input_ids=ids)
+    seen = []
+    handles = [layer.self_attn.register_forward_hook(lambda *a: seen.append(1)) for layer in model.model.layers]
+    assert torch.equal(model(input_ids=ids).logits, expected) and len(seen) == 2
+    for handle in handles:
+        handle.remove()
+    with pytest.raises(AssertionError, match="a traced part ran"):  # no hooks left: the traces again
+        model(input_ids=ids)
+    model.to(torch.float64)
+    assert model(input_ids=ids).logits.dtype == torch.float64  # traced for float32: the stock path
+
+
+def test_tracing_again_compares_with_the_stock_layers():
+    model = tiny_model("llama", seed=10)
+    assert trace_layers(model, "traced") == 2
+    first = [layer.forward for layer in model.model.layers]
+    assert trace_layers(model, "traced") == 2  # the probe's reference is the stock forward, not the old traces
+    assert all(layer.forward is not old for layer, old in zip(model.model.layers, first))
