@@ -29,7 +29,8 @@ def build_app(args: dict) -> Application:
     # takes every request so max_concurrent (-> 429) is the limit and /health never waits behind generation;
     # the model deployments only hand out actor handles (actors() returns at once).
     health = {"health_check_period_s": cfg.health_check_period_s,
-              "health_check_timeout_s": cfg.health_check_timeout_s, "max_ongoing_requests": 256}
+              "health_check_timeout_s": cfg.health_check_timeout_s, "max_ongoing_requests": 256,
+              "graceful_shutdown_timeout_s": cfg.drain_timeout_s}  # the time __del__ may drain held requests
     scaling = ({"autoscaling_config": autoscaling_config(cfg.autoscaling)} if cfg.autoscaling
                else {"num_replicas": cfg.num_replicas})
     draft = None

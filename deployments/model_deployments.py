@@ -9,6 +9,11 @@ load-balances *that* call across replicas — and then talks to those actors dir
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
 import ray
 from ray import serve
 
@@ -18,6 +23,42 @@ from actors.placement import bundles, in_bundle
 from actors.target import TargetGroup
 from deployments.autoscaling import HELD
 from deployments.config import ServeConfig
+
+logger = logging.getLogger("ray.serve")
+DRAIN_POLL_S = 0.25
+DRAIN_STALL_S = 5.0  # held requests but no forward for this long: abandoned (their ingress gone), stop waiting
+
+
+async def drain(state: Callable[[], Awaitable[tuple[int, float]]], timeout_s: float, *,
+                stall_s: float = DRAIN_STALL_S, poll_s: float = DRAIN_POLL_S) -> int:
+    """Wait while the replica's actors hold requests that still progress; returns how many are left.
+
+    ``state()``: (requests the actors hold, seconds their batcher has spent running forwards). Serve stops a
+    replica it scales away without waiting for those requests (it counts only its own calls, and the ingress
+    calls the actors directly), so each model deployment's ``__del__`` waits here and a request that began on a
+    replica ends on it. The wait ends when none is held, when no forward ran for ``stall_s`` (requests whose
+    ingress is gone, e.g. the whole app shutting down), after ``timeout_s``, or when the actor is dead."""
+    deadline, busy, moved = time.monotonic() + timeout_s, None, time.monotonic()
+    while True:
+        try:
+            left, busy_now = await state()
+        except Exception:  # noqa: BLE001 - a dead or unreachable actor: nothing left to wait for
+            return 0
+        now = time.monotonic()
+        if busy_now != busy:
+            busy, moved = busy_now, now
+        if not left or now >= deadline or now - moved >= stall_s:
+            if left:
+                logger.warning("stopping a model replica whose actors still hold %d requests (%s)", left,
+                               f"after {timeout_s:.0f} s" if now >= deadline else f"no forward for {stall_s:.0f} s")
+            return left
+        await asyncio.sleep(poll_s)
+
+
+async def actor_state(actor) -> tuple[int, float]:
+    """(requests ``actor`` holds, seconds its batcher ran forwards)."""
+    held, use = await asyncio.gather(actor.active.remote(), actor.utilization.remote())
+    return held, use.get("busy_s", 0.0)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -39,6 +80,9 @@ class DraftDeployment:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {HELD: await self.actor.active.remote()}
+
+    async def __del__(self) -> None:  # Serve awaits it when it stops this replica
+        await drain(lambda: actor_state(self.actor), self.cfg.drain_timeout_s)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -62,6 +106,9 @@ class TargetDeployment:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {HELD: await self.group.ranks[0].active.remote()}  # every rank holds the same requests
+
+    async def __del__(self) -> None:  # Serve awaits it when it stops this replica
+        await drain(lambda: actor_state(self.group.ranks[0]), self.cfg.drain_timeout_s)
 
 
 def replica_bundles(cfg: ServeConfig, actors: int) -> list[dict]:

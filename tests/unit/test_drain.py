@@ -1,0 +1,47 @@
+"""A model replica being stopped waits for the requests its actors hold while they progress (``drain``), and no
+longer: not past its timeout, not for requests no forward serves any more, not for a dead actor."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deployments.model_deployments import drain
+
+
+def _states(*states):
+    """``state()`` answering each of ``states`` in turn (the last one ever after), counting its calls."""
+    calls = []
+
+    async def state():
+        calls.append(1)
+        return states[min(len(calls), len(states)) - 1]
+
+    return state, calls
+
+
+def test_waits_until_the_held_requests_end():
+    state, calls = _states((2, 1.0), (2, 1.5), (1, 2.0), (0, 2.5))
+    assert asyncio.run(drain(state, 10.0, poll_s=0.01)) == 0
+    assert len(calls) == 4
+
+
+def test_stops_waiting_for_requests_no_forward_serves():
+    state, calls = _states((1, 3.0))  # held, but the batcher's busy time never moves: abandoned
+    assert asyncio.run(drain(state, 10.0, stall_s=0.1, poll_s=0.01)) == 1
+    assert 5 <= len(calls) <= 20
+
+
+def test_stops_at_the_timeout_even_while_requests_progress():
+    busy = iter(range(10_000))
+
+    async def state():
+        return 3, float(next(busy))
+
+    assert asyncio.run(drain(state, 0.1, stall_s=10.0, poll_s=0.01)) == 3
+
+
+def test_a_dead_actor_holds_nothing():
+    async def state():
+        raise RuntimeError("ActorDiedError")
+
+    assert asyncio.run(drain(state, 10.0)) == 0
