@@ -161,19 +161,26 @@ def test_a_deep_copy_runs_the_stock_forward_on_its_own_weights():
     assert not torch.equal(twin(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_training_mode_after_tracing_takes_the_stock_path():
-    model = tiny_model("qwen2", seed=8)
+def _broken_traces(seed: int):
+    """(model, ids, the stock logits) for a tiny model whose traces raise if they run: only the stock path can
+    answer; checked here once."""
+    model = tiny_model("qwen2", seed=seed)
     ids = torch.arange(1, 6)[None]
     expected = model(input_ids=ids).logits
     trace_layers(model, "traced")
 
     def broken(*args):
-        raise AssertionError("a traced part ran in training mode")
+        raise AssertionError("a traced part ran")
 
     for layer in model.model.layers:
         layer.forward.after = broken
     with pytest.raises(AssertionError, match="a traced part ran"):
         model(input_ids=ids)
+    return model, ids, expected
+
+
+def test_training_mode_after_tracing_takes_the_stock_path():
+    model, ids, expected = _broken_traces(8)
     model.train()  # dropout 0 in the tiny config: the same numbers, through transformers' own layer
     logits = model(input_ids=ids).logits
     assert torch.equal(logits, expected)
@@ -191,18 +198,7 @@ def test_load_model_traces_cpu_models_by_default():
 def test_a_traced_layer_takes_the_stock_path_once_the_traces_no_longer_stand_for_it():
     """Hooks added after tracing (transformers' output capture hooks ``self_attn``, which the traced path never
     calls as a module) and another dtype than traced (``model.to``): the stock forward, and the hooks fire."""
-    model = tiny_model("qwen2", seed=9)
-    ids = torch.arange(1, 6)[None]
-    expected = model(input_ids=ids).logits
-    trace_layers(model, "traced")
-
-    def broken(*args):
-        raise AssertionError("a traced part ran")
-
-    for layer in model.model.layers:
-        layer.forward.after = broken
-    with pytest.raises(AssertionError, match="a traced part ran"):
-        model(input_ids=ids)
+    model, ids, expected = _broken_traces(9)
     seen = []
     handles = [layer.self_attn.register_forward_hook(lambda *a: seen.append(1)) for layer in model.model.layers]
     assert torch.equal(model(input_ids=ids).logits, expected) and len(seen) == 2
