@@ -19,7 +19,8 @@ class DraftActor(ModelActor):
         device = assigned_device(spec.device)
         super().__init__(spec, device, fatal_errors=False)
         loaded = self.compute.run(load_model, spec.source, dtype=spec.dtype, quantize=spec.quantize, progress=False,
-                                  device=device, linears=spec.linears, layers=spec.layers)
+                                  device=device, linears=spec.linears, layers=spec.layers,
+                                  draft_vocab=spec.draft_vocab)
         self.worker = self.compute.run(DraftWorker, loaded.model, layout=spec.batch_layout,
                                        prefill_chunk=spec.prefill_chunk, prefix_cache=spec.prefix_cache())
         self.meta = model_meta(loaded, device)

@@ -22,6 +22,7 @@ class ModelActorSpec:
     quantize: str | None = None  # "int8": dynamic int8 (CPU only)
     linears: str = "auto"  # auto | packed | aten: Linear weights packed for oneDNN (sequoia_ray.models.packed_linear)
     layers: str = "auto"  # auto | traced | eager: layers run as TorchScript traces (sequoia_ray.models.traced_layers)
+    draft_vocab: int | None = None  # a draft's LM head on the lowest ids (sequoia_ray.models.draft_vocab); None: all
     device: str = "auto"  # auto | cpu | cuda; auto = the accelerator Ray assigned, else the CPU
     threads: int = 1  # torch intra-op threads
     idle_timeout_s: float = IDLE_TIMEOUT_S
@@ -44,6 +45,9 @@ class ModelActorSpec:
         check_device(self.device)
         check_mode(self.linears)
         traced_layers.check_mode(self.layers)
+        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
+                                             or self.draft_vocab < 1):
+            raise ValueError(f"draft_vocab {self.draft_vocab!r} must be an integer >= 1, or None for the full head")
         self.limits()  # checks the batch limits
         check_layout(self.batch_layout)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:

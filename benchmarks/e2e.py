@@ -38,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.config import ProfileJobConfig, SamplingParams  # noqa: E402
+from sequoia_ray.arguments import FULL, vocab_size  # noqa: E402
+from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, ProfileJobConfig, SamplingParams  # noqa: E402
 from sequoia_ray.devices import DEVICE_CHOICES, synchronize  # noqa: E402
 from sequoia_ray.dynamic_rules import DynamicRules  # noqa: E402
 from sequoia_ray.hardware import HardwareProfile, accelerator_name, hardware_id  # noqa: E402
@@ -98,7 +99,8 @@ def served_plans(pair: LocalPair, args, temperatures: list[float]
     """What the main job would serve on this machine: its bounded profile, run here into a scratch store;
     the batch-1 plan per temperature and the profile."""
     job = ProfileJobConfig(storage=args.plan_store or tempfile.mkdtemp(prefix="e2e-plans-"), temperatures=tuple(temperatures),
-                           dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device)
+                           dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device,
+                           draft_vocab=args.draft_vocab)
     hardware = _hardware(pair)
     results = run_bounded(job, hardware, Serving(torch.get_num_threads(), args.profile_seconds), pair=pair)
     print(f"{format_results(results)}\nplans published under {job.storage}", flush=True)
@@ -158,6 +160,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--draft-quantize", default="int8", choices=["none", "int8"], help="the serving default: int8")
+    ap.add_argument("--draft-vocab", type=vocab_size, default=DEFAULT_DRAFT_VOCAB,
+                    help="ids kept in the draft's LM head, or 'full' (the serving default: %(default)s); transformers' "
+                         "assisted generation runs the same draft model, head included")
     ap.add_argument("--limit", type=int, default=3, help="prompts per kind")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="0,0.6")
@@ -172,10 +177,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.draft_quantize = None if args.draft_quantize == "none" else args.draft_quantize
+    args.draft_vocab = None if args.draft_vocab == FULL else args.draft_vocab
     args.grid_n, args.grid_d = ([int(x) for x in v.split(",")] for v in (args.grid_n, args.grid_d))
     temperatures = [float(x) for x in args.temperatures.split(",")]
 
-    pair = LocalPair.load(dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device)
+    pair = LocalPair.load(dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device,
+                          draft_vocab=args.draft_vocab)
     print(f"target on {pair.target.model.device}, draft on {pair.draft.model.device}", flush=True)
     by_kind = defaultdict(list)
     for p in load_prompts(HERE / "prompts.jsonl"):

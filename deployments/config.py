@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.placement import ActorResources
 from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, STEP_TIMEOUT_S, ModelActorSpec, check_backend
+from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC
 from sequoia_ray.devices import check_device
 
 
@@ -30,6 +31,7 @@ class ServeConfig(BaseModel):
                                                       "TorchScript traces, bitwise the same output (CPU; a draft "
                                                       "level ~0.8x): auto = CPU models, traced = also elsewhere, "
                                                       "eager = never.")
+    draft_vocab: int | None = Field(DEFAULT_DRAFT_VOCAB, ge=1, description=DRAFT_VOCAB_DOC)
     tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the target (one actor each).")
     tp_backend: str = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPU).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (each TP rank and the draft).")
@@ -204,6 +206,7 @@ class ServeConfig(BaseModel):
         draft = role == "draft"
         return ModelActorSpec(self.draft if draft else self.target, dtype=self.dtype,
                               quantize=self.draft_quantize if draft else None, device=self.device,
+                              draft_vocab=self.draft_vocab if draft else None,
                               linears=self.linears, layers=self.layers,
                               threads=self.threads or max(1, int(self.num_cpus)), idle_timeout_s=self.request_idle_timeout_s,
                               collective_timeout_s=self.collective_timeout_s,
@@ -225,9 +228,10 @@ class ServeConfig(BaseModel):
 
     def measured_otherwise(self, prov) -> str | None:
         """How the serving configuration a plan's provenance ``prov`` records differs from this one (None: it
-        does not, or the plan records none): its dtype, draft quantisation or Linear kernels — a plan whose t,
-        c and p were measured under another configuration chose its tree for other costs. A plan that records
-        its dtype but not its Linear kernels predates packing: aten."""
+        does not, or the plan records none): its dtype, draft quantisation, Linear kernels or draft vocabulary —
+        a plan whose t, c and p were measured under another configuration chose its tree for other costs. A plan
+        that records its dtype but not its Linear kernels predates packing: aten; nor its draft vocabulary:
+        the full head."""
         import torch
 
         from sequoia_ray.models.loading import DTYPES
@@ -242,4 +246,6 @@ class ServeConfig(BaseModel):
         kernels = kernels_for(self.linears, DTYPES.get(self.dtype, torch.float32), self.device_type)
         if (prov.linears or "aten") != kernels:
             return f"{prov.linears or 'aten'} Linear kernels, not {kernels} (linears {self.linears})"
+        if self.draft and prov.draft_vocab != self.draft_vocab:
+            return f"draft_vocab {prov.draft_vocab or 'full'}, not {self.draft_vocab or 'full'}"
         return None

@@ -137,7 +137,7 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
         return "present"
     job = ProfileJobConfig(storage=cfg.plan_store, draft=cfg.draft, target=cfg.target, temperatures=missing,
                            dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, linears=cfg.linears, layers=cfg.layers,
-                           device=cfg.device)
+                           draft_vocab=cfg.draft_vocab, device=cfg.device)
     serving = Serving(threads=cfg.actor_spec("target").threads, time_budget_s=float(seconds), calls=_call_probe())
     print(f"plans: none for {hardware} at T={', '.join(map(str, missing))}; profiling this machine "
           f"(at most {seconds:.0f}s, --no-profile skips) ...", flush=True)

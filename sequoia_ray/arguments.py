@@ -49,6 +49,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+FULL = "full"
+
+
+def vocab_size(text: str) -> int | str:
+    """The draft head's kept ids (an integer >= 1), or ``full`` (the whole head; ``draft_vocab`` None)."""
+    if text.lower() == FULL:
+        return FULL
+    return positive_int(text)
+
+
 def depth(text: str) -> int | None:
     """Tree levels, root included, or ``unbounded``."""
     if text.lower() in ("unbounded", "none", "inf"):
@@ -87,7 +97,7 @@ def given(args: argparse.Namespace, names: list[str]) -> dict:
 
 # ---- the profiling job (``sequoia-ray profile`` and ``tuning/profile.py``) -------------------------
 _JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "linears", "layers",
-              "device", "tp_size"]
+              "draft_vocab", "device", "tp_size"]
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +119,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantize", choices=["int8"], help=doc("draft_quantize"))
     p.add_argument("--linears", choices=["auto", "packed", "aten"], help=doc("linears"))
     p.add_argument("--layers", choices=["auto", "traced", "eager"], help=doc("layers"))
+    p.add_argument("--draft-vocab", type=vocab_size, help=doc("draft_vocab") + "; 'full' = null")
     p.add_argument("--device", choices=DEVICE_CHOICES, help=doc("device"))
     p.add_argument("--tp-size", type=int, help=doc("tp_size"))
     p.add_argument("--smoke-test", action="store_true", help=ProfileJobConfig.model_fields["smoke_test"].description)
@@ -136,6 +147,8 @@ def _acceptance_files(items: list[str]) -> dict[float, str]:
 def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:
     """The validated job config from parsed arguments; bad values raise ValueError naming them."""
     fields = given(args, _JOB_PLAIN)
+    if fields.get("draft_vocab") == FULL:
+        fields["draft_vocab"] = None
     if args.temperatures is not None:
         fields["temperatures"] = _floats(args.temperatures, "temperatures")
     if args.budgets is not None:

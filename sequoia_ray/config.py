@@ -7,6 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+DEFAULT_DRAFT_VOCAB = 65536  # ids kept in a draft's LM head (sequoia_ray.models.draft_vocab); None: the full head
+DRAFT_VOCAB_DOC = ("The draft's LM head keeps only this many lowest token ids plus the special tokens (lossless; "
+                   "a draft level reads fewer weights); null = the full head.")
+
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the limit T -> 0, without logits / T overflowing
@@ -81,6 +85,7 @@ class ProfileJobConfig(BaseModel):
     layers: Literal["auto", "traced", "eager"] = Field("auto", description="Decoder layers' dense parts as TorchScript "
                                                       "traces, bitwise the same output: auto = CPU models, traced = "
                                                       "also elsewhere, eager = never.")
+    draft_vocab: int | None = Field(DEFAULT_DRAFT_VOCAB, ge=1, description=DRAFT_VOCAB_DOC)
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size of the target (part of the hardware id).")
     hardware: tuple[str, ...] = Field((), description="Accelerator types to profile; default: every type in the cluster.")
     smoke_test: bool = Field(False, description="Tiny random models and small sizes: seconds, for CI.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sequoia_ray.config import DEFAULT_DRAFT_VOCAB
 from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
@@ -19,12 +20,14 @@ class LocalPair:
     @classmethod
     def load(cls, target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, *, dtype: str = "float32",
              draft_quantize: str | None = None, progress: bool = True, device: str = "auto",
-             linears: str = "auto", layers: str = "auto") -> LocalPair:
+             linears: str = "auto", layers: str = "auto",
+             draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> LocalPair:
         """Both models on ``device`` (``auto | cpu | cuda``, see ``sequoia_ray.devices``); ``linears``: see
-        ``sequoia_ray.models.packed_linear``; ``layers``: see ``sequoia_ray.models.traced_layers``."""
+        ``sequoia_ray.models.packed_linear``; ``layers``: see ``sequoia_ray.models.traced_layers``;
+        ``draft_vocab``: see ``sequoia_ray.models.draft_vocab`` (None: the draft's full head)."""
         t = load_model(target, dtype=dtype, progress=progress, device=device, linears=linears, layers=layers)
         d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device,
-                       linears=linears, layers=layers) if draft else None
+                       linears=linears, layers=layers, draft_vocab=draft_vocab) if draft else None
         if d is not None:
             check_same_vocab(t, d)
         return cls(t, d)

@@ -67,7 +67,8 @@ def load_pair(cfg: ProfileJobConfig, *, progress: bool = True) -> LocalPair:
     if cfg.smoke_test:
         return LocalPair.tiny(device=cfg.device)
     return LocalPair.load(cfg.target, cfg.draft, dtype=cfg.dtype, draft_quantize=cfg.draft_quantize,
-                          device=cfg.device, progress=progress, linears=cfg.linears, layers=cfg.layers)
+                          device=cfg.device, progress=progress, linears=cfg.linears, layers=cfg.layers,
+                          draft_vocab=cfg.draft_vocab)
 
 
 def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pair=None, calls=None
@@ -179,7 +180,7 @@ def _provenance(cfg: ProfileJobConfig, pair, picked: Picked, batch: int, *, prom
     measured = picked.measured
     return Provenance(
         dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, device=str(pair.draft.model.device),
-        linears=_linears(pair, cfg), prompts=prompts,
+        linears=_linears(pair, cfg), layers=_layers(pair), draft_vocab=cfg.draft_vocab, prompts=prompts,
         tokens_measured=tokens, batch=batch if batch > 1 else None,
         predicted_speedup=_positive(picked.choice.predicted_speedup),
         measured_speedup=_positive(measured.measured_speedup) if measured else None,
@@ -195,6 +196,17 @@ def _linears(pair, cfg: ProfileJobConfig) -> str:
     if model is None:
         return cfg.linears
     return "packed" if packed_count(model) else "aten"
+
+
+def _layers(pair) -> str | None:
+    """``traced`` when an in-process model's layers ran as traces, ``eager`` when none did; None for a target
+    that is a group of rank actors (tensor-parallel shards are never traced, the draft may be)."""
+    from sequoia_ray.models.traced_layers import traced_count
+
+    models = [getattr(getattr(pair, "draft", None), "model", None), target_model(pair)]
+    if models[1] is None:
+        return None
+    return "traced" if any(traced_count(m) for m in models if m is not None) else "eager"
 
 
 def _positive(x: float) -> float | None:

@@ -20,7 +20,8 @@ class GroupPair:
         draft, target = (TINY_DRAFT, TINY_TARGET) if cfg.smoke_test else (cfg.draft, cfg.target)
         dtype = "float32" if cfg.smoke_test else cfg.dtype
         self.draft = load_model(draft, dtype=dtype, quantize=cfg.draft_quantize, progress=False,
-                                device=assigned_device(cfg.device), linears=cfg.linears, layers=cfg.layers)
+                                device=assigned_device(cfg.device), linears=cfg.linears, layers=cfg.layers,
+                                draft_vocab=cfg.draft_vocab)
         spec = ModelActorSpec(target, dtype=dtype, device=cfg.device, threads=max(1, int(num_cpus)),
                               linears=cfg.linears, layers=cfg.layers)
         self.group = TargetGroup(spec, cfg.tp_size, backend, ActorResources(num_cpus, num_gpus),

@@ -70,15 +70,18 @@ def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
 
 def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
                progress: bool = True, tp_plan: str | None = None, device: str | torch.device = "cpu",
-               linears: str = "auto", layers: str = "auto") -> LoadedModel:
+               linears: str = "auto", layers: str = "auto", draft_vocab: int | None = None) -> LoadedModel:
     """Load onto ``device`` (``auto | cpu | cuda`` or a torch device; see ``sequoia_ray.devices``).
     ``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel);
     transformers then places each shard on the rank's device (``LOCAL_RANK``). ``linears``: ``auto | packed |
     aten``, whether the Linear layers run on weights packed once for oneDNN (``models.packed_linear``); an
     int8 model (its layers are quantised, not ``nn.Linear``) and tensor-parallel shards stay unpacked.
     ``layers``: ``auto | traced | eager``, whether the decoder layers' dense parts run as TorchScript traces
-    (``models.traced_layers``; bitwise the same output, checked at load)."""
+    (``models.traced_layers``; bitwise the same output, checked at load). ``draft_vocab``: a draft's LM head
+    keeps only that many lowest ids and the special tokens (``models.draft_vocab``); None = the full head (a
+    target's head must stay whole)."""
     from sequoia_ray.devices import resolve_device
+    from sequoia_ray.models import draft_vocab as vocab_subset
     from sequoia_ray.models import traced_layers
     from sequoia_ray.models.packed_linear import check_mode, pack_linears
 
@@ -92,8 +95,11 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
         raise ValueError(f"quantize {quantize!r} is not supported; use 'int8' or leave it unset")
     check_mode(linears)
     traced_layers.check_mode(layers)
+    vocab_subset.check_size(draft_vocab)
     if tp_plan and layers == "traced":
         raise ValueError("layers 'traced': tensor-parallel shards keep transformers' hooks; use 'auto' or 'eager'")
+    if tp_plan and draft_vocab is not None:
+        raise ValueError(f"draft_vocab {draft_vocab}: a tensor-parallel model is a target, whose head must stay whole")
     logger.info("loading %s on %s ...", source, device)
     start = time.perf_counter()
     with progress_bars(progress):
@@ -104,6 +110,7 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
     elif model.device.type != device.type:
         raise RuntimeError(f"tensor-parallel shards loaded on {model.device}, expected {device.type}; "
                            "set LOCAL_RANK and the backend (nccl for GPUs, gloo for CPUs) to match")
+    vocab_subset.restrict_head(model, tokenizer, draft_vocab)  # before quantising or packing: they take its Linear
     if quantize == "int8":
         model = quantize_int8(model)
     elif tp_plan:

@@ -102,11 +102,12 @@ class KVSession:
 
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:  # [k, H] -> [k, V] float32 logits
-        """The LM head (with the model's final logit soft-capping, if it has one) on chosen rows only."""
+        """The LM head (with the model's final logit soft-capping, if it has one) on chosen rows only; an id a
+        draft's head leaves out (``models.draft_vocab``) stays at -inf through the capping."""
         logits = self.model.get_output_embeddings()(hidden)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.where(logits == float("-inf"), logits, torch.tanh(logits / cap) * cap)
         return logits.float()
 
     def keep(self, slots: torch.Tensor) -> None:  # slots: [m] int64, increasing, into the current cache

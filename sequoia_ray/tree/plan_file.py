@@ -42,6 +42,8 @@ class Provenance:
     draft_quantize: str | None = None  # e.g. int8; None = not quantised (or not recorded)
     device: str | None = None  # where the models ran (e.g. cpu, cuda:0)
     linears: str | None = None  # packed | aten: the target's Linear kernels (sequoia_ray.models.packed_linear)
+    layers: str | None = None  # traced | eager: whether the layers ran traced (sequoia_ray.models.traced_layers)
+    draft_vocab: int | None = None  # ids kept in the draft's LM head (sequoia_ray.models.draft_vocab); None = all
     threads: int | None = None  # the target's torch threads
     time_budget_s: float | None = None  # a bounded profile's time budget; None = unbounded
     prompts: int | None = None  # prompts the acceptance vector was measured on
@@ -162,10 +164,11 @@ def _provenance(obj: Any, bad) -> Provenance:
     temp = obj.get("temperature")
     if temp is not None and (not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0):
         raise bad("provenance.temperature", f"{temp!r} must be a finite number >= 0")
-    for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device", "linears", "source"):
+    for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device", "linears", "layers", "source"):
         if obj.get(key) is not None and not isinstance(obj[key], str):
             raise bad(f"provenance.{key}", f"{obj[key]!r} must be a string")
-    for key, least in (("threads", 0), ("prompts", 0), ("tokens_measured", 0), ("batch", 1), ("live_samples", 0)):
+    for key, least in (("threads", 0), ("prompts", 0), ("tokens_measured", 0), ("batch", 1), ("live_samples", 0),
+                       ("draft_vocab", 1)):
         v = obj.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
             raise bad(f"provenance.{key}", f"{v!r} must be an integer >= {least}")

@@ -18,10 +18,14 @@ def test_serve_config_builds_the_actor_specs():
     assert draft == ModelActorSpec("d", dtype="float32", quantize="int8", device="auto", threads=3,
                                    idle_timeout_s=7.0, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                                    prefill_chunk=cfg.prefill_chunk, prefix_cache_tokens=cfg.prefix_cache_tokens,
-                                   prefix_block=cfg.prefix_block, batch_wait_s=1.0, wait_trees=True)
+                                   prefix_block=cfg.prefix_block, batch_wait_s=1.0, wait_trees=True,
+                                   draft_vocab=65536)
     assert target.source == "t" and target.quantize is None  # only the draft is quantised
     assert ServeConfig(layers="eager").actor_spec("draft").layers == "eager"
     assert ServeConfig(layers="eager").actor_spec("target").layers == "eager"
+    assert ServeConfig().actor_spec("draft").draft_vocab == 65536  # the default: a draft's head on 65,536 ids
+    assert ServeConfig(draft_vocab=None).actor_spec("draft").draft_vocab is None
+    assert ServeConfig(draft_vocab=1000).actor_spec("target").draft_vocab is None  # a target's head stays whole
     # lockstep tree steps: the target waits for them, the draft only gathers
     policy, drafts = target.batcher_policy(), target.batcher_policy(waits=False)
     assert (policy["limits"].wait_s, policy["limits"].gather_s, policy["lookback"]) == (1.0, GATHER_S, LOCKSTEP_LOOKBACK)
@@ -48,6 +52,7 @@ def test_serve_config_builds_the_actor_specs():
     ({"max_batch_requests": 0}, "greater than or equal to 1"),
     ({"prefill_chunk": 0}, "greater than or equal to 1"),
     ({"tp_size": 2, "layers": "traced"}, "layers 'traced' cannot apply to a target sharded over tp_size 2"),
+    ({"draft_vocab": 0}, "greater than or equal to 1"),
 ])
 def test_bad_placement_is_a_config_error_naming_the_fix(args, needle):
     with pytest.raises(ValidationError) as err:
@@ -80,6 +85,9 @@ def test_actor_spec_validates_itself():
         ModelActorSpec("m", batch_layout="x")
     with pytest.raises(ValueError, match="layers 'jit' must be one of auto, traced, eager"):
         ModelActorSpec("m", layers="jit")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"draft_vocab {bad!r} must be an integer >= 1"):
+            ModelActorSpec("m", draft_vocab=bad)
     with pytest.raises(ValueError, match="set tp_backend: nccl"):
         check_backend("gloo", "cuda", world=2)
     check_backend("gloo", "cuda", world=1)

@@ -22,6 +22,9 @@ def test_given_options_override_the_model():
     cfg = job_config(parse("--storage", "s", "--budgets", "4,2", "--temperatures", "0.6", "--max-depth", "3",
                            "--dtype", "float32", "--acceptance", "0.6=a.json", "--smoke-test", "--layers", "eager"))
     assert cfg.budgets == (1, 2, 4) and cfg.temperatures == (0.6,) and cfg.max_depth == 3 and cfg.layers == "eager"
+    assert cfg.draft_vocab == 65536  # the default
+    assert job_config(parse("--storage", "s", "--draft-vocab", "full")).draft_vocab is None
+    assert job_config(parse("--storage", "s", "--draft-vocab", "32768")).draft_vocab == 32768
     assert cfg.dtype == "float32" and cfg.acceptance == {0.6: "a.json"} and cfg.smoke_test
     assert cfg.draft == ProfileJobConfig.model_fields["draft"].default
 
@@ -33,6 +36,13 @@ def test_bad_job_options_name_the_value(argv, needle):
     with pytest.raises(ValueError) as err:
         job_config(parse("--storage", "s", *argv))
     assert needle in one_line(err.value)
+
+
+@pytest.mark.parametrize("value,needle", [("0", "0 must be >= 1"), ("half", "'half' is not an integer")])
+def test_a_bad_draft_vocab_is_a_one_line_usage_error(value, needle, capsys):
+    with pytest.raises(SystemExit) as out:
+        parse("--storage", "s", "--draft-vocab", value)
+    assert out.value.code == 2 and needle in capsys.readouterr().err
 
 
 def test_help_shows_the_model_default():

@@ -11,6 +11,7 @@ import torch
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftWorker, DynamicTrees
 from sequoia_ray.engine import SpeculativeDecoder
+from sequoia_ray.models.draft_vocab import restrict_head
 from sequoia_ray.sampling import node_steps
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
@@ -69,20 +70,26 @@ def two_tokens(target, draft, prompt, n: int, batch: int, dynamic: DynamicTrees 
 # Dynamic trees run batched only: a batched dynamic tree is the tree grown alone, draw for draw
 # (tests/unit/test_dynamic_trees.py), and the suite's time is bounded. 32 requests per forward take ~0.7x
 # the time of 8 here (the per-forward cost of these tiny models dominates).
-@pytest.mark.parametrize("batch,dynamic", [(1, None), (32, None), (32, DYNAMIC), (32, LEVELS)],
-                         ids=["1-static", "32-static", "32-dynamic", "32-levels"])
-def test_first_two_tokens_follow_the_target_exactly(batch, dynamic):
+@pytest.mark.parametrize("batch,dynamic,vocab", [(1, None, None), (32, None, None), (32, DYNAMIC, None),
+                                                 (32, LEVELS, None), (32, DYNAMIC, 5)],
+                         ids=["1-static", "32-static", "32-dynamic", "32-levels", "32-dynamic-subset"])
+def test_first_two_tokens_follow_the_target_exactly(batch, dynamic, vocab):
     """N = 3000 requests (seeds 0..2999) at T = 1 with a 13-node tree (static, or pruned and extended by
-    ``DYNAMIC``, or also cut by the level rule), one at a time or 32 per forward; for each of the 64 cells of
-    the joint law of (token 1, token 2), |frequency - exact target probability| <= 5 SE + 0.004
-    (SE = sqrt(p (1 - p) / N)); a 5-sigma bound per cell keeps the false-failure chance below ~1e-4."""
+    ``DYNAMIC``, or also cut by the level rule), one at a time or 32 per forward, the draft's head on all 8
+    ids or on ids 0-4 only (``vocab``: the target's tokens 5-7 then come from residuals alone); for each of
+    the 64 cells of the joint law of (token 1, token 2), |frequency - exact target probability| <= 5 SE +
+    0.004 (SE = sqrt(p (1 - p) / N)); a 5-sigma bound per cell keeps the false-failure chance below ~1e-4."""
     target = sharpen(tiny_model("qwen2", seed=11, vocab=V), 25.0)
     draft = noisy_copy(target, scale=0.6, seed=12)
+    if vocab is not None:
+        assert restrict_head(draft, None, vocab)
     prompt = [1, 5, 2]
     p1 = next_probs(target, prompt)
     exact = torch.stack([p1[a] * next_probs(target, prompt + [a]) for a in range(V)])  # [V, V]
     q1 = next_probs(draft, prompt)
     assert 0.5 * float((p1 - q1).abs().sum()) > 0.1, "the draft must differ from the target for power"
+    if vocab is not None:  # power: 0.56 of the joint law has a token the draft cannot propose
+        assert float(exact[:, vocab:].sum() + exact[vocab:, :vocab].sum()) > 0.2
     n = 3000
     counts = torch.zeros(V, V)
     two_in_one_step = 0

@@ -59,7 +59,7 @@ def _never(*args, **kwargs):
 def test_provenance_with_serving_config_round_trips():
     prov = Provenance(draft="d", target="t", temperature=0.6, hardware="cpu-x-2c", dtype="bfloat16",
                       draft_quantize="int8", device="cpu", threads=2, time_budget_s=120.0, prompts=3,
-                      tokens_measured=96)
+                      tokens_measured=96, layers="traced", draft_vocab=65536)
     planned = builtin_plan(0.6)
     planned = PlannedTree(planned.plan, planned.acceptance, planned.budget, planned.max_depth,
                           planned.expected_tokens, prov)
@@ -377,7 +377,7 @@ def test_a_plan_without_measured_p_is_profiled_again_only_with_more_time(tmp_pat
     cfg = _cfg(tmp_path, linears="aten")
     hardware = serving_hardware_id(cfg)
     store, base = PlanStore(cfg.plan_store), builtin_plan(0.0)
-    prov = Provenance(dtype="float32", linears="aten", source=source, time_budget_s=60.0)
+    prov = Provenance(dtype="float32", linears="aten", draft_vocab=65536, source=source, time_budget_s=60.0)
     for temperature in SERVED_TEMPERATURES:
         planned = PlannedTree(base.plan, base.acceptance, base.budget, base.max_depth, base.expected_tokens, prov)
         store.publish_plan(planned, PlanKey(hardware, "tiny-draft", "tiny-target", temperature))
@@ -391,7 +391,10 @@ def test_a_plan_without_measured_p_is_profiled_again_only_with_more_time(tmp_pat
     (dict(dtype="float32", linears="packed"), dict(linears="aten"), "packed Linear kernels, not aten"),
     (dict(dtype="bfloat16", linears="aten"), dict(linears="aten"), "dtype bfloat16, not float32"),
     (dict(dtype="float32", linears="aten"), dict(linears="aten", draft_quantize="int8"), "draft_quantize None, not int8"),
-    (dict(dtype="float32", linears="packed"), dict(linears="packed"), None),
+    (dict(dtype="float32", linears="packed", draft_vocab=65536), dict(linears="packed"), None),
+    (dict(dtype="float32", linears="aten"), dict(linears="aten"), "draft_vocab full, not 65536"),  # pre-subset
+    (dict(dtype="float32", linears="aten", draft_vocab=65536), dict(linears="aten", draft_vocab=None),
+     "draft_vocab 65536, not full"),
     (dict(), dict(linears="packed"), None),  # a plan that records no serving configuration is taken as it is
 ])
 def test_a_plan_measured_with_another_serving_configuration_counts_as_missing(tmp_path, capsys, recorded, serving,

@@ -108,14 +108,15 @@ def _served_kernels() -> str:
 @pytest.mark.parametrize("recorded, why", [
     (dict(dtype="bfloat16", draft_quantize="int8"), "draft_quantize int8, not None"),
     (dict(dtype="float32", linears="aten"), "dtype float32, not bfloat16"),
-    (dict(dtype="bfloat16"), None),  # linears: the kernels this machine serves (below)
+    (dict(dtype="bfloat16"), None),  # linears: the kernels this machine serves (below); draft_vocab: the default
+    (dict(dtype="bfloat16", draft_vocab=None), "draft_vocab full, not 65536"),  # profiled with the full head
     (dict(), None),  # a plan that records no serving configuration is taken as it is
 ])
 def test_a_plan_measured_under_another_configuration_is_served_and_reported(store, caplog, recorded, why):
     from sequoia_ray.tree.plan_file import PlannedTree, Provenance
 
     if "dtype" in recorded:
-        recorded = {"linears": _served_kernels(), **recorded}
+        recorded = {"linears": _served_kernels(), "draft_vocab": 65536, **recorded}
     base = plan_for(AcceptanceVector.from_p([0.8, 0.1]), 8, 4)[0]
     planned = PlannedTree(base.plan, base.acceptance, base.budget, base.max_depth, base.expected_tokens,
                           Provenance(**recorded))
