@@ -102,7 +102,13 @@ def load_as_recorded(prov: Provenance) -> LocalPair:
     """The pair in the configuration the plan was profiled with."""
     device = (prov.device or "cpu").split(":")[0]
     return LocalPair.load(prov.target, prov.draft, dtype=prov.dtype or "float32", draft_quantize=prov.draft_quantize,
-                          device=device, linears=prov.linears or "auto", progress=False)
+                          device=device, linears=prov.linears or "auto", layers=_layers(prov),
+                          draft_vocab=prov.draft_vocab, progress=False)
+
+
+def _layers(prov: Provenance) -> str:
+    """As the plan ran: traced or eager layers; ``auto`` for a plan that does not say (it predates the record)."""
+    return prov.layers or "auto"
 
 
 def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: int, hardware: str,
@@ -119,7 +125,8 @@ def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: i
             continue
         if planned.plan.n == 1:  # the target alone: nothing to measure against it
             continue
-        config = (prov.target, prov.draft, prov.dtype, prov.draft_quantize, prov.linears, prov.device)
+        config = (prov.target, prov.draft, prov.dtype, prov.draft_quantize, prov.linears, prov.device, prov.layers,
+                  prov.draft_vocab)
         if config not in pairs:
             pairs[config] = load(prov)
         pair = pairs[config]

@@ -118,10 +118,11 @@ def test_load_as_recorded_passes_the_provenance_configuration(monkeypatch):
     seen = {}
     monkeypatch.setattr(LocalPair, "load", classmethod(lambda cls, *a, **k: seen.update(args=a, kwargs=k)))
     load_as_recorded(Provenance(draft="d", target="t", dtype="bfloat16", draft_quantize="int8", linears="packed",
-                                device="cpu"))
+                                device="cpu", layers="eager", draft_vocab=65536))
     assert seen["args"] == ("t", "d")
     assert seen["kwargs"] == {"dtype": "bfloat16", "draft_quantize": "int8", "device": "cpu", "linears": "packed",
-                              "progress": False}
-    load_as_recorded(Provenance(draft="d", target="t", device="cuda:1"))  # nothing recorded: the loader's defaults
+                              "layers": "eager", "draft_vocab": 65536, "progress": False}
+    # nothing recorded: the loader's defaults, but the full draft head (a plan from before draft_vocab had it)
+    load_as_recorded(Provenance(draft="d", target="t", device="cuda:1"))
     assert seen["kwargs"] == {"dtype": "float32", "draft_quantize": None, "device": "cuda", "linears": "auto",
-                              "progress": False}
+                              "layers": "auto", "draft_vocab": None, "progress": False}
