@@ -30,6 +30,7 @@ DEFAULT_TARGET = "default-target"
 TINY_DRAFT = "tiny-draft"  # tiny random models (sequoia_ray.models.tiny.layered_pair): tests, smoke runs
 TINY_TARGET = "tiny-target"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZED_CREATION_WARNING = ".*quantized tensor creation functions.*"  # torch.ao's deprecation, on every layer
 
 
 @dataclass(frozen=True)
@@ -227,14 +228,18 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     in place: the modules ``torch.ao``'s ``quantize_dynamic`` makes with ``per_channel_dynamic_qconfig``, made
     as ``int8_linear`` says, two layers at a time; the freed fp32 weights are handed back to the OS (else the
     process keeps ~4x the int8 size)."""
+    import warnings
     from concurrent.futures import ThreadPoolExecutor
 
     model.float()
     slots = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear]
-    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:  # the kernels release the GIL
+    # The filter is set here too, before the threads: each int8_linear's catch_warnings saves and restores the
+    # process-wide filters, and two threads' restores interleave (one could drop the other's filter).
+    with warnings.catch_warnings(), ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        warnings.filterwarnings("ignore", message=QUANTIZED_CREATION_WARNING)
         for (parent, name, _), quantized in zip(slots, pool.map(lambda slot: int8_linear(slot[2]), slots)):
-            setattr(parent, name, quantized)
+            setattr(parent, name, quantized)  # the kernels release the GIL: two layers at a time
     del slots  # the last references to the fp32 layers: their weights are freed before the trim
     _release_freed_memory()
     return model
@@ -253,7 +258,7 @@ def int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
     observer = per_channel_dynamic_qconfig.weight()
     observer(linear.weight)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")  # torch.ao's own
+        warnings.filterwarnings("ignore", message=QUANTIZED_CREATION_WARNING)  # torch.ao's own
         qweight = _quantize_weight(linear.weight.float(), observer)
         quantized = DynamicLinear(1, 1, dtype=torch.qint8)  # packs a 1 x 1 weight, not a full-size empty one
     quantized.in_features, quantized.out_features = linear.in_features, linear.out_features

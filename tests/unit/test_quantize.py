@@ -58,3 +58,27 @@ def test_load_model_int8_and_bad_value():
     assert not any(type(m) is torch.nn.Linear for m in loaded.model.modules())
     with pytest.raises(ValueError, match="quantize 'int4' is not supported"):
         load_model("tiny-draft", quantize="int4", progress=False)
+
+
+
+def test_the_deprecation_filter_holds_around_the_quantising_threads(monkeypatch):
+    """Each layer's quantisation silences torch.ao's deprecation warning, but catch_warnings saves and restores
+    the process-wide filters and two threads' restores interleave, so one thread could drop the other's filter
+    (the warning reached session 35's main job log). quantize_int8 sets the filter around its pool: here each
+    layer's conversion warns with no filter of its own, and nothing gets through (57 Linear layers)."""
+    import warnings
+
+    from sequoia_ray.models import loading
+    from sequoia_ray.models.tiny import tiny_model
+
+    def warns(linear):
+        warnings.warn("torch.quantize_per_channel and other quantized tensor creation functions are deprecated",
+                      UserWarning)
+        return linear
+
+    monkeypatch.setattr(loading, "int8_linear", warns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loading.quantize_int8(tiny_model(layers=8))
+        warnings.warn("another warning", UserWarning)  # the filter is scoped: other warnings still show
+    assert [str(w.message) for w in caught] == ["another warning"]
