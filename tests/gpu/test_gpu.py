@@ -163,3 +163,19 @@ def test_traced_layers_on_cuda_are_the_stock_layers():
     assert trace_layers(target, "auto") == 0
     assert trace_layers(target, "traced") == traced_count(target) > 0 and trace_layers(draft, "traced") > 0
     assert generate(target, draft, k_ary(2, 2), params).token_ids == expected
+
+
+def test_a_subset_draft_head_on_cuda_keeps_the_targets_greedy_tokens():
+    """``draft_vocab`` on a CUDA draft: the kept rows and ids on the model's device, -inf logits elsewhere, and
+    the greedy tokens still the target alone's."""
+    from types import SimpleNamespace
+
+    from sequoia_ray.models.draft_vocab import restrict_head
+
+    target, draft = (m.to(CUDA) for m in host_pair())
+    assert restrict_head(draft, SimpleNamespace(), VOCAB // 2)
+    head = draft.get_output_embeddings()
+    assert head.ids.is_cuda and head.linear.weight.is_cuda
+    assert torch.isneginf(head(torch.randn(2, draft.config.hidden_size, device=CUDA))[:, VOCAB // 2:]).all()
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    assert generate(target, draft, k_ary(2, 2), params).token_ids == generate(target, None, chain(0), params).token_ids
