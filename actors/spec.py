@@ -39,15 +39,13 @@ class ModelActorSpec:
     def __post_init__(self) -> None:
         from sequoia_ray.models.batch_forward import check_layout
 
-        from sequoia_ray.models import traced_layers
+        from sequoia_ray.models import draft_vocab, traced_layers
         from sequoia_ray.models.packed_linear import check_mode
 
         check_device(self.device)
         check_mode(self.linears)
         traced_layers.check_mode(self.layers)
-        if self.draft_vocab is not None and (isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int)
-                                             or self.draft_vocab < 1):
-            raise ValueError(f"draft_vocab {self.draft_vocab!r} must be an integer >= 1, or None for the full head")
+        draft_vocab.check_size(self.draft_vocab)
         self.limits()  # checks the batch limits
         check_layout(self.batch_layout)
         if self.prefill_chunk is not None and self.prefill_chunk < 1:

@@ -86,7 +86,7 @@ def test_actor_spec_validates_itself():
     with pytest.raises(ValueError, match="layers 'jit' must be one of auto, traced, eager"):
         ModelActorSpec("m", layers="jit")
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match=f"draft_vocab {bad!r} must be an integer >= 1"):
+        with pytest.raises(ValueError, match=f"draft vocabulary size {bad!r} must be an integer >= 1"):
             ModelActorSpec("m", draft_vocab=bad)
     with pytest.raises(ValueError, match="set tp_backend: nccl"):
         check_backend("gloo", "cuda", world=2)
