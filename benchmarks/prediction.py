@@ -102,13 +102,8 @@ def load_as_recorded(prov: Provenance) -> LocalPair:
     """The pair in the configuration the plan was profiled with."""
     device = (prov.device or "cpu").split(":")[0]
     return LocalPair.load(prov.target, prov.draft, dtype=prov.dtype or "float32", draft_quantize=prov.draft_quantize,
-                          device=device, linears=prov.linears or "auto", layers=_layers(prov),
-                          draft_vocab=prov.draft_vocab, progress=False)
-
-
-def _layers(prov: Provenance) -> str:
-    """As the plan ran: traced or eager layers; ``auto`` for a plan that does not say (it predates the record)."""
-    return prov.layers or "auto"
+                          device=device, linears=prov.linears or "auto", layers=prov.layers or "auto",
+                          draft_vocab=prov.draft_vocab, progress=False)  # a plan that does not say: auto, full
 
 
 def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: int, hardware: str,

@@ -21,8 +21,6 @@ import logging
 
 import torch
 
-from sequoia_ray.config import DEFAULT_DRAFT_VOCAB  # noqa: F401 - re-exported: the default of every draft_vocab
-
 logger = logging.getLogger(__name__)
 
 
