@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.placement import ActorResources
 from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, STEP_TIMEOUT_S, ModelActorSpec, check_backend
-from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC
+from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC, DraftVocab
 from sequoia_ray.devices import check_device
 
 
@@ -31,7 +31,7 @@ class ServeConfig(BaseModel):
                                                       "TorchScript traces, bitwise the same output (CPU; a draft "
                                                       "level ~0.8x): auto = CPU models, traced = also elsewhere, "
                                                       "eager = never.")
-    draft_vocab: int | None = Field(DEFAULT_DRAFT_VOCAB, ge=1, description=DRAFT_VOCAB_DOC)
+    draft_vocab: DraftVocab = Field(DEFAULT_DRAFT_VOCAB, ge=1, description=DRAFT_VOCAB_DOC)
     tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the target (one actor each).")
     tp_backend: str = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPU).")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (each TP rank and the draft).")

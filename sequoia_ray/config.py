@@ -3,13 +3,27 @@ The serving configuration lives with the Serve app (``deployments/config.py``)."
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 DEFAULT_DRAFT_VOCAB = 65536  # ids kept in a draft's LM head (sequoia_ray.models.draft_vocab); None: the full head
 DRAFT_VOCAB_DOC = ("The draft's LM head keeps only this many lowest token ids plus the special tokens (lossless; "
-                   "a draft level reads fewer weights); null = the full head.")
+                   "a draft level reads fewer weights); null or 'full' = the full head.")
+
+
+def draft_vocab_value(value):
+    """A config's ``draft_vocab`` as given: ``'full'`` (any case) is None; a boolean (YAML's yes/on/true) is
+    refused, not read as 1 — pydantic's lax mode would keep only id 0 and the special tokens."""
+    if isinstance(value, str) and value.strip().lower() == "full":
+        return None
+    if isinstance(value, bool) or (isinstance(value, str) and not value.strip().isdigit()):
+        raise ValueError(f"draft_vocab {value!r}: give an integer >= 1 (the lowest ids kept in the draft's LM head), "
+                         "or null / 'full' for the full head")
+    return value
+
+
+DraftVocab = Annotated[int | None, BeforeValidator(draft_vocab_value)]  # ServeConfig's and the profiling job's
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
@@ -85,7 +99,7 @@ class ProfileJobConfig(BaseModel):
     layers: Literal["auto", "traced", "eager"] = Field("auto", description="Decoder layers' dense parts as TorchScript "
                                                       "traces, bitwise the same output: auto = CPU models, traced = "
                                                       "also elsewhere, eager = never.")
-    draft_vocab: int | None = Field(DEFAULT_DRAFT_VOCAB, ge=1, description=DRAFT_VOCAB_DOC)
+    draft_vocab: DraftVocab = Field(DEFAULT_DRAFT_VOCAB, ge=1, description=DRAFT_VOCAB_DOC)
     tp_size: int = Field(1, ge=1, description="Tensor-parallel size of the target (part of the hardware id).")
     hardware: tuple[str, ...] = Field((), description="Accelerator types to profile; default: every type in the cluster.")
     smoke_test: bool = Field(False, description="Tiny random models and small sizes: seconds, for CI.")

@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 class SubsetHead(torch.nn.Module):
     """An LM head over ``ids`` (a Linear whose row i is the full head's row ``ids[i]``), scattered back to
-    ``vocab`` logits: the others are -inf, so softmax gives them exactly 0 and top-k never picks them."""
+    ``vocab`` logits: the others are -inf, so softmax gives them exactly 0 and top-k never picks them. (A model
+    whose own forward soft-caps its logits, Gemma 2's, turns -inf into -cap there; the engine's ``KVSession.head``
+    keeps -inf. Transformers' assisted generation on such a draft may propose a left-out id: still lossless.)"""
 
     def __init__(self, linear: torch.nn.Module, ids: torch.Tensor, vocab: int) -> None:
         super().__init__()
@@ -49,27 +51,29 @@ def check_size(size: int | None) -> None:
                          "draft's LM head), or None for the full head")
 
 
-def kept_ids(tokenizer, size: int, vocab: int) -> list[int]:
-    """The ids below ``size``, then every special and added token of ``tokenizer``, within ``vocab``, sorted."""
-    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+def kept_ids(tokenizer, size: int, vocab: int, keep=()) -> list[int]:
+    """The ids below ``size``, every special and added token of ``tokenizer`` and the ids ``keep`` (the model's
+    end-of-sequence ids, which a generation config may name beyond the tokenizer's), within ``vocab``, sorted."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ()) | set(keep)
     special |= set(getattr(tokenizer, "added_tokens_decoder", None) or ())
     special |= {i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None}
     return sorted(set(range(min(size, vocab))) | {i for i in special if 0 <= i < vocab})
 
 
-def restrict_head(model: torch.nn.Module, tokenizer, size: int | None) -> bool:
-    """Give ``model`` (a draft, before quantising or packing) a ``SubsetHead`` over ``kept_ids``; False when
-    ``size`` is None, keeps every id anyway, or the head is not a plain ``nn.Linear`` (logged: the full head
-    stays)."""
+def restrict_head(model: torch.nn.Module, tokenizer, size: int | None, keep=()) -> bool:
+    """Give ``model`` (a draft, before quantising or packing) a ``SubsetHead`` over ``kept_ids`` (``keep``: ids
+    kept whatever ``size``, e.g. every end-of-sequence id); False when ``size`` is None, keeps every id anyway, or
+    the head is not a plain ``nn.Linear`` (a warning: the full head stays)."""
     check_size(size)
     if size is None:
         return False
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
-        logger.info("draft vocabulary: the LM head is a %s, not a Linear; the full head stays", type(head).__name__)
+        logger.warning("draft_vocab %d not applied: the draft's LM head is a %s, not a Linear; the full head stays",
+                       size, type(head).__name__)
         return False
     vocab = head.out_features
-    ids = kept_ids(tokenizer, size, vocab)
+    ids = kept_ids(tokenizer, size, vocab, keep)
     if len(ids) >= vocab:
         return False
     index = torch.tensor(ids, dtype=torch.long, device=head.weight.device)

@@ -111,7 +111,8 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
     elif model.device.type != device.type:
         raise RuntimeError(f"tensor-parallel shards loaded on {model.device}, expected {device.type}; "
                            "set LOCAL_RANK and the backend (nccl for GPUs, gloo for CPUs) to match")
-    vocab_subset.restrict_head(model, tokenizer, draft_vocab)  # before quantising or packing: they take its Linear
+    eos = eos_ids(tokenizer, getattr(model, "generation_config", None))
+    vocab_subset.restrict_head(model, tokenizer, draft_vocab, keep=eos)  # before quantising or packing (its Linear)
     if quantize == "int8":
         model = quantize_int8(model)
     elif tp_plan:
@@ -121,7 +122,6 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
     if not tp_plan:
         traced_layers.trace_layers(model, layers)  # after quantising and packing: the traces call the final modules
     logger.info("loading %s on %s ... done in %.1f s", source, model.device, time.perf_counter() - start)
-    eos = eos_ids(tokenizer, getattr(model, "generation_config", None))
     return LoadedModel(model, tokenizer, eos, source, model.config.max_position_embeddings)
 
 

@@ -8,12 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from sequoia_ray.config import SamplingParams
+from deployments.config import ServeConfig
+from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.local import LocalPair
 from sequoia_ray.models.draft_vocab import SubsetHead, kept_ids, restrict_head
+from sequoia_ray.models import loading
 from sequoia_ray.models.loading import TINY_DRAFT, load_model, quantize_int8
 from sequoia_ray.models.tiny import tiny_model
 from sequoia_ray.models.tree_lm import KVSession
@@ -27,6 +30,7 @@ def test_kept_ids_are_the_lowest_and_every_special_and_added_token():
     tok = SimpleNamespace(all_special_ids=[90, 2], added_tokens_decoder={95: "<x>", 500: "<beyond>"}, eos_token_id=93)
     assert kept_ids(tok, 5, 97) == [0, 1, 2, 3, 4, 90, 93, 95]  # 500 is beyond the model's 97 rows
     assert kept_ids(NO_SPECIALS, 200, 97) == list(range(97))
+    assert kept_ids(NO_SPECIALS, 3, 97, keep=(80, 200)) == [0, 1, 2, 80]  # e.g. a generation config's EOS ids
 
 
 def test_the_subset_heads_logits_are_the_full_heads_on_kept_ids_and_minus_inf_elsewhere():
@@ -42,7 +46,7 @@ def test_the_subset_heads_logits_are_the_full_heads_on_kept_ids_and_minus_inf_el
     kept[head.ids] = True
     torch.testing.assert_close(got[..., kept], want[..., kept])
     assert torch.isneginf(got[..., ~kept]).all()
-    # the model's own forward (what transformers' generate calls) goes through it too
+    # the model's own forward (what transformers' generate calls) goes through it too (no soft-capping here)
     logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1]
     assert torch.isneginf(logits[~kept]).all() and torch.isfinite(logits[kept]).all()
 
@@ -78,6 +82,47 @@ def test_load_model_restricts_a_drafts_head_and_refuses_a_tensor_parallel_one():
     assert isinstance(head, SubsetHead) and set(range(50)) <= set(head.ids.tolist())
     with pytest.raises(ValueError, match="draft_vocab 50: a tensor-parallel model is a target"):
         load_model(TINY_DRAFT, draft_vocab=50, progress=False, tp_plan="auto")
+
+
+def test_load_model_keeps_every_eos_id_and_restricts_before_quantising(monkeypatch):
+    # The serving default: an int8 draft on a subset head. A generation config may name EOS ids the tokenizer
+    # does not mark special; the head keeps them (else the draft could never propose the end of a sequence).
+    monkeypatch.setattr(loading, "eos_ids", lambda tokenizer, *configs, extra=(): (90,))
+    loaded = load_model(TINY_DRAFT, quantize="int8", draft_vocab=50, progress=False, layers="eager")
+    head = loaded.model.get_output_embeddings()
+    assert isinstance(head, SubsetHead) and hasattr(head.linear, "_packed_params")  # restricted, then quantised
+    assert loaded.eos_ids == (90,) and 90 in head.ids.tolist()
+    logits = KVSession(loaded.model).head(torch.randn(3, loaded.model.config.hidden_size))  # [3, V]
+    kept = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    kept[head.ids] = True
+    assert torch.isneginf(logits[:, ~kept]).all() and torch.isfinite(logits[:, kept]).all()
+
+
+def test_a_tied_head_is_copied_and_the_input_embedding_stays_whole():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).eval()
+    embedding = model.get_input_embeddings().weight.detach().clone()  # [97, 64]
+    hidden = torch.randn(2, 64)
+    want = model.lm_head(hidden)  # [2, 97]
+    assert restrict_head(model, NO_SPECIALS, 30)
+    model.tie_weights()  # what transformers may call again (e.g. after resizing); the subset head must survive it
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    got = model.get_output_embeddings()(hidden)
+    torch.testing.assert_close(got[:, :30], want[:, :30])
+    assert torch.isneginf(got[:, 30:]).all()
+
+
+@pytest.mark.parametrize("config", [ServeConfig, lambda **kw: ProfileJobConfig(storage="s", **kw)])
+def test_configs_read_full_as_the_full_head_and_refuse_booleans(config):
+    assert config(draft_vocab="full").draft_vocab is None and config(draft_vocab="FULL").draft_vocab is None
+    assert config(draft_vocab="4096").draft_vocab == 4096 and config().draft_vocab == 65536
+    for bad in (True, False, "yes", "64k"):  # YAML's yes/on/true is a boolean: pydantic would read it as 1
+        with pytest.raises(ValueError, match=f"draft_vocab {bad!r}: give an integer >= 1 .* or null / 'full'"):
+            config(draft_vocab=bad)
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        config(draft_vocab=0)
 
 
 def test_soft_capping_keeps_left_out_ids_at_minus_inf():
