@@ -26,7 +26,7 @@ from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.prompts import Prompt, interleave_kinds, load_prompts
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_acceptance
-from sequoia_ray.tree.dp import DPTable, solve
+from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan import TreePlan, chain
 from sequoia_ray.tree.plan_file import BUILTIN_ACCEPTANCE, PlannedTree, Provenance
 
@@ -402,8 +402,7 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
                    for i in range(len(cfg.temperatures))]
     finally:
         stages.close()
-    planned = borrow_overhead(planned, prof)
-    return _publish_all(cfg, hardware, prof, [_trees(cfg, pair, prof, p, serving) for p in planned])
+    return _publish_all(cfg, hardware, prof, planned)
 
 
 def _bounded_profile(cfg: ProfileJobConfig, pair, hardware: str, deadline: Deadline) -> HardwareProfile:
@@ -491,66 +490,11 @@ def batch_tokens(sizes, total: int | None = None) -> list[int]:
     return list(sizes) + [b * s for b in BATCH_BUCKETS[1:] for s in per_request_sizes(b, sizes, total)]
 
 
-@dataclass(frozen=True)
-class TemperaturePlans:
-    """A bounded profile's picks for one temperature, before publishing."""
-
-    temperature: float
-    acceptance: AcceptanceVector
-    table: DPTable
-    picks: dict[int, Picked]  # batch bucket -> its pick
-    prompts: int  # prompts p was measured on
-    tokens: int  # tokens asked for per prompt while measuring p
-    source: str | None = None  # BUILTIN_ACCEPTANCE when p was not measured
-    overhead_temperature: float | None = None  # set when the overhead was measured at another temperature
-
-    @property
-    def overhead(self) -> StepOverhead | None:
-        """The overhead its picks were chosen with (None: no time was left to measure it)."""
-        return next((p.overhead for p in self.picks.values() if p.overhead is not None), None)
-
-
-def borrow_overhead(planned: list[TemperaturePlans], prof: HardwareProfile) -> list[TemperaturePlans]:
-    """A temperature left no time to run trees has no per-step overhead measured, and the cost model without
-    one prices a tree's step at its forwards alone, which at larger batches favours trees: in the main job's
-    bounded profile here the T = 0 plans for buckets 4 and 8 were trees predicted 1.22x and 1.09x the target
-    alone, that measured 0.96x and 1.03x in process (``benchmarks/batch_plans.py``, session 36) and ~0.6x a
-    request through Serve, where T = 0.6's measured overhead (0.09 target steps a request for a tree step,
-    beyond its actor calls) was there. Such a temperature's buckets are chosen again, by the model, with the
-    overhead of the nearest temperature that measured one (the step's work outside the forwards is the
-    engine's; sampling's draws make it, if anything, dearer than greedy's), recorded in the plans'
-    provenance as ``overhead_temperature``."""
-    measured = [p for p in planned if p.overhead is not None]
-    out = []
-    for plans in planned:
-        if plans.overhead is None and measured:
-            lender = min(measured, key=lambda p: abs(p.temperature - plans.temperature))
-            logger.info("T=%s: no overhead measured; choosing its trees with T=%s's", plans.temperature,
-                        lender.temperature)
-            picks = {b: Picked(best, best, predicted, overhead=lender.overhead)
-                     for b, (best, predicted) in choose_buckets(plans.table, prof, tuple(prof.t),
-                                                                lender.overhead).items()}
-            plans = replace(plans, picks=picks, overhead_temperature=lender.temperature)
-        out.append(plans)
-    return out
-
-
-def _trees(cfg, pair, prof: HardwareProfile, plans: TemperaturePlans, serving: Serving
-           ) -> list[tuple[PlannedTree, TrialResult]]:
-    """A (plan, result) per bucket of ``plans``."""
-    table = plans.table
-    return [(PlannedTree(p.choice.plan, plans.acceptance, p.choice.n, p.choice.d, table.value(p.choice.n, p.choice.d),
-                         _provenance(cfg, pair, p, batch, prompts=plans.prompts, tokens=plans.tokens,
-                                     threads=serving.threads, time_budget_s=serving.time_budget_s,
-                                     source=plans.source, overhead_temperature=plans.overhead_temperature)),
-             _result(prof, plans.temperature, p)) for batch, p in plans.picks.items()]
-
-
 def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: Deadline, stages: Stages,
-                  serving: Serving) -> TemperaturePlans:
+                  serving: Serving) -> list[tuple[PlannedTree, TrialResult]]:
     """Temperature ``cfg.temperatures[i]`` within its share of the time left: measure p, DP, then the overhead
     and the measured choice at batch 1 (``plan_buckets``) with as many tokens as fit, the other buckets the
-    model's choice with that overhead. When not even p fits, the built-in
+    model's choice with that overhead; a (plan, result) per bucket. When not even p fits, the built-in
     acceptance vector stands in for it (``source`` BUILTIN_ACCEPTANCE in the provenance): the tree is still
     chosen for this machine's measured t(n) and c, where the built-in plan is chosen for none."""
     temperature = cfg.temperatures[i]
@@ -581,7 +525,10 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
         picks = check_buckets(picks, lambda choices, batch: measure_choices(
             *models, choices, prompts, params.model_copy(update={"max_tokens": MIN_CHOICE_TOKENS}), batch=batch,
             rounds=1), fits=lambda batch: check_seconds(prof, pace, batch, longest) <= end - deadline.elapsed())
-    return TemperaturePlans(temperature, acceptance, table, picks, used, tokens, source)
+    return [(PlannedTree(p.choice.plan, acceptance, p.choice.n, p.choice.d, table.value(p.choice.n, p.choice.d),
+                         _provenance(cfg, pair, p, batch, prompts=used, tokens=tokens, threads=serving.threads,
+                                     time_budget_s=serving.time_budget_s, source=source)),
+             _result(prof, temperature, p)) for batch, p in picks.items()]
 
 
 def check_buckets(picks: dict[int, Picked], measure, fits) -> dict[int, Picked]:

@@ -53,7 +53,6 @@ class Provenance:
     measured_speedup: float | None = None  # the same, run for real (the measured choice)
     candidates: list[dict] | None = None  # every tree measured: n, d, predicted and measured speedup, ...
     overhead: dict | None = None  # the cost model's per-step overhead (hardware.StepOverhead.to_dict())
-    overhead_temperature: float | None = None  # the temperature whose steps measured ``overhead``; None = this plan's
     source: str | None = None  # how the plan was made: "live" = re-planned from live traffic; BUILTIN_ACCEPTANCE =
     # this machine's profile with the built-in acceptance vector (a bounded profile had no time to measure p);
     # None = profiled
@@ -162,11 +161,9 @@ def _provenance(obj: Any, bad) -> Provenance:
         return Provenance()
     if not isinstance(obj, dict) or set(obj) - set(Provenance.__dataclass_fields__):
         raise bad("provenance", f"{obj!r:.80} must be an object with keys {sorted(Provenance.__dataclass_fields__)}")
-    for key in ("temperature", "overhead_temperature"):
-        temp = obj.get(key)
-        if temp is not None and (not isinstance(temp, (int, float)) or isinstance(temp, bool)
-                                 or not math.isfinite(temp) or temp < 0):
-            raise bad(f"provenance.{key}", f"{temp!r} must be a finite number >= 0")
+    temp = obj.get("temperature")
+    if temp is not None and (not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0):
+        raise bad("provenance.temperature", f"{temp!r} must be a finite number >= 0")
     for key in ("draft", "target", "hardware", "dtype", "draft_quantize", "device", "linears", "layers", "source"):
         if obj.get(key) is not None and not isinstance(obj[key], str):
             raise bad(f"provenance.{key}", f"{obj[key]!r} must be a string")

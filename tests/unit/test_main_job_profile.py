@@ -18,8 +18,7 @@ from deployments.launch import SERVED_TEMPERATURES, ensure_plans, missing_temper
 from deployments.service import PlanProvider
 from sequoia_ray import profiling
 from sequoia_ray.config import ProfileJobConfig
-from sequoia_ray.hardware import (BATCH_BUCKETS, NO_OVERHEAD, HardwareProfile, StepOverhead, choose_buckets,
-                                  hardware_id)
+from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, choose_buckets, hardware_id
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.profiling import (BudgetExhausted, Deadline, Serving, bounded_sizes, measure_within,
@@ -27,7 +26,6 @@ from sequoia_ray.profiling import (BudgetExhausted, Deadline, Serving, bounded_s
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_acceptance, builtin_plan
 from sequoia_ray.tree.dp import solve
-from sequoia_ray.tree.plan import expected_tokens
 from sequoia_ray.tree.plan_file import BUILTIN_ACCEPTANCE, PlanFormatError, PlannedTree, Provenance
 
 TINY = {"model_name": "tiny", "draft": "tiny-draft", "target": "tiny-target", "dtype": "float32", "num_cpus": 1,
@@ -508,44 +506,3 @@ def test_prefill_is_each_models_forward_over_the_prompt():
     assert profiling._prefill_s(prof, 16, draft=False) == pytest.approx(0.1 * 2.0)
     assert profiling._prefill_s(prof, 24) == pytest.approx(0.1 * (3.0 + 0.25 + 0.25 * 23 / 31))
     assert profiling._prefill_s(prof, 64) == pytest.approx(0.1 * (8.0 + 1.0))  # twice the largest n: twice
-
-
-# ---- a temperature without time for trees borrows another's overhead --------------------------------------------
-def _temperature_plans(temperature: float, prof: HardwareProfile, overhead) -> profiling.TemperaturePlans:
-    p = AcceptanceVector.from_p([0.6, 0.15, 0.05])
-    table = solve(p, 8, 4)
-    picks = {b: profiling.Picked(best, best, predicted, overhead=overhead)
-             for b, (best, predicted) in choose_buckets(table, prof, (1, 2, 4, 8), overhead or NO_OVERHEAD).items()}
-    return profiling.TemperaturePlans(temperature, p, table, picks, prompts=6, tokens=24)
-
-
-def test_a_temperature_without_a_measured_overhead_is_planned_with_the_nearest_ones():
-    """Free tree tokens and draft levels (``_profile``): without an overhead the model takes a tree at every
-    bucket; with T = 0.6's (a tree step 0.5 target steps dearer a request) the larger buckets serve the target
-    alone, and the T = 0 plans say whose overhead they used."""
-    prof = replace(_profile(), batch_t={b: {b: 1.0, 8 * b: 1.0} for b in (2, 4, 8)},
-                   batch_c={b: {b: 0.0, 8 * b: 0.0} for b in (2, 4, 8)})
-    measured = StepOverhead(alone=(0.0, 0.0), tree=(0.0, 0.5), calls=(0.0, 0.0))
-    far = StepOverhead(alone=(0.0, 0.0), tree=(0.0, 0.01), calls=(0.0, 0.0))
-    planned = [_temperature_plans(0.0, prof, None), _temperature_plans(0.6, prof, measured),
-               _temperature_plans(1.5, prof, far)]
-    assert all(pick.choice.n > 1 for pick in planned[0].picks.values())  # no overhead: trees everywhere
-    out = profiling.borrow_overhead(planned, prof)
-    assert out[1:] == planned[1:]  # measured ones untouched
-    zero = out[0]
-    assert zero.overhead == measured and zero.overhead_temperature == 0.6  # the nearest temperature's (not 1.5's)
-    want = choose_buckets(zero.table, prof, tuple(prof.t), measured)
-    assert {b: p.choice.n for b, p in zero.picks.items()} == {b: best.n for b, (best, _) in want.items()}
-    assert zero.picks[8].choice.n == 1 and zero.picks[1].choice.n > 1
-    # nothing measured anywhere: nothing to borrow
-    assert profiling.borrow_overhead(planned[:1], prof) == planned[:1]
-
-
-def test_a_borrowed_overhead_is_recorded_in_the_provenance():
-    plan, p = builtin_plan().plan, builtin_acceptance(0.0)
-    prov = Provenance(temperature=0.0, overhead={"alone": [0, 0], "tree": [0, 0.5], "calls": [0, 0]},
-                      overhead_temperature=0.6)
-    text = PlannedTree(plan, p, plan.n, plan.num_levels, expected_tokens(plan, p), prov).dumps()
-    assert PlannedTree.loads(text).provenance.overhead_temperature == 0.6
-    with pytest.raises(PlanFormatError, match="provenance.overhead_temperature"):
-        PlannedTree.loads(text.replace('"overhead_temperature": 0.6', '"overhead_temperature": -1'))
