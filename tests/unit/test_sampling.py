@@ -198,3 +198,63 @@ def test_expected_draw_probability_is_the_mean_of_the_next_draw():
             mass = sum(float(q[t]) for t in rest)
             want = sum(float(q[t]) ** 2 for t in rest) / mass if i < 3 else 0.0  # the 4th draw is uniform fallback
             assert got[i] == pytest.approx(want, abs=1e-12), (order, i)
+
+
+# ---- one token from P: the two-level inverse CDF ----------------------------------------------------------------
+def _reference_id(p: torch.Tensor, u: float) -> int:
+    """The spec, over one float64 CDF of the whole vocabulary: the first id whose CDF exceeds u · total."""
+    cdf = torch.cumsum(p.double(), 0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+
+
+@pytest.mark.parametrize("v", [7, 1024, 3000, 5121])
+def test_inverse_cdf_is_the_full_cdfs_inverse_and_never_picks_a_zero(v):
+    from sequoia_ray.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(v)
+    p = torch.rand(v, generator=gen) ** 4  # [V] skewed, with zeros in runs and at block edges
+    p[torch.rand(v, generator=gen) < 0.4] = 0
+    p[: min(v, 3)] = 0
+    p[-1] = 0
+    cdf = torch.cumsum(p.double(), 0)
+    total = float(cdf[-1])
+    us = [0.0, 1 - 1e-16, *torch.rand(400, generator=gen, dtype=torch.float64).tolist()]
+    for u in us:
+        got = inverse_cdf(p, u)
+        assert p[got] > 0, (u, got)
+        gaps = (cdf - u * total).abs()
+        if float(gaps.min()) > 1e-9 * total:  # away from a boundary, where another summation order may round it over
+            assert got == _reference_id(p, u), u
+
+
+def test_a_draw_past_a_blocks_rounded_sum_takes_its_last_positive_id(monkeypatch):
+    from sequoia_ray import sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_BLOCK", 4)
+    p = torch.tensor([0.0, 0.25, 0.0, 0.0, 0.5, 0.0, 0.25, 0.0])  # blocks [0, .25, 0, 0] and [.5, 0, .25, 0]
+    assert sampling.inverse_cdf(p, 0.0) == 1 and sampling.inverse_cdf(p, 0.2499) == 1
+    assert sampling.inverse_cdf(p, 0.25) == 4 and sampling.inverse_cdf(p, 0.7499) == 4
+    assert sampling.inverse_cdf(p, 0.75) == 6 and sampling.inverse_cdf(p, 1 - 1e-16) == 6
+    assert sampling.inverse_cdf(p * 3, 0.5) == 4  # any positive total
+
+
+def test_sample_has_the_law_of_p():
+    """N = 40,000 draws from a P over 2,500 ids (three blocks; mass on 6 ids and a spread tail): each heavy id's
+    frequency within 5 standard errors of its p (a wrong id or block is off by far more), the tail's too, and no
+    draw of an id of probability 0; the same generator state gives the same token."""
+    from sequoia_ray.sampling import sample
+
+    p = torch.zeros(2500)
+    heavy = {3: 0.3, 1023: 0.2, 1024: 0.15, 2047: 0.1, 2048: 0.1, 2499: 0.05}
+    for i, x in heavy.items():
+        p[i] = x
+    p[1500:1600] = 0.1 / 100  # a tail of 0.1 in 100 ids
+    gen, n = torch.Generator().manual_seed(0), 40_000
+    draws = torch.tensor([sample(p, gen) for _ in range(n)])
+    counts = torch.bincount(draws, minlength=2500).double() / n
+    assert (counts[p == 0] == 0).all()
+    for i, x in {**heavy, "tail": 0.1}.items():
+        got = float(counts[1500:1600].sum()) if i == "tail" else float(counts[i])
+        assert abs(got - x) < 5 * math.sqrt(x * (1 - x) / n), (i, got, x)
+    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [sample(p, a) for _ in range(20)] == [sample(p, b) for _ in range(20)]
