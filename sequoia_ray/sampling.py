@@ -177,6 +177,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor | float) -> int:
     if whole < flat.numel():
         masses = torch.cat([masses, flat[whole:].sum(dtype=torch.float64).reshape(1)])
     cdf = masses.cumsum(0)  # [blocks]
+    if not bool(torch.isfinite(cdf[-1])) or float(cdf[-1]) <= 0:
+        raise ValueError(f"cannot draw a token from probabilities summing to {float(cdf[-1])!r}: they must be "
+                         "finite, non-negative and not all 0")
     target = torch.as_tensor(u, dtype=torch.float64, device=flat.device) * cdf[-1]
     b = int(torch.searchsorted(cdf, target.reshape(1), right=True).clamp(max=cdf.numel() - 1))
     block = flat[b * SAMPLE_BLOCK:(b + 1) * SAMPLE_BLOCK]  # [<= B]

@@ -179,3 +179,16 @@ def test_a_subset_draft_head_on_cuda_keeps_the_targets_greedy_tokens():
     assert torch.isneginf(head(torch.randn(2, draft.config.hidden_size, device=CUDA))[:, VOCAB // 2:]).all()
     params = SamplingParams(max_tokens=20, temperature=0.0)
     assert generate(target, draft, k_ary(2, 2), params).token_ids == generate(target, None, chain(0), params).token_ids
+
+
+def test_a_token_drawn_on_cuda_is_the_one_drawn_on_the_cpu():
+    """``sampling.inverse_cdf`` on a CUDA vector (its sums, search and fallback on the device) picks the id the
+    host picks for the same uniform, never one of probability 0."""
+    from sequoia_ray.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.rand(151_936, generator=gen) ** 8  # [V]
+    p[torch.rand(p.numel(), generator=gen) < 0.5] = 0
+    for u in torch.rand(50, generator=gen, dtype=torch.float64).tolist():
+        got = inverse_cdf(p.to(CUDA), u)
+        assert got == inverse_cdf(p, u) and p[got] > 0

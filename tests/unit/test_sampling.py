@@ -238,6 +238,14 @@ def test_a_draw_past_a_blocks_rounded_sum_takes_its_last_positive_id(monkeypatch
     assert sampling.inverse_cdf(p * 3, 0.5) == 4  # any positive total
 
 
+@pytest.mark.parametrize("bad", [torch.zeros(3000), torch.full((5,), float("nan")), torch.tensor([0.5, float("inf")])])
+def test_probabilities_that_sum_to_nothing_usable_are_refused(bad):
+    from sequoia_ray.sampling import inverse_cdf
+
+    with pytest.raises(ValueError, match="cannot draw a token from probabilities summing to"):
+        inverse_cdf(bad, 0.5)
+
+
 def test_sample_has_the_law_of_p():
     """N = 40,000 draws from a P over 2,500 ids (three blocks; mass on 6 ids and a spread tail): each heavy id's
     frequency within 5 standard errors of its p (a wrong id or block is off by far more), the tail's too, and no
