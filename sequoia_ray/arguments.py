@@ -119,7 +119,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantize", choices=["int8"], help=doc("draft_quantize"))
     p.add_argument("--linears", choices=["auto", "packed", "aten"], help=doc("linears"))
     p.add_argument("--layers", choices=["auto", "traced", "eager"], help=doc("layers"))
-    p.add_argument("--draft-vocab", type=vocab_size, help=doc("draft_vocab") + "; 'full' = null")
+    p.add_argument("--draft-vocab", type=vocab_size, help=doc("draft_vocab"))
     p.add_argument("--device", choices=DEVICE_CHOICES, help=doc("device"))
     p.add_argument("--tp-size", type=int, help=doc("tp_size"))
     p.add_argument("--smoke-test", action="store_true", help=ProfileJobConfig.model_fields["smoke_test"].description)
@@ -146,9 +146,7 @@ def _acceptance_files(items: list[str]) -> dict[float, str]:
 
 def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:
     """The validated job config from parsed arguments; bad values raise ValueError naming them."""
-    fields = given(args, _JOB_PLAIN)
-    if fields.get("draft_vocab") == FULL:
-        fields["draft_vocab"] = None
+    fields = given(args, _JOB_PLAIN)  # draft_vocab FULL: the config reads 'full' as the full head itself
     if args.temperatures is not None:
         fields["temperatures"] = _floats(args.temperatures, "temperatures")
     if args.budgets is not None:
