@@ -14,6 +14,7 @@ writes ``benchmarks/results/sampler.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray import sampling  # noqa: E402
+from sequoia_ray import sampling, verify  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.lockstep import ROOT_ONLY, run_lockstep  # noqa: E402
 from sequoia_ray.tree.plan import k_ary  # noqa: E402
@@ -55,6 +56,18 @@ def draw_us(vocab: int, draws: int = 200) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def drawing_with(fn):
+    """``fn`` draws every token from P meanwhile: the verifier's bonus and residual draws (``verify.sample``)
+    and ``verify_node``'s (``sampling.sample``); both put back after."""
+    before = sampling.sample, verify.sample
+    sampling.sample = verify.sample = fn
+    try:
+        yield
+    finally:
+        sampling.sample, verify.sample = before
+
+
 def decode(pair, plans: dict, batches: list[int], rounds: int, max_tokens: int, prompts: list[list[int]]) -> list[dict]:
     """Lockstep runs at T = 0.6, both samplers alternated per round: a row per (batch, plan, sampler)."""
     runs: dict[tuple, list] = {}
@@ -66,14 +79,9 @@ def decode(pair, plans: dict, batches: list[int], rounds: int, max_tokens: int, 
             for name, plan in plans.items():
                 order = list(SAMPLERS) if r % 2 == 0 else list(SAMPLERS)[::-1]
                 for sampler in order:
-                    sampling_sample, verify_sample = sampling.sample, _verify_module().sample
-                    _verify_module().sample = SAMPLERS[sampler]  # the verifier's bonus and residual draws
-                    sampling.sample = SAMPLERS[sampler]  # verify_node's residual draw
-                    try:
+                    with drawing_with(SAMPLERS[sampler]):
                         run = run_lockstep(decoder.target, decoder.draft if plan is not ROOT_ONLY else None, work,
                                            plan, params, seed=r)
-                    finally:
-                        sampling.sample, _verify_module().sample = sampling_sample, verify_sample
                     runs.setdefault((batch, name, sampler), []).append(run)
     rows = []
     for (batch, name, sampler), rs in runs.items():
@@ -84,11 +92,6 @@ def decode(pair, plans: dict, batches: list[int], rounds: int, max_tokens: int, 
                      "tok/step": statistics.mean(r.tokens_per_step for r in rs),
                      "time / multinomial": statistics.median(ratios)})
     return rows
-
-
-def _verify_module():
-    from sequoia_ray import verify
-    return verify
 
 
 def main() -> int:

@@ -59,7 +59,7 @@ def what_ifs(profile: HardwareProfile) -> dict[str, HardwareProfile]:
             "c / 2": replace(profile, c={w: v / 2 for w, v in profile.c.items()}),
             "c / 4": replace(profile, c={w: v / 4 for w, v in profile.c.items()}),
             f"t flat to {FLAT_TO}": replace(profile, t=flat),
-            f"t flat, c / 4": replace(profile, t=flat, c={w: v / 4 for w, v in profile.c.items()})}
+            "t flat, c / 4": replace(profile, t=flat, c={w: v / 4 for w, v in profile.c.items()})}
 
 
 def measured_vectors(pair, temperatures: list[float], tokens: int, width: int) -> dict[tuple[float, str], tuple]:
