@@ -123,8 +123,8 @@ def test_collective_timeout_breaks_the_waiting_rank(server):
     spec = ModelActorSpec("tiny-target", collective_timeout_s=4.0)
     group = TargetGroup(spec, 2, "gloo", ActorResources(num_cpus=0.5))
     try:
-        target = RanksTarget(group.ranks, timeout_s=2.0)
-        target.start("r", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0), 0)
+        RanksTarget(group.ranks, timeout_s=60.0).start("r", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0), 0)
+        target = RanksTarget(group.ranks, timeout_s=2.0)  # the healthy prefill above is not held to 2 s
         stall(group.ranks[1], "verify")
         start = time.monotonic()
         with pytest.raises(TargetUnavailable, match="GetTimeoutError"):

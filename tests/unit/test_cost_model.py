@@ -184,7 +184,9 @@ def test_measured_overhead_is_the_steps_time_outside_the_forwards(models):
     prof = profile(target, draft, hardware="hw", budgets=(1, 2, 4, 8, 16, 32), widths=(1, 2, 4, 8, 16, 32),
                    context=8, repeats=2, batches=(4,))
     plan = from_nested([[[[]], []], [[]], []])
-    m = measure_overhead(target, draft, prof, plan, PROMPTS, SamplingParams(max_tokens=10), repeats=2)
+    # one run a (kind, batch): every step's time outside is under its step's, so the medians keep that order (with
+    # more runs the median outside and the quietest run's step can come from runs at different host speeds)
+    m = measure_overhead(target, draft, prof, plan, PROMPTS, SamplingParams(max_tokens=10), repeats=1)
     assert set(m.outside) == set(m.step_s) == {(k, b) for k in ("alone", "tree") for b in (1, 4)}
     for key, seconds in m.step_s.items():
         assert 0 < m.outside[key] < seconds / prof.target_step_s  # part of the step, never all of it

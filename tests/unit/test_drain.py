@@ -4,6 +4,7 @@ longer: not past its timeout, not for requests no forward serves any more, not f
 from __future__ import annotations
 
 import asyncio
+import time
 
 from deployments.model_deployments import drain
 
@@ -27,8 +28,9 @@ def test_waits_until_the_held_requests_end():
 
 def test_stops_waiting_for_requests_no_forward_serves():
     state, calls = _states((1, 3.0))  # held, but the batcher's busy time never moves: abandoned
+    start = time.monotonic()
     assert asyncio.run(drain(state, 10.0, stall_s=0.1, poll_s=0.01)) == 1
-    assert 5 <= len(calls) <= 20
+    assert 0.1 <= time.monotonic() - start < 5.0 and len(calls) >= 2  # after the stall, long before the timeout
 
 
 def test_stops_at_the_timeout_even_while_requests_progress():

@@ -318,12 +318,13 @@ class _BesidePrefills(_Timed):
 
 def test_steps_beside_another_requests_prefill_are_not_measured():
     """Counting the prefill-slowed steps, the target alone would measure ~32 tokens/s against the tree's ~100
-    and lose; without them it measures ~500 and serves (80 tokens, probes of 2 steps)."""
+    and lose; without them it measures ~500 and serves (80 tokens, probes of 2 steps). The bound is "faster",
+    not a ratio: 2 ms sleeps on a loaded host overshoot by as much again."""
     rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=256, min_steps=2)), _BesidePrefills()
     SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy).generate(
         [1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
     summary = rates.summary()["t0.0-b1"]
-    assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > 2 * summary["tok_s"][TREE], summary
+    assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > summary["tok_s"][TREE], summary
     assert 0 < summary["steps"][ALONE] <= fake.alone_steps // 2  # at most the half not beside a prefill
 
 
@@ -332,7 +333,7 @@ def test_the_engine_measures_cycles_and_moves_to_the_target_alone_when_it_is_fas
     decoder = SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy)
     out = decoder.generate([1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
     summary = rates.summary()["t0.0-b1"]
-    assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > 2 * summary["tok_s"][TREE]
+    assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > summary["tok_s"][TREE], summary
     assert summary["first_step_s"][TREE] > 0 and summary["first_step_s"][ALONE] is None  # its one request's
     steps_alone = out.token_ids.count(6)  # a step of the target alone gives token 6, a tree step 4, 5
     steps_tree = (len(out.token_ids) - steps_alone) // 2
