@@ -1,7 +1,7 @@
 """The plan of each batch-size bucket, predicted and measured in one process: how n and d shrink as B grows.
 
     .venv/bin/python benchmarks/batch_plans.py --plan-store STORE [--batches 1,2,4,8] [--rounds 3]
-        [--max-tokens 48] [--temperature 0]
+        [--max-tokens 48] [--temperature 0] [--no-served-calls]
 
 For each batch size B: the stored plan of B's bucket (its predicted speedup over the target alone at B, from
 the plan's provenance), the B = 1 plan run at B too, and the root-only tree (the target alone, the baseline),
@@ -9,7 +9,10 @@ run for real in lockstep at B (``sequoia_ray.measured_choice.measure_choices``: 
 rounds of B prompts of ``benchmarks/prompts.jsonl``, the same prompts and seeds for every candidate). The
 models are the serving pair as the store's plans were profiled: the default pair, bf16 target, int8 draft,
 ``--threads`` torch threads (2). In process, so without Serve's costs (``benchmarks/load.py`` measures
-those); prints a table and writes ``benchmarks/results/batch-plans.json``.
+those), except the actor calls a served step makes: each timed step is charged the calls the bucket plan's
+prediction included (its provenance's ``overhead.calls``, as the profiler's measured choice charges them), so
+"predicted" and "measured" count the same costs; ``--no-served-calls`` charges none. Prints a table and writes
+``benchmarks/results/batch-plans.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+COLUMNS = ["B", "plan", "n", "d", "predicted", "measured", "tok/s", "tok/step", "calls ms"]
 
 
 def main() -> int:
@@ -32,6 +36,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-served-calls", dest="served_calls", action="store_false",
+                    help="charge no actor calls (default: the calls each bucket plan's prediction counted)")
     ap.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/batch-plans.json)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -39,7 +45,7 @@ def main() -> int:
     import torch
 
     from sequoia_ray.config import SamplingParams
-    from sequoia_ray.hardware import Choice, batch_bucket, hardware_id
+    from sequoia_ray.hardware import Choice, StepOverhead, batch_bucket, hardware_id
     from sequoia_ray.local import LocalPair
     from sequoia_ray.measured_choice import measure_choices
     from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore
@@ -57,6 +63,15 @@ def main() -> int:
             raise SystemExit(f"batch_plans.py: {exc}") from None
 
     plans = {b: stored(b) for b in sorted({1, *batches})}
+
+    def calls_of(planned) -> tuple[float, float]:
+        """(root-only, tree) seconds of a request's served calls that ``planned``'s prediction counted."""
+        overhead = planned.provenance.overhead
+        if not args.served_calls or not overhead:
+            return 0.0, 0.0
+        step_s = store.fetch_profile(hardware).target_step_s
+        return tuple(c * step_s for c in StepOverhead.from_dict(overhead).calls)
+
     pair = LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
     prompts = [pair.target.tokenizer.encode(p.text) for p in load_prompts(HERE / "prompts.jsonl")]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -66,17 +81,19 @@ def main() -> int:
         mine, first = plans[batch], plans[1]
         candidates = [root, mine.plan] + ([first.plan] if first.plan != mine.plan else [])
         choices = [Choice(p.n, p.num_levels, 0.0, 1.0, p, batch=batch) for p in candidates]
+        calls = calls_of(mine)
         measured = measure_choices(pair.target.model, pair.draft.model, choices, prompts, params, batch=batch,
-                                   rounds=args.rounds)
+                                   rounds=args.rounds, calls=calls)
         for m, label in zip(measured, ["target alone", f"bucket {batch_bucket(batch)}'s plan", "B = 1's plan"]):
             predicted = mine.provenance.predicted_speedup if label.startswith("bucket") else None
             rows.append({"B": batch, "plan": label, "n": m.choice.n, "d": m.choice.d,
                          "predicted": predicted if predicted is not None else "-",
                          "measured": round(m.measured_speedup, 3), "tok/s": round(m.tokens_per_s, 2),
-                         "tok/step": round(m.tokens_per_step, 2)})
-        print_table(rows[-len(measured):], ["B", "plan", "n", "d", "predicted", "measured", "tok/s", "tok/step"])
+                         "tok/step": round(m.tokens_per_step, 2),
+                         "calls ms": "%.2f" % (1e3 * calls[int(m.choice.n > 1)])})
+        print_table(rows[-len(measured):], COLUMNS)
     print()
-    print_table(rows, ["B", "plan", "n", "d", "predicted", "measured", "tok/s", "tok/step"])
+    print_table(rows, COLUMNS)
     write_json("batch-plans", {"hardware": hardware, "args": {k: str(v) for k, v in vars(args).items()},
                                "rows": rows}, args.out)
     return 0

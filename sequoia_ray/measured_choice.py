@@ -4,9 +4,16 @@
 target alone, the baseline every speedup is over, and itself a candidate: a batch where speculation does not
 pay serves it) are run for real in lockstep at the batch size (``sequoia_ray.lockstep``), round-robin over
 ``rounds`` rounds — round r decodes prompts r·B, r·B + 1, ... with seed r for every candidate, so they do the
-same work and load drift hits them alike. The measured throughput is the timed steps' tokens over their seconds (the first step, which prefills, is
-not timed);
-the pick is the fastest measured, the prediction only the prior that chose who gets measured.
+same work and load drift hits them alike. The measured throughput is the timed steps' tokens over their seconds
+(the first step, which prefills, is not timed) — plus, for plans that will be served, the actor calls every
+request makes each step (``calls``, from ``actors.call_probe``; lockstep runs make none: a root-only step's one
+call, a tree step's two and the tree between them), as the cost model adds them. The pick is the fastest
+measured, the prediction only the prior that chose who gets measured.
+
+Without the calls a check measures steps Serve does not run: on the 2-core EPYC the bucket-8 tree (n = 2, d = 2)
+measured 1.01-1.03x the target alone in process (session 36) and ran at 0.78x it through Serve. Its calls, 4.24
+ms a request for a tree step against 1.55 ms for a root-only one, take ~4% off its measured speedup there (0.96x
+in process, 0.92x charged, from the same runs; session 37).
 """
 
 from __future__ import annotations
@@ -52,13 +59,19 @@ def top_candidates(candidates: list[Choice], k: int) -> list[Choice]:
 
 
 def measure_choices(target_model, draft_model, choices: list[Choice], prompts: list[list[int]],
-                    params: SamplingParams, *, batch: int, rounds: int) -> list[Measured]:
+                    params: SamplingParams, *, batch: int, rounds: int,
+                    calls: tuple[float, float] = (0.0, 0.0)) -> list[Measured]:
     """Each of ``choices`` (the first must be the root-only tree: the baseline) run for real, ``rounds``
-    rounds round-robin; in the order given."""
+    rounds round-robin; in the order given. ``calls``: (root-only, tree) seconds of a request's actor calls a
+    served step makes, added to every timed step per request (0: measured as in process)."""
     if not choices or choices[0].n != 1:
         raise ValueError("the first choice must be the root-only tree (the baseline speedups are measured over)")
+    if len(calls) != 2 or not all(math.isfinite(c) and c >= 0 for c in calls):
+        raise ValueError(f"calls {calls!r}: give (root-only, tree) seconds a request's step spends in actor calls, "
+                         "each finite and >= 0")
     work = [[prompts[(r * batch + i) % len(prompts)] for i in range(batch)] for r in range(rounds)]
-    runs = {i: _Runs(target_model, draft_model, c.plan, work, params) for i, c in enumerate(choices)}
+    runs = {i: _Runs(target_model, draft_model, c.plan, work, params, calls[int(c.n > 1)])
+            for i, c in enumerate(choices)}
     timed_rounds({i: run.next for i, run in runs.items()}, repeats=rounds, warmup=0)
     base = runs[0].tokens_per_s
     return [Measured(c, runs[i].tokens_per_s / base, runs[i].tokens_per_s, runs[i].tokens_per_step)
@@ -74,9 +87,10 @@ class _Runs:
     """One candidate's runs, one round per call (``timed_rounds`` calls them in turn)."""
 
     def __init__(self, target_model, draft_model, plan: TreePlan, work: list[list[list[int]]],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, call_s: float = 0.0) -> None:
         self.run = functools.partial(run_lockstep, plan=plan, params=params)
         self.target_model, self.draft_model, self.work = target_model, draft_model, work
+        self.call_s = call_s  # seconds of actor calls a request makes each step when served
         self.done: list[LockstepRun] = []
 
     def next(self) -> float:
@@ -86,7 +100,8 @@ class _Runs:
 
     @property
     def tokens_per_s(self) -> float:
-        seconds = sum(run.seconds for run in self.done)
+        """The timed steps' tokens over their seconds, each step charged ``call_s`` for each request in it."""
+        seconds = sum(run.seconds + self.call_s * sum(run.batch) for run in self.done)
         return sum(run.timed_tokens for run in self.done) / seconds if seconds > 0 else math.nan
 
     @property

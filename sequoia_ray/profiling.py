@@ -131,8 +131,8 @@ def plan_buckets(cfg: ProfileJobConfig, pair, prof: HardwareProfile, table, budg
     """Per batch bucket the profile has: the overhead measured on real steps, the model's choice with it, then
     (for ``measured_buckets``, default all) the measured choice among its ``cfg.candidates`` best and the target
     alone, each run at the bucket's batch size with ``params.max_tokens`` tokens in all (at least
-    MIN_CHOICE_TOKENS per request). ``calls``: see ``run_trial``; its times join the overhead (the lockstep
-    runs make no actor calls)."""
+    MIN_CHOICE_TOKENS per request). ``calls``: see ``run_trial``; its times join the overhead and the measured
+    runs' seconds (the lockstep runs make no actor calls)."""
     models = (target_model(pair), pair.draft.model)
     probe, batches = _probe(table, prof, choose(table, prof, budgets)[0])
     overhead = measure_overhead(*models, prof, probe, prompts, params, batches=batches,
@@ -148,10 +148,15 @@ def plan_buckets(cfg: ProfileJobConfig, pair, prof: HardwareProfile, table, budg
             continue
         per_request = params.model_copy(update={"max_tokens": max(MIN_CHOICE_TOKENS, params.max_tokens // batch)})
         measured = measure_choices(*models, top_candidates(predicted, cfg.candidates), prompts, per_request,
-                                   batch=batch, rounds=cfg.measure_rounds)
+                                   batch=batch, rounds=cfg.measure_rounds, calls=served_calls(prof, overhead))
         winner = pick(measured)
         picks[batch] = Picked(winner.choice, best, predicted, winner, tuple(measured), overhead)
     return picks
+
+
+def served_calls(prof: HardwareProfile, overhead: StepOverhead | None) -> tuple[float, float]:
+    """(root-only, tree) seconds of a request's actor calls a served step makes: ``overhead.calls`` in seconds."""
+    return (0.0, 0.0) if overhead is None else tuple(c * prof.target_step_s for c in overhead.calls)
 
 
 def _probe(table, prof: HardwareProfile, first: Choice) -> tuple[TreePlan, tuple[int, ...]]:
@@ -521,10 +526,8 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
         params = SamplingParams(max_tokens=min(ask, cfg.validate_tokens), temperature=temperature)
         picks = plan_buckets(bounded, pair, prof, table, tuple(prof.t), prompts, params, measured_buckets=(1,),
                              calls=serving.calls)
-        models = (target_model(pair), pair.draft.model)
-        picks = check_buckets(picks, lambda choices, batch: measure_choices(
-            *models, choices, prompts, params.model_copy(update={"max_tokens": MIN_CHOICE_TOKENS}), batch=batch,
-            rounds=1), fits=lambda batch: check_seconds(prof, pace, batch, longest) <= end - deadline.elapsed())
+        picks = check_buckets(picks, bucket_check(pair, prof, picks, prompts, params),
+                              fits=lambda batch: check_seconds(prof, pace, batch, longest) <= end - deadline.elapsed())
     return [(PlannedTree(p.choice.plan, acceptance, p.choice.n, p.choice.d, table.value(p.choice.n, p.choice.d),
                          _provenance(cfg, pair, p, batch, prompts=used, tokens=tokens, threads=serving.threads,
                                      time_budget_s=serving.time_budget_s, source=source)),
@@ -555,6 +558,18 @@ def check_buckets(picks: dict[int, Picked], measure, fits) -> dict[int, Picked]:
         if winner.choice.n > 1:
             break
     return out
+
+
+def bucket_check(pair, prof: HardwareProfile, picks: dict[int, Picked], prompts, params: SamplingParams):
+    """``check_buckets``'s ``measure``: one round of MIN_CHOICE_TOKENS a request at the bucket's batch size, each
+    step charged the served actor calls of the bucket's overhead (``served_calls``)."""
+    models = (target_model(pair), pair.draft.model)
+    short = params.model_copy(update={"max_tokens": MIN_CHOICE_TOKENS})
+
+    def measure(choices: list[Choice], batch: int) -> list[Measured]:
+        return measure_choices(*models, choices, prompts, short, batch=batch, rounds=1,
+                               calls=served_calls(prof, picks[batch].overhead))
+    return measure
 
 
 def check_seconds(prof: HardwareProfile, pace: float, batch: int, prompt_len: int) -> float:

@@ -228,6 +228,48 @@ def test_measure_choices_runs_each_tree_and_measures_over_the_target_alone(model
         measure_choices(target, draft, choices[1:], PROMPTS, SamplingParams(max_tokens=8), batch=1, rounds=1)
 
 
+def test_a_measured_run_is_charged_its_served_calls_per_request_and_step():
+    """Two runs' timed steps: 0.1 + 0.1 s holding 2 and 1 requests, 0.3 s holding 3; 4 + 2 + 9 tokens. Each
+    request of each step pays 0.05 s of calls: (4 + 2 + 9) / (0.5 + 0.05 * 6) tokens/s."""
+    from sequoia_ray.lockstep import LockstepRun
+    from sequoia_ray.measured_choice import _Runs
+
+    runs = _Runs(None, None, chain(1), [], SamplingParams(), call_s=0.05)
+    runs.done = [LockstepRun(8, (0.1, 0.1), (2, 1), (4, 2), 2.0), LockstepRun(12, (0.3,), (3,), (9,), 3.0)]
+    assert runs.tokens_per_s == pytest.approx(15 / 0.8)
+    runs.call_s = 0.0
+    assert runs.tokens_per_s == pytest.approx(15 / 0.5)
+
+
+@pytest.mark.parametrize("calls", [(0.0,), (-0.001, 0.0), (0.0, math.nan), (0.0, math.inf)])
+def test_measure_choices_refuses_unusable_call_times(models, calls):
+    target, draft = models
+    _, candidates = choose(TABLE, flat(), (1, 2, 4, 8))
+    with pytest.raises(ValueError, match="actor calls"):
+        measure_choices(target, draft, top_candidates(candidates, 1), PROMPTS, SamplingParams(max_tokens=8), batch=1,
+                        rounds=1, calls=calls)
+
+
+def test_served_calls_dear_enough_make_the_measured_choice_the_target_alone(tmp_path):
+    """A tree's served step charged 5 s of calls a request (the target alone's: none): a tree step keeps at most
+    d + 1 tokens, so every tree measured runs at most (d + 1) / 5 tokens/s, and the measured choice at batch 1 is
+    the target alone, whatever the model predicted (in process the tiny agreeing pair's trees run hundreds of
+    tokens/s)."""
+    from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray.local import LocalPair
+    from sequoia_ray.profiling import plan_buckets
+
+    pair = LocalPair.tiny(device="cpu")
+    prof = profile(pair.target.model, pair.draft.model, hardware="hw", budgets=(1, 2, 4, 8, 16), widths=(1, 2, 4, 8, 16),
+                   context=8, repeats=2, batches=(2,))
+    cfg = ProfileJobConfig(storage=str(tmp_path), candidates=1, measure_rounds=1)
+    picks = plan_buckets(cfg, pair, prof, TABLE, (1, 2, 4, 8, 16), PROMPTS, SamplingParams(max_tokens=8),
+                         measured_buckets=(1,), calls=lambda plan, *, sampled: (0.0, 5.0))
+    trees = [m for m in picks[1].candidates if m.choice.n > 1]
+    assert trees and all(m.tokens_per_s <= (m.choice.d + 1) / 5.0 for m in trees), picks[1].candidates
+    assert picks[1].choice.n == 1 and picks[1].measured.choice.n == 1
+
+
 def test_plan_buckets_measures_the_overhead_and_adds_the_served_calls(tmp_path):
     from sequoia_ray.config import ProfileJobConfig
     from sequoia_ray.local import LocalPair

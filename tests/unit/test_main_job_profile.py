@@ -10,6 +10,7 @@ import json
 import math
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +18,7 @@ from deployments.config import ServeConfig
 from deployments.launch import SERVED_TEMPERATURES, ensure_plans, missing_temperatures, serving_hardware_id
 from deployments.service import PlanProvider
 from sequoia_ray import profiling
-from sequoia_ray.config import ProfileJobConfig
+from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, choose_buckets, hardware_id
 from sequoia_ray.local import LocalPair
 from sequoia_ray.plan_store import PlanKey, PlanStore
@@ -489,6 +490,24 @@ def test_a_check_that_does_not_fit_is_skipped_and_a_smaller_one_still_runs():
     assert [b for b, _ in calls] == [4, 2]
     assert out[8].measured is None and out[8].choice.n == 2  # unmeasured: the model's pick stays
     assert out[4].choice.n == 1 and out[2].choice.n == 6
+
+
+def test_a_bucket_check_charges_the_buckets_served_calls(monkeypatch):
+    """``bucket_check`` measures at the bucket's batch size, one round of MIN_CHOICE_TOKENS a request, each step
+    charged the calls of the bucket's overhead in seconds (target steps x the profile's step time)."""
+    from sequoia_ray.hardware import StepOverhead
+
+    seen = []
+    monkeypatch.setattr(profiling, "measure_choices", lambda *args, **kw: seen.append((args[2:], kw)) or ["m"])
+    picks = _bucket_picks()
+    picks[8] = replace(picks[8], overhead=StepOverhead(calls=(0.01, 0.03)))
+    pair = SimpleNamespace(target=SimpleNamespace(model="target"), draft=SimpleNamespace(model="draft"))
+    measure = profiling.bucket_check(pair, _profile(step_s=0.5), picks, ["prompts"], SamplingParams(max_tokens=99))
+    assert measure(["choices"], 8) == ["m"] and measure(["choices"], 4) == ["m"]
+    (args8, kw8), (_, kw4) = seen
+    assert args8[:2] == (["choices"], ["prompts"]) and args8[2].max_tokens == profiling.MIN_CHOICE_TOKENS
+    assert (kw8["batch"], kw8["rounds"], kw8["calls"]) == (8, 1, pytest.approx((0.005, 0.015)))
+    assert (kw4["batch"], kw4["calls"]) == (4, (0.0, 0.0))  # no overhead measured for it: measured as in process
 
 
 def test_check_seconds_counts_prefills_and_both_runs():
