@@ -49,7 +49,7 @@ from sequoia_ray.plan_store import PlanStore  # noqa: E402
 from sequoia_ray.profiling import profile_prompts  # noqa: E402
 from sequoia_ray.prompts import Prompt  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
-from sequoia_ray.tree.plan import chain  # noqa: E402
+from sequoia_ray.tree.plan import carried_leaf, chain  # noqa: E402
 from sequoia_ray.tree.plan_file import PlannedTree, Provenance  # noqa: E402
 
 COLUMNS = ["store", "T", "tree", "G", "tok/step", "G err", "step", "measured step", "step err", "predicted",
@@ -86,7 +86,8 @@ def rows_of(uri: str) -> list[dict]:
         alone = profile.step_cost(chain(0), 1, overhead)
         for c in measured:
             G = table.value(c["n"], c["d"])
-            step = profile.step_cost(table.tree(c["n"], c["d"]), 1, overhead) / alone
+            tree = table.tree(c["n"], c["d"])
+            step = profile.step_cost(tree, 1, overhead, carried_leaf(tree, planned.acceptance)) / alone
             measured_step = c["tokens_per_step"] / c["measured_speedup"]
             rows.append({"store": uri, "T": prov.temperature, "tree": f"n={c['n']} d={c['d']}", "G": G,
                          "tok/step": c["tokens_per_step"], "G err": c["tokens_per_step"] / G - 1, "step": step,

@@ -31,7 +31,7 @@ from common import print_table, write_json  # noqa: E402
 from sequoia_ray.hardware import HardwareProfile, choose  # noqa: E402
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
-from sequoia_ray.tree.plan import chain, expected_tokens  # noqa: E402
+from sequoia_ray.tree.plan import carried_leaf, chain, expected_tokens  # noqa: E402
 
 FLAT_TO = 64  # "GPU-like": a target forward of up to this many tokens costs what one token costs
 
@@ -39,8 +39,10 @@ FLAT_TO = 64  # "GPU-like": a target forward of up to this many tokens costs wha
 def best_chain(p: AcceptanceVector, profile: HardwareProfile, max_nodes: int) -> tuple[int, float, float]:
     """(k, G, predicted speedup) of the fastest chain of k draft tokens, k < ``max_nodes``, at batch 1."""
     alone = profile.step_cost(chain(0))
-    return max(((k, expected_tokens(chain(k), p), expected_tokens(chain(k), p) * alone / profile.step_cost(chain(k)))
-                for k in range(max_nodes)), key=lambda row: row[2])
+
+    def speedup(k: int) -> float:
+        return expected_tokens(chain(k), p) * alone / profile.step_cost(chain(k), carried=carried_leaf(chain(k), p))
+    return max(((k, expected_tokens(chain(k), p), speedup(k)) for k in range(max_nodes)), key=lambda row: row[2])
 
 
 def compare(p: AcceptanceVector, profile: HardwareProfile, max_nodes: int, max_depth: int) -> dict:

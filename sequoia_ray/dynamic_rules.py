@@ -23,7 +23,7 @@ from collections.abc import Callable
 from sequoia_ray.draft import DynamicTrees
 from sequoia_ray.hardware import NO_OVERHEAD, HardwareProfile, ProfileError, StepOverhead, batch_bucket
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
-from sequoia_ray.tree.plan import TreePlan, expected_tokens
+from sequoia_ray.tree.plan import TreePlan, carried_leaf, expected_tokens
 from sequoia_ray.tree.plan_file import PlannedTree
 
 MAX_EXTEND = 16
@@ -73,7 +73,7 @@ class DynamicRules:
                overhead: StepOverhead) -> DynamicTrees | None:
         prof, tokens = self.profile, batch * plan.n
         try:
-            step = prof.step_cost(plan, batch, overhead)
+            step = prof.step_cost(plan, batch, overhead, carried_leaf(plan, acceptance))
         except ProfileError as exc:
             logger.info("no dynamic rule for a tree of %d nodes at batch %d: %s", plan.n, batch, exc)
             return None

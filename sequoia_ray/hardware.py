@@ -67,7 +67,7 @@ from sequoia_ray.devices import synchronize
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.models.tree_lm import KVSession
 from sequoia_ray.tree.dp import DPTable
-from sequoia_ray.tree.plan import TreePlan, chain
+from sequoia_ray.tree.plan import TreePlan, carried_leaf, chain
 
 logger = logging.getLogger(__name__)
 
@@ -152,22 +152,25 @@ class HardwareProfile:
             return self.t_of(tokens)
         return _batched(self._bucket(self.batch_t, batch, "batch_t"), self.t, tokens, f"T_{batch}(tokens)")
 
-    def level_cost(self, batch: int, width: int) -> float:
+    def level_cost(self, batch: int, width: float) -> float:
         """C_B: one draft forward over a level ``width`` nodes wide across ``batch`` requests, in target steps."""
         if batch == 1 or not self.batch_c:
             return self.c_of(width)
         return _batched(self._bucket(self.batch_c, batch, "batch_c"), self.c, width, f"C_{batch}(width)")
 
-    def draft_cost(self, plan: TreePlan, batch: int = 1) -> float:
+    def draft_cost(self, plan: TreePlan, batch: int = 1, carried: float = 0.0) -> float:
         """Draft forwards for ``plan`` (in each of ``batch`` requests) in target steps: one per level, over
-        that level's inner nodes."""
+        that level's inner nodes; the first level also over the ``carried`` tokens a request brings from its
+        last tree (``tree.plan.carried_leaf``: an accepted leaf, whose K/V the draft never made)."""
         inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
-        return sum(self.level_cost(batch, batch * i) for i in inner if i)
+        widths = [i + carried * (k == 0) for k, i in enumerate(inner)]
+        return sum(self.level_cost(batch, batch * w) for w in widths if w)
 
-    def step_cost(self, plan: TreePlan, batch: int = 1, overhead: StepOverhead = NO_OVERHEAD) -> float:
-        """step(B, n, d): verify ``batch`` trees of ``plan`` in one target forward, grow them level by level,
-        plus the step's ``overhead``."""
-        forwards = self.target_cost(batch, batch * plan.n) + self.draft_cost(plan, batch)
+    def step_cost(self, plan: TreePlan, batch: int = 1, overhead: StepOverhead = NO_OVERHEAD,
+                  carried: float = 0.0) -> float:
+        """step(B, n, d): verify ``batch`` trees of ``plan`` in one target forward, grow them level by level
+        (the first level with the ``carried`` tokens, see ``draft_cost``), plus the step's ``overhead``."""
+        forwards = self.target_cost(batch, batch * plan.n) + self.draft_cost(plan, batch, carried)
         return forwards + overhead.of(batch, plan.n > 1)
 
     def max_tokens(self, batch: int) -> int:
@@ -275,6 +278,7 @@ class Choice:
     plan: TreePlan
     batch: int = 1  # the batch bucket B it was chosen for
     step_cost: float = math.nan  # step(B, n, d) in target steps (one target token's time)
+    carried: float = 0.0  # tokens a request's first draft level carries from its last tree (carried_leaf)
 
     @property
     def throughput(self) -> float:
@@ -297,9 +301,10 @@ def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS, ba
     for n in sorted({b for b in budgets if b <= max_n} | {1}):
         for d in range(1, table.max_depth + 1):
             plan = table.tree(n, d)
-            cost = profile.step_cost(plan, batch, overhead)
+            carried = carried_leaf(plan, table.acceptance)
+            cost = profile.step_cost(plan, batch, overhead, carried)
             value = table.value(n, d)
-            candidates.append(Choice(n, d, value, value * alone / cost, plan, batch, cost))
+            candidates.append(Choice(n, d, value, value * alone / cost, plan, batch, cost, carried))
     best = max(candidates, key=lambda c: (round(c.predicted_speedup, 12), -c.n, -c.d))
     return best, candidates
 

@@ -86,7 +86,8 @@ def measured_row(pair, prof: HardwareProfile, best: Choice, one: Choice, args) -
 def _predicted_speedup(prof: HardwareProfile, choice: Choice, batch: int) -> float:
     """``choice``'s tree at ``batch``: nan when B·n is beyond what the profile timed at that batch."""
     try:
-        return choice.expected_tokens * prof.step_cost(chain(0), batch) / prof.step_cost(choice.plan, batch)
+        return (choice.expected_tokens * prof.step_cost(chain(0), batch)
+                / prof.step_cost(choice.plan, batch, carried=choice.carried))
     except ProfileError:
         return float("nan")
 

@@ -101,8 +101,8 @@ def _validate_parents(parents: tuple[int, ...]) -> None:
             )
 
 
-def expected_tokens(plan: TreePlan, acceptance: AcceptanceVector) -> float:
-    """F(T): expected tokens per target call (accepted + bonus) if the draft follows ``acceptance``."""
+def reach(plan: TreePlan, acceptance: AcceptanceVector) -> np.ndarray:  # [n] float64
+    """The probability that each node is accepted (the root's: 1) if the draft follows ``acceptance``."""
     value = np.zeros(plan.n)
     value[0] = 1.0
     for i in range(1, plan.n):
@@ -110,7 +110,23 @@ def expected_tokens(plan: TreePlan, acceptance: AcceptanceVector) -> float:
         row = acceptance.row(plan.depth[parent])
         k = plan.rank[i]
         value[i] = value[parent] * (row[k - 1] if k <= len(row) else 0.0)
-    return float(np.sum(value))
+    return value
+
+
+def expected_tokens(plan: TreePlan, acceptance: AcceptanceVector) -> float:
+    """F(T): expected tokens per target call (accepted + bonus) if the draft follows ``acceptance``."""
+    return float(np.sum(reach(plan, acceptance)))
+
+
+def carried_leaf(plan: TreePlan, acceptance: AcceptanceVector) -> float:
+    """Expected tokens a request's next draft step forwards beside its new root: the accepted path's last node
+    when that is a leaf of ``plan``. The draft forwards only inner nodes while it grows a tree, so an accepted
+    inner node's K/V are cached and an accepted leaf's are not: the probability that the path ends at a leaf
+    below the root (0 for the root-only tree, which runs no draft)."""
+    if plan.n == 1:
+        return 0.0
+    value = reach(plan, acceptance)
+    return float(sum(value[i] for i in range(1, plan.n) if not plan.children[i]))
 
 
 # ---- builders and baselines ------------------------------------------------------------------

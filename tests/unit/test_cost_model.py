@@ -15,7 +15,7 @@ from sequoia_ray.measured_choice import Measured, measure_choices, pick, top_can
 from sequoia_ray.overhead import fit_linear, measure_overhead
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
-from sequoia_ray.tree.plan import chain, from_nested
+from sequoia_ray.tree.plan import carried_leaf, chain, from_nested
 from tests.tiny import agreeing_pair
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
@@ -54,7 +54,9 @@ def test_a_tree_overhead_moves_the_choice_to_smaller_trees_and_the_prediction_do
     costly, _ = choose(TABLE, prof, BUDGETS, overhead=StepOverhead(tree=(0.5, 0.0)))
     assert free.n > 1 and costly.predicted_speedup < free.predicted_speedup
     # with the overhead, the predicted speedup is G·(1 + O_alone) / (forwards + O_tree): recomputed by hand
-    forwards = prof.step_cost(costly.plan)
+    # (the first draft level carries the last tree's accepted leaf: carried_leaf)
+    assert costly.carried == pytest.approx(carried_leaf(costly.plan, TABLE.acceptance)) and costly.carried > 0
+    forwards = prof.step_cost(costly.plan, carried=costly.carried)
     assert costly.predicted_speedup == pytest.approx(costly.expected_tokens / (forwards + 0.5))
 
 

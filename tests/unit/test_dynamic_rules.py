@@ -12,7 +12,7 @@ from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.hardware import HardwareProfile, StepOverhead
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
-from sequoia_ray.tree.plan import chain, expected_tokens, k_ary
+from sequoia_ray.tree.plan import carried_leaf, chain, expected_tokens, k_ary
 from sequoia_ray.tree.planning import plan_for
 from sequoia_ray.tree.plan_file import Provenance
 from tests.tiny import noisy_copy, sharpen, tiny_model
@@ -27,12 +27,14 @@ def profile(**batch) -> HardwareProfile:
 
 
 def test_at_batch_one_the_thresholds_are_the_cost_models():
-    """k_ary(2, 2): 7 nodes, inner levels 1 and 2 nodes wide. G = 1 + 0.9 + (0.7 + 0.2)·0.9 = 2.71;
-    S = t(7) + c(1) + c(2) + overhead = 1.35 + 0.64 + (0.5 + 0.1) = 2.59; delta = t(8) - t(7) = 0.05; c(1) = 0.3."""
+    """k_ary(2, 2): 7 nodes, inner levels 1 and 2 nodes wide. G = 1 + 0.9 + (0.7 + 0.2)·0.9 = 2.71; the four
+    leaves are accepted with 0.9·0.9 = 0.81 in all, tokens the first draft level carries besides the root;
+    S = t(7) + c(1.81) + c(2) + overhead = 1.35 + 0.3324 + 0.34 + (0.5 + 0.1) = 2.6224; delta = t(8) - t(7) =
+    0.05; c(1) = 0.3."""
     plan, overhead = k_ary(2, 2), StepOverhead(tree=(0.5, 0.1), alone=(9.0, 9.0))
     assert expected_tokens(plan, P) == pytest.approx(2.71)
     rule = DynamicRules(profile(), extend=3).rule(plan, 1, P, overhead)
-    per_cost = 2.71 / 2.59
+    per_cost = 2.71 / 2.6224
     assert rule.threshold == pytest.approx(per_cost * 0.05)
     assert rule.level_threshold == pytest.approx(per_cost * 0.3)
     assert rule.extend_bound == pytest.approx(per_cost * 0.35) and rule.extend == 3
@@ -40,12 +42,13 @@ def test_at_batch_one_the_thresholds_are_the_cost_models():
 
 def test_in_a_batch_the_step_is_the_batchs_and_a_level_is_shared():
     """B = 2, k_ary(2, 1): 6 tokens in the batch's forward, T_2(6) = 1.225 and delta = T_2(7) - T_2(6) = 0.0375;
-    one draft level 2 nodes wide across the batch, C_2(2) = 0.32, a request's share 0.16; G = 1.9 a request."""
+    one draft level, a root and 0.9 carried leaves a request: 3.8 nodes wide across the batch, C_2(3.8) = 0.374;
+    a level of a node a request C_2(2) = 0.32, a request's share 0.16; G = 1.9 a request."""
     prof = profile(batch_t={2: {2: 1.05, 4: 1.15, 8: 1.3, 16: 1.7, 32: 2.6}},
                    batch_c={2: {2: 0.32, 4: 0.38, 8: 0.45, 16: 0.6, 32: 0.8}})
     rules = DynamicRules(prof)
     rule = rules.rule(k_ary(2, 1), 2, P)
-    per_cost = 2 * 1.9 / (1.225 + 0.32)
+    per_cost = 2 * 1.9 / (1.225 + 0.374)
     assert rule.threshold == pytest.approx(per_cost * 0.0375)
     assert rule.level_threshold == pytest.approx(per_cost * 0.16) and rule.extend == 0
     assert rules.rule(k_ary(2, 1), 3, P) is rule  # batch 3 runs bucket 2's costs; computed once
@@ -56,7 +59,7 @@ def test_the_largest_profiled_tree_takes_the_slope_below_it_and_root_only_has_no
     plan = plan_for(P, 16, 6)[0].plan
     assert plan.n == 16
     rule = rules.rule(plan, 1, P)
-    per_cost = expected_tokens(plan, P) / profile().step_cost(plan)
+    per_cost = expected_tokens(plan, P) / profile().step_cost(plan, carried=carried_leaf(plan, P))
     assert rule.threshold == pytest.approx(per_cost * (1.8 - 1.4) / 8)  # t(16) - t(15)
     assert rules.rule(chain(0), 1, P) is None
     other = AcceptanceVector.from_p([0.3, 0.2])

@@ -115,13 +115,23 @@ def batched(per_token: float, fixed: float = 1.0, draft: float = 0.05) -> Hardwa
 
 
 def by_hand(table, prof, batch, n, d) -> float:
-    """B·G / step(B, n, d) from the profile's tables, level by level (no helper of the module)."""
+    """B·G / step(B, n, d) from the profile's tables, level by level (no helper of the module); the first level
+    also forwards the last tree's accepted leaf: the chance the accepted path ends at a leaf below the root."""
     plan = table.tree(n, d)
+    p = table.acceptance
+
+    def accepted(node: int) -> float:
+        if node == 0:
+            return 1.0
+        parent = plan.parents[node]
+        return accepted(parent) * p.row(plan.depth[parent])[plan.rank[node] - 1]
+
+    carried = sum(accepted(i) for i in range(1, plan.n) if not plan.children[i])
     step = prof.target_cost(batch, batch * plan.n)
-    for level in plan.levels:
+    for k, level in enumerate(plan.levels):
         inner = sum(1 for node in level if plan.children[node])
         if inner:
-            step += prof.level_cost(batch, batch * inner)
+            step += prof.level_cost(batch, batch * (inner + (carried if k == 0 else 0)))
     return batch * table.value(n, d) / step
 
 
@@ -254,3 +264,19 @@ def test_profile_takes_each_forward_at_its_fastest_repeat(monkeypatch):
     assert prof.noise == pytest.approx(hw.relative_noise(samples))
     assert prof.drift == pytest.approx(hw.round_drift(samples))
     assert hw.quiet([0.3, 0.1, 0.2]) == 0.1 and hw.quiet(iter([2.0, 1.5])) == 1.5
+
+
+def test_the_carried_leaf_can_make_the_target_alone_the_choice():
+    """A dear draft level of two tokens (c(1) = 0.3, c(2) = 1.0) and a flat target: the one-token chain's G is 1.5
+    for 1.3 target steps without its carried leaf (1.15x), but its leaf, accepted half the time, widens the next
+    step's first draft level to 1.5 tokens: c(1.5) = 0.65, 1.5 / 1.65 = 0.91x. The target alone is chosen."""
+    table = solve(AcceptanceVector.from_p([0.5]), 8, 4)
+    prof = HardwareProfile("test-hw", {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, {1: 0.3, 2: 1.0, 4: 2.0, 8: 4.0}, 0.1, 64,
+                           "float32")
+    one = table.tree(2, 2)
+    assert table.value(2, 2) / prof.step_cost(one) == pytest.approx(1.5 / 1.3)  # without the carried leaf
+    best, candidates = choose(table, prof, (1, 2, 4, 8))
+    chain_one = next(c for c in candidates if c.plan == one)
+    assert chain_one.carried == pytest.approx(0.5) and chain_one.step_cost == pytest.approx(1.65)
+    assert chain_one.predicted_speedup == pytest.approx(1.5 / 1.65)
+    assert (best.n, best.predicted_speedup) == (1, 1.0)

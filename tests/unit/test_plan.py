@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector
-from sequoia_ray.tree.plan import PlanError, TreePlan, chain, expected_tokens, from_nested, k_ary, specinfer
+from sequoia_ray.tree.plan import (PlanError, TreePlan, carried_leaf, chain, expected_tokens, from_nested, k_ary, reach,
+                                   specinfer)
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree, Provenance
 from sequoia_ray.tree.planning import plan_for
 
@@ -143,3 +144,17 @@ def test_acceptance_parse_forms(tmp_path):
     with pytest.raises(AcceptanceError, match="does not exist"):
         AcceptanceVector.parse(str(tmp_path / "missing.json"))
     assert math.isclose(sum(AcceptanceVector.parse("0.3,0.3,0.4").rows[0]), 1.0)
+
+
+def test_the_carried_leaf_is_the_chance_the_accepted_path_ends_at_a_leaf():
+    """The draft forwards inner nodes only, so the next step's first draft forward also carries the accepted leaf:
+    a chain of 2 with p[1] = 0.8 ends at its leaf with 0.8 x 0.8; a root with two leaf children with p[1] + p[2];
+    k_ary(2, 2) with (p[1] + p[2])^2 (its four leaves); the root-only tree runs no draft."""
+    p = AcceptanceVector.from_p([0.8, 0.1])
+    assert carried_leaf(chain(2), p) == pytest.approx(0.64)
+    assert carried_leaf(k_ary(2, 1), p) == pytest.approx(0.9)
+    assert carried_leaf(k_ary(2, 2), p) == pytest.approx(0.81)
+    assert carried_leaf(chain(0), p) == 0.0
+    # reach is what expected_tokens sums: G = 1 + 0.8 + 0.64 for the chain of 2
+    assert reach(chain(2), p).tolist() == pytest.approx([1.0, 0.8, 0.64])
+    assert expected_tokens(chain(2), p) == pytest.approx(2.44)
