@@ -525,3 +525,28 @@ def test_prefill_is_each_models_forward_over_the_prompt():
     assert profiling._prefill_s(prof, 16, draft=False) == pytest.approx(0.1 * 2.0)
     assert profiling._prefill_s(prof, 24) == pytest.approx(0.1 * (3.0 + 0.25 + 0.25 * 23 / 31))
     assert profiling._prefill_s(prof, 64) == pytest.approx(0.1 * (8.0 + 1.0))  # twice the largest n: twice
+
+
+def test_unmeasured_picks_charge_the_served_calls_when_they_can_be_timed():
+    """No time to run trees: the model's choice per bucket, charged the actor calls a served step makes, timed on
+    the overhead's probe tree. 0.5 target steps of calls a request for a tree step (the target alone's: none):
+    uncharged, buckets 1-8 speculate (16 cannot: 16 tokens profiled); charged, every tree predicts less and bucket
+    8 serves the target alone."""
+    table = solve(AcceptanceVector.from_p([0.9, 0.05]), 16, 6)
+    prof = HardwareProfile("cpu-x-2c", {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1, 16: 1.2}, {1: 0.05, 16: 0.1}, 1.0, 64,
+                           "float32")
+    seen = []
+
+    def calls(plan, *, sampled):
+        seen.append((plan.n, sampled))
+        return 0.0, 0.5
+
+    free = profiling.unmeasured_picks(table, prof, (1, 2, 4, 8, 16), sampled=False)
+    charged = profiling.unmeasured_picks(table, prof, (1, 2, 4, 8, 16), calls=calls, sampled=True)
+    assert all(p.overhead is None for p in free.values()) and [free[b].choice.n > 1 for b in BATCH_BUCKETS] == [
+        True, True, True, True, False]
+    probe, _ = profiling._probe(table, prof, free[1].choice)  # the model's batch-1 tree, if the overhead batches fit it
+    assert seen == [(probe.n, True)]  # timed once
+    assert all(p.overhead.calls == (0.0, 0.5) and p.measured is None for p in charged.values())
+    assert all(charged[b].choice.predicted_speedup < free[b].choice.predicted_speedup for b in (1, 2, 4, 8))
+    assert charged[8].choice.n == 1 and charged[4].choice.n > 1
