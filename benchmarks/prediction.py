@@ -108,13 +108,15 @@ def load_as_recorded(prov: Provenance) -> LocalPair:
 
 
 def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: int, hardware: str,
-                 load=load_as_recorded) -> list[dict]:
+                 load=load_as_recorded, served_calls: bool = True) -> list[dict]:
     """Every latest batch-1 plan of ``uri`` for ``hardware`` whose tree is more than the root, run against the
     target alone on all ``prompts`` ``repeats`` times (see the module docstring); ``load(provenance)`` gives the
-    pair (one load per configuration)."""
+    pair (one load per configuration). With ``served_calls`` each step is charged the served actor calls the
+    plan's prediction counted (its provenance's ``overhead.calls``), as the profiler's measured choice is."""
+    store = PlanStore(uri)
     pairs: dict[tuple, LocalPair] = {}
     rows = []
-    for planned in latest_batch_one(PlanStore(uri)):
+    for planned in latest_batch_one(store):
         prov = planned.provenance
         if prov.hardware != hardware:
             print(f"skipped the T = {prov.temperature} plan of {prov.hardware}: this machine is {hardware}")
@@ -131,8 +133,12 @@ def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: i
         n, d = planned.budget, planned.max_depth or planned.plan.num_levels
         root = Choice(1, 1, 1.0, 1.0, ROOT_ONLY)
         tree = Choice(n, d, planned.expected_tokens, prov.predicted_speedup or math.nan, planned.plan)
+        calls = (0.0, 0.0)
+        if served_calls and prov.overhead:
+            step_s = store.fetch_profile(prov.hardware).target_step_s
+            calls = tuple(c * step_s for c in StepOverhead.from_dict(prov.overhead).calls)
         runs = [measure_choices(pair.target.model, pair.draft.model, [root, tree], ids, params, batch=1,
-                                rounds=len(ids))[1] for _ in range(repeats)]
+                                rounds=len(ids), calls=calls)[1] for _ in range(repeats)]
         speedups = [m.measured_speedup for m in runs]
         measured = statistics.median(speedups)
         rows.append({"store": uri, "T": prov.temperature, "tree": f"n={n} d={d}",
@@ -140,7 +146,8 @@ def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: i
                      "G": planned.expected_tokens, "tok/step": statistics.mean(m.tokens_per_step for m in runs),
                      "predicted": tree.predicted_speedup, "profile": prov.measured_speedup, "measured": measured,
                      "lo": min(speedups), "hi": max(speedups), "err": tree.predicted_speedup / measured - 1,
-                     "repeats": speedups, "prompts": len(ids), "max tokens": max_tokens})
+                     "repeats": speedups, "prompts": len(ids), "max tokens": max_tokens,
+                     "calls ms": [round(1e3 * c, 3) for c in calls]})
     return rows
 
 
@@ -148,7 +155,8 @@ def measure_main(args) -> None:
     prompts = profile_prompts(ProfileJobConfig(storage="unused", prompts=args.prompts, max_prompts=args.max_prompts))
     hardware = hardware_id()
     rows = [row for uri in args.stores
-            for row in measure_rows(uri, prompts, repeats=args.repeats, max_tokens=args.max_tokens, hardware=hardware)]
+            for row in measure_rows(uri, prompts, repeats=args.repeats, max_tokens=args.max_tokens, hardware=hardware,
+                                   served_calls=args.served_calls)]
     if not rows:
         raise SystemExit(f"prediction.py --measure: no batch-1 tree plan for this machine ({hardware}) in the stores")
     print_table(rows, MEASURE_COLUMNS)
@@ -167,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", help="--measure: a prompt file (default: the profiler's built-in set)")
     ap.add_argument("--max-prompts", type=int, default=6, help="--measure: prompts used (the profiler's default)")
     ap.add_argument("--max-tokens", type=int, default=48, help="--measure: tokens a prompt (the profiler's default)")
+    ap.add_argument("--no-served-calls", dest="served_calls", action="store_false",
+                    help="--measure: charge no actor calls (default: the calls each plan's prediction counted)")
     args = ap.parse_args(argv)
     if args.measure:
         measure_main(args)

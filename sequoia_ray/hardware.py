@@ -163,7 +163,7 @@ class HardwareProfile:
         that level's inner nodes; the first level also over the ``carried`` tokens a request brings from its
         last tree (``tree.plan.carried_leaf``: an accepted leaf, whose K/V the draft never made)."""
         inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
-        widths = [i + carried * (k == 0) for k, i in enumerate(inner)]
+        widths = [i + carried * (k == 0 and i > 0) for k, i in enumerate(inner)]  # a root-only tree: no draft
         return sum(self.level_cost(batch, batch * w) for w in widths if w)
 
     def step_cost(self, plan: TreePlan, batch: int = 1, overhead: StepOverhead = NO_OVERHEAD,

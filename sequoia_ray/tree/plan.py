@@ -122,7 +122,10 @@ def carried_leaf(plan: TreePlan, acceptance: AcceptanceVector) -> float:
     """Expected tokens a request's next draft step forwards beside its new root: the accepted path's last node
     when that is a leaf of ``plan``. The draft forwards only inner nodes while it grows a tree, so an accepted
     inner node's K/V are cached and an accepted leaf's are not: the probability that the path ends at a leaf
-    below the root (0 for the root-only tree, which runs no draft)."""
+    below the root (0 for the root-only tree, which runs no draft). Exact for a static tree in steady state;
+    not counted: a dynamic tree's pruned nodes and extension leaves (more unforwarded leaves than the plan's),
+    and what a request carries after steps of the target alone (its first step, a failed draft, a switch of the
+    live cost), which the draft forwards all at once in its next tree step."""
     if plan.n == 1:
         return 0.0
     value = reach(plan, acceptance)

@@ -252,12 +252,13 @@ def test_measure_choices_refuses_unusable_call_times(models, calls):
                         rounds=1, calls=calls)
 
 
-def test_served_calls_dear_enough_make_the_measured_choice_the_target_alone(tmp_path):
+def test_served_calls_dear_enough_make_the_measured_choice_the_target_alone(tmp_path, monkeypatch):
     """A tree's served step charged 5 s of calls a request (the target alone's: none): a tree step keeps at most
     d + 1 tokens, so every tree measured runs at most (d + 1) / 5 tokens/s, and the measured choice at batch 1 is
     the target alone, whatever the model predicted (in process the tiny agreeing pair's trees run hundreds of
     tokens/s)."""
     from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray import profiling
     from sequoia_ray.local import LocalPair
     from sequoia_ray.profiling import plan_buckets
 
@@ -265,8 +266,17 @@ def test_served_calls_dear_enough_make_the_measured_choice_the_target_alone(tmp_
     prof = profile(pair.target.model, pair.draft.model, hardware="hw", budgets=(1, 2, 4, 8, 16), widths=(1, 2, 4, 8, 16),
                    context=8, repeats=2, batches=(2,))
     cfg = ProfileJobConfig(storage=str(tmp_path), candidates=1, measure_rounds=1)
+    charged = []
+    real = profiling.measure_choices
+
+    def measure(*args, calls, **kw):
+        charged.append(calls)
+        return real(*args, calls=calls, **kw)
+
+    monkeypatch.setattr(profiling, "measure_choices", measure)
     picks = plan_buckets(cfg, pair, prof, TABLE, (1, 2, 4, 8, 16), PROMPTS, SamplingParams(max_tokens=8),
                          measured_buckets=(1,), calls=lambda plan, *, sampled: (0.0, 5.0))
+    assert charged == [pytest.approx((0.0, 5.0))]  # seconds, as the probe timed them
     trees = [m for m in picks[1].candidates if m.choice.n > 1]
     assert trees and all(m.tokens_per_s <= (m.choice.d + 1) / 5.0 for m in trees), picks[1].candidates
     assert picks[1].choice.n == 1 and picks[1].measured.choice.n == 1

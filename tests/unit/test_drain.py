@@ -30,7 +30,7 @@ def test_stops_waiting_for_requests_no_forward_serves():
     state, calls = _states((1, 3.0))  # held, but the batcher's busy time never moves: abandoned
     start = time.monotonic()
     assert asyncio.run(drain(state, 10.0, stall_s=0.1, poll_s=0.01)) == 1
-    assert 0.1 <= time.monotonic() - start < 5.0 and len(calls) >= 2  # after the stall, long before the timeout
+    assert 0.1 <= time.monotonic() - start < 2.0 and len(calls) >= 2  # after the stall, long before the timeout
 
 
 def test_stops_at_the_timeout_even_while_requests_progress():

@@ -11,6 +11,7 @@ from sequoia_ray.hardware import (HardwareProfile, ProfileError, batch_bucket, c
                                   profile, time_batched, time_forward, time_steps)
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
+from sequoia_ray.tree.plan import chain
 from tests.tiny import tiny_model
 
 
@@ -280,3 +281,4 @@ def test_the_carried_leaf_can_make_the_target_alone_the_choice():
     assert chain_one.carried == pytest.approx(0.5) and chain_one.step_cost == pytest.approx(1.65)
     assert chain_one.predicted_speedup == pytest.approx(1.5 / 1.65)
     assert (best.n, best.predicted_speedup) == (1, 1.0)
+    assert prof.draft_cost(chain(0), carried=0.9) == 0.0  # the root-only tree runs no draft, whatever it is given

@@ -533,13 +533,13 @@ def test_unmeasured_picks_charge_the_served_calls_when_they_can_be_timed():
     uncharged, buckets 1-8 speculate (16 cannot: 16 tokens profiled); charged, every tree predicts less and bucket
     8 serves the target alone."""
     table = solve(AcceptanceVector.from_p([0.9, 0.05]), 16, 6)
-    prof = HardwareProfile("cpu-x-2c", {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1, 16: 1.2}, {1: 0.05, 16: 0.1}, 1.0, 64,
+    prof = HardwareProfile("cpu-x-2c", {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1, 16: 1.2}, {1: 0.05, 16: 0.1}, 0.5, 64,
                            "float32")
     seen = []
 
-    def calls(plan, *, sampled):
+    def calls(plan, *, sampled):  # seconds: 0.25 s of 0.5 s target steps
         seen.append((plan.n, sampled))
-        return 0.0, 0.5
+        return 0.0, 0.25
 
     free = profiling.unmeasured_picks(table, prof, (1, 2, 4, 8, 16), sampled=False)
     charged = profiling.unmeasured_picks(table, prof, (1, 2, 4, 8, 16), calls=calls, sampled=True)

@@ -126,3 +126,33 @@ def test_load_as_recorded_passes_the_provenance_configuration(monkeypatch):
     load_as_recorded(Provenance(draft="d", target="t", device="cuda:1"))
     assert seen["kwargs"] == {"dtype": "float32", "draft_quantize": None, "device": "cuda", "linears": "auto",
                               "layers": "auto", "draft_vocab": None, "progress": False}
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_measure_charges_the_served_calls_the_prediction_counted(tmp_path, monkeypatch, served):
+    """A plan whose overhead counts 0.01 / 0.04 target steps of calls on a profile of 50 ms steps: its runs are
+    charged 0.5 / 2 ms a request and step (none with ``served_calls=False``), and the row says so."""
+    from types import SimpleNamespace
+
+    import prediction
+
+    from sequoia_ray.measured_choice import Measured
+    from sequoia_ray.prompts import Prompt
+
+    store = PlanStore(str(tmp_path))
+    store.publish_profile(HardwareProfile("here", {1: 1.0, 4: 1.1}, {1: 0.2, 4: 0.3}, 0.05, 64, "float32"))
+    planned, key = _tiny_plan("here", 0.0, 4, dtype="float32", overhead=StepOverhead(calls=(0.01, 0.04)).to_dict())
+    store.publish_plan(planned, key)
+    seen = []
+    pair = SimpleNamespace(encode=lambda text, chat: [1, 2, 3], target=SimpleNamespace(model=None),
+                           draft=SimpleNamespace(model=None))
+
+    def fake(target, draft, choices, prompts, params, *, batch, rounds, calls):
+        seen.append(calls)
+        return [None, Measured(choices[1], 1.2, 10.0, 2.0)]
+
+    monkeypatch.setattr(prediction, "measure_choices", fake)
+    rows = prediction.measure_rows(str(tmp_path), [Prompt("def add(a, b):", kind="code")], repeats=1, max_tokens=6,
+                                   hardware="here", load=lambda prov: pair, served_calls=served)
+    expected = (0.0005, 0.002) if served else (0.0, 0.0)
+    assert seen == [pytest.approx(expected)] and rows[0]["calls ms"] == pytest.approx([1e3 * c for c in expected])
