@@ -18,6 +18,7 @@ prediction included (its provenance's ``overhead.calls``, as the profiler's meas
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def main() -> int:
     from sequoia_ray.local import LocalPair
     from sequoia_ray.measured_choice import measure_choices
     from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore
+    from sequoia_ray.profiling import served_calls
     from sequoia_ray.prompts import load_prompts
     from sequoia_ray.tree.plan import TreePlan
 
@@ -64,13 +66,16 @@ def main() -> int:
 
     plans = {b: stored(b) for b in sorted({1, *batches})}
 
+    @functools.cache
+    def profile():
+        return store.fetch_profile(hardware)
+
     def calls_of(planned) -> tuple[float, float]:
         """(root-only, tree) seconds of a request's served calls that ``planned``'s prediction counted."""
         overhead = planned.provenance.overhead
         if not args.served_calls or not overhead:
             return 0.0, 0.0
-        step_s = store.fetch_profile(hardware).target_step_s
-        return tuple(c * step_s for c in StepOverhead.from_dict(overhead).calls)
+        return served_calls(profile(), StepOverhead.from_dict(overhead))
 
     pair = LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
     prompts = [pair.target.tokenizer.encode(p.text) for p in load_prompts(HERE / "prompts.jsonl")]

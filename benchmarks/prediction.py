@@ -46,6 +46,7 @@ from sequoia_ray.hardware import NO_OVERHEAD, Choice, StepOverhead, hardware_id 
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.measured_choice import measure_choices  # noqa: E402
 from sequoia_ray.plan_store import PlanStore  # noqa: E402
+from sequoia_ray import profiling  # noqa: E402
 from sequoia_ray.profiling import profile_prompts  # noqa: E402
 from sequoia_ray.prompts import Prompt  # noqa: E402
 from sequoia_ray.tree.dp import solve  # noqa: E402
@@ -135,8 +136,7 @@ def measure_rows(uri: str, prompts: list[Prompt], *, repeats: int, max_tokens: i
         tree = Choice(n, d, planned.expected_tokens, prov.predicted_speedup or math.nan, planned.plan)
         calls = (0.0, 0.0)
         if served_calls and prov.overhead:
-            step_s = store.fetch_profile(prov.hardware).target_step_s
-            calls = tuple(c * step_s for c in StepOverhead.from_dict(prov.overhead).calls)
+            calls = profiling.served_calls(store.fetch_profile(prov.hardware), StepOverhead.from_dict(prov.overhead))
         runs = [measure_choices(pair.target.model, pair.draft.model, [root, tree], ids, params, batch=1,
                                 rounds=len(ids), calls=calls)[1] for _ in range(repeats)]
         speedups = [m.measured_speedup for m in runs]

@@ -40,9 +40,11 @@ def best_chain(p: AcceptanceVector, profile: HardwareProfile, max_nodes: int) ->
     """(k, G, predicted speedup) of the fastest chain of k draft tokens, k < ``max_nodes``, at batch 1."""
     alone = profile.step_cost(chain(0))
 
-    def speedup(k: int) -> float:
-        return expected_tokens(chain(k), p) * alone / profile.step_cost(chain(k), carried=carried_leaf(chain(k), p))
-    return max(((k, expected_tokens(chain(k), p), speedup(k)) for k in range(max_nodes)), key=lambda row: row[2])
+    def row(k: int) -> tuple[int, float, float]:
+        plan = chain(k)
+        g = expected_tokens(plan, p)
+        return k, g, g * alone / profile.step_cost(plan, carried=carried_leaf(plan, p))
+    return max((row(k) for k in range(max_nodes)), key=lambda r: r[2])
 
 
 def compare(p: AcceptanceVector, profile: HardwareProfile, max_nodes: int, max_depth: int) -> dict:
