@@ -152,6 +152,12 @@ class ModelActor:
         return self.batcher.utilization() if self.batcher else {}
 
     @ray.method(concurrency_group="health")
+    def batch_trace(self, since: float = 0.0) -> list:
+        """The batches this actor's batcher ran since ``since`` (``time.monotonic()``, the host's clock), as
+        ``sequoia_ray.batching.Forward``; empty before the batcher starts."""
+        return self.batcher.trace(since) if self.batcher else []
+
+    @ray.method(concurrency_group="health")
     def health(self) -> dict:
         return self.tracker.health()
 

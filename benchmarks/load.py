@@ -415,7 +415,7 @@ def build_config(args, clients: int) -> dict:
 
 
 def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
-    from load_sweep import ratios, sweep
+    from load_sweep import cycle_rows, ratios, sweep
     from vllm_server import parse_settings
 
     modes = [m.strip() for m in args.modes.split(",")]
@@ -433,6 +433,10 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     columns = ["mode", "clients", "round", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
                "requests/forward", "target busy", "completed", "errors", "mismatches", "held after"]
     print_table(rows, columns)
+    print()
+    print_table(cycle_rows(rows), ["mode", "clients", "round", "target only", "draft only", "both", "neither",
+                                   "verify ms (trees)", "verify ms (alone)", "grow ms", "gap after trees ms",
+                                   "gap after alone ms"])
     print()
     print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(d)/(c)", "(c)/vLLM best"]
                 + (["(c)/(a) rounds"] if args.repeats > 1 else []))

@@ -27,6 +27,7 @@ import ray
 import requests
 
 from load import MODEL, log, model_actors, references, run_clients, serving, summarize, wait_idle
+from step_cycle import cycle
 from vllm_server import USAGE, spec_counters, tokens_per_step, vllm_serving
 
 MODES = {"a": "target alone, batched", "b": "trees, 1 request/forward", "c": "batched trees, per-batch plans",
@@ -53,15 +54,21 @@ def mean_batch(before: dict[int, int], after: dict[int, int]) -> float | None:
 def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration: float, max_tokens: int,
           timeout: float) -> dict:
     """One (mode, clients) measurement: ``duration`` seconds of back-to-back streaming requests."""
-    rank0 = model_actors()["TargetRank 0"]
+    actors = model_actors()
+    rank0 = actors["TargetRank 0"]
     before, busy = forwards(rank0), ray.get(rank0.utilization.remote())
     log(f"({mode}) {MODES[mode]}: {clients} clients for {duration:g} s")
+    start = time.monotonic()  # the actors' clock too: a local cluster, one host
     results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, speculative=mode != "a")
+    end = time.monotonic()
     target_busy = busy_share(rank0, busy)
+    steps = cycle(ray.get(rank0.batch_trace.remote(start)), ray.get(actors["DraftActor"].batch_trace.remote(start)),
+                  start, end)
     held = wait_idle(url, 30.0)
-    return _row(mode, results, refs, seconds, clients, duration, max_tokens, tokens_per_step=None,
-                requests_per_forward=mean_batch(before, forwards(rank0)), target_busy=target_busy,
-                held=sum(v for v in held.values() if v != "dead"), step_rates=step_rates(url) if mode in "cd" else None)
+    return {**_row(mode, results, refs, seconds, clients, duration, max_tokens, tokens_per_step=None,
+                   requests_per_forward=mean_batch(before, forwards(rank0)), target_busy=target_busy,
+                   held=sum(v for v in held.values() if v != "dead"),
+                   step_rates=step_rates(url) if mode in "cd" else None), "cycle": steps}
 
 
 def _row(mode: str, results, refs: list[str], seconds: float, clients: int, duration: float, max_tokens: int, *,
@@ -138,6 +145,20 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
                      for clients in counts]
     rows.sort(key=lambda r: (r["clients"], r["mode"], r.get("round", 0)))
     return rows, refs
+
+
+def cycle_rows(rows: list[dict]) -> list[dict]:
+    """Per row of ours, where the window went (``step_cycle.cycle``), flat for a table."""
+    out = []
+    for r in rows:
+        c = r.get("cycle")
+        if c:
+            out.append({"mode": r["mode"], "clients": r["clients"], "round": r.get("round", 0),
+                        **{k: c[k] for k in ("target only", "draft only", "both", "neither")},
+                        "verify ms (trees)": c["target with trees"]["median ms"],
+                        "verify ms (alone)": c["target alone"]["median ms"], "grow ms": c["draft"]["median ms"],
+                        "gap after trees ms": c["gap after trees ms"], "gap after alone ms": c["gap after alone ms"]})
+    return out
 
 
 def ratios(rows: list[dict]) -> list[dict]:

@@ -63,6 +63,22 @@ class BatchLimits:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= 1")
 
 
+TRACE_KEEP = 4096  # forwards a batcher remembers for ``trace`` (~15 minutes at 5 forwards a second)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One batch a batcher ran: what ``Batcher.trace`` returns. Times are ``time.monotonic()``, one clock for
+    every process of a host, so two actors' traces (the draft's and the target's) line up."""
+
+    method: str  # "grow" or "verify"
+    start: float
+    end: float
+    calls: int  # requests in the batch
+    trees: int  # of them, calls stepping a tree (every grow; a verify of more than the root)
+    queued: float  # when its first call was queued: start - queued is how long the batch gathered
+
+
 @dataclass
 class _Call:
     method: str
@@ -88,6 +104,7 @@ class Batcher:
         self.last_end = 0.0  # when the last forward ended (time.monotonic)
         self.started = time.monotonic()
         self.busy_s = 0.0  # seconds spent running batches (stats: busy_s / running time is the utilization)
+        self.forwards: deque[Forward] = deque(maxlen=TRACE_KEEP)
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
@@ -124,6 +141,12 @@ class Batcher:
         computed (the rest it waited for calls: requests on their way back, or no load)."""
         with self.cond:
             return {"busy_s": self.busy_s, "running_s": time.monotonic() - self.started}
+
+    def trace(self, since: float = 0.0) -> list[Forward]:
+        """The batches that began at or after ``since`` (``time.monotonic()``), oldest first; the last
+        ``TRACE_KEEP`` are kept."""
+        with self.cond:
+            return [f for f in self.forwards if f.start >= since]
 
     def close(self) -> None:
         with self.cond:
@@ -188,6 +211,9 @@ class Batcher:
                 self.recent.append({c.request_id for c in batch if self._back(c)})
                 self.last_end = time.monotonic()
                 self.busy_s += self.last_end - start
+                trees = sum(not comes_straight_back(c.method, c.args) for c in batch)
+                self.forwards.append(Forward(batch[0].method, start, self.last_end, len(batch), trees,
+                                             min(c.arrived for c in batch)))
 
     def _back(self, c: _Call) -> bool:
         try:

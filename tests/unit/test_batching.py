@@ -648,3 +648,54 @@ def test_utilization_counts_the_time_batches_ran():
         assert elapsed >= 1.0 and 0.5 <= used["busy_s"] < 0.85 * elapsed  # the idle gaps are not busy
     finally:
         batcher.close()
+
+
+def test_the_trace_records_each_batch_in_order_with_its_tree_calls():
+    """Three batches one after the other (30 ms forwards): a root-only verify, a tree verify and a grow. Each is
+    one trace entry with its method, request count and tree calls, its times in order and at least as long as
+    the forward; ``since`` keeps the batches that began at or after it."""
+    batcher = _slow_batcher(0.0, forward_s=0.03, comes_back=lambda method, args: False)
+    try:
+        since = time.monotonic()
+        batcher.call("verify", "r0", SimpleNamespace(n=1), None)
+        batcher.call("verify", "r1", SimpleNamespace(n=4), None)
+        batcher.call("grow", "r2", None)
+        trace = batcher.trace(since)
+        assert [(f.method, f.calls, f.trees) for f in trace] == [("verify", 1, 0), ("verify", 1, 1), ("grow", 1, 1)]
+        assert all(since <= f.queued <= f.start < f.end for f in trace)
+        assert all(a.end <= b.start for a, b in zip(trace, trace[1:]))
+        assert all(f.end - f.start >= 0.03 for f in trace)
+        assert batcher.trace(trace[-1].start) == trace[-1:]
+        assert batcher.trace(trace[-1].end + 1) == []
+    finally:
+        batcher.close()
+
+
+def test_the_trace_counts_tree_calls_in_a_shared_batch():
+    """Two tree verifies and a root-only one queued while a forward runs go in one batch: 3 calls, 2 trees;
+    the batch gathered from its first call's arrival, while the forward before it ran."""
+    started, gate = threading.Event(), threading.Event()
+
+    def run_batch(method, calls):
+        started.set()
+        gate.wait(5)
+        return [c[0] for c in calls]
+
+    batcher = Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits())
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            held = pool.submit(batcher.call, "verify", "r0", SimpleNamespace(n=1), None)
+            assert started.wait(5)
+            calls = [pool.submit(batcher.call, "verify", rid, SimpleNamespace(n=n), None)
+                     for rid, n in (("r1", 4), ("r2", 1), ("r3", 8))]
+            deadline = time.monotonic() + 5
+            while len(batcher.queue) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            gate.set()
+            assert [c.result(timeout=5) for c in [held, *calls]] == ["r0", "r1", "r2", "r3"]
+        first, second = batcher.trace()
+        assert [(f.calls, f.trees) for f in (first, second)] == [(1, 0), (3, 2)]
+        assert second.start - second.queued >= 0.05 and second.queued < first.end
+    finally:
+        batcher.close()
