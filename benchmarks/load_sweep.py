@@ -157,6 +157,7 @@ def cycle_rows(rows: list[dict]) -> list[dict]:
                         **{k: c[k] for k in ("target only", "draft only", "both", "neither")},
                         "verify ms (trees)": c["target with trees"]["median ms"],
                         "verify ms (alone)": c["target alone"]["median ms"], "grow ms": c["draft"]["median ms"],
+                        "grow tokens": c["draft"]["tokens"],
                         "gap after trees ms": c["gap after trees ms"], "gap after alone ms": c["gap after alone ms"]})
     return out
 

@@ -45,9 +45,11 @@ def _ms(values: list[float]) -> float | None:
 
 
 def _kind(forwards: list[Forward]) -> dict:
-    """Forwards, median ms, mean requests and median gathering ms (from its first call queued to its start)."""
+    """Forwards, median ms, mean requests and tokens (a forward's first: catch-up, prefill chunks, the tree's
+    root level or nodes) and median gathering ms (from its first call queued to its start)."""
     return {"forwards": len(forwards), "median ms": _ms([f.end - f.start for f in forwards]),
             "requests": round(sum(f.calls for f in forwards) / len(forwards), 2) if forwards else None,
+            "tokens": round(sum(f.tokens for f in forwards) / len(forwards), 2) if forwards else None,
             "gather ms": _ms([f.start - f.queued for f in forwards])}
 
 

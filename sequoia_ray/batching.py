@@ -76,6 +76,7 @@ class Forward:
     end: float
     calls: int  # requests in the batch
     trees: int  # of them, calls stepping a tree (every grow; a verify of more than the root)
+    tokens: int  # its first forward's tokens, as the token budget counts them (``size``: catch-up, prefill, tree)
     queued: float  # when its first call was queued: start - queued is how long the batch gathered
 
 
@@ -167,14 +168,14 @@ class Batcher:
                 if wait > 0:
                     self.cond.wait(wait)  # a call arriving (or a finish) wakes it: then look again
                     continue
-                batch = [] if singles else self._take()  # after singles, look again: a wait may still be due
+                batch, tokens = ([], 0) if singles else self._take()  # after singles, look again: a wait may be due
             for item in singles:
                 if item.method == "finish":
                     for seen in self.recent:
                         seen.discard(item.request_id)
                 _settle(item, lambda i=item: self.run_one(i.method, i.request_id, *i.args))
             if batch:
-                self._run_guarded(batch)
+                self._run_guarded(batch, tokens)
 
     def _wait_left(self) -> float:
         """Seconds the next forward should still wait: while a request of the last ``lookback`` forwards that
@@ -198,7 +199,7 @@ class Batcher:
         """The requests of the last ``lookback`` forwards that come back, not finished."""
         return set().union(*self.recent)
 
-    def _run_guarded(self, batch: list[_Call]) -> None:
+    def _run_guarded(self, batch: list[_Call], tokens: int) -> None:
         start = time.monotonic()
         try:
             self._run(batch)
@@ -212,7 +213,7 @@ class Batcher:
                 self.last_end = time.monotonic()
                 self.busy_s += self.last_end - start
                 trees = sum(not comes_straight_back(c.method, c.args) for c in batch)
-                self.forwards.append(Forward(batch[0].method, start, self.last_end, len(batch), trees,
+                self.forwards.append(Forward(batch[0].method, start, self.last_end, len(batch), trees, tokens,
                                              min(c.arrived for c in batch)))
 
     def _back(self, c: _Call) -> bool:
@@ -221,8 +222,8 @@ class Batcher:
         except Exception:  # noqa: BLE001 - a guess about the next call never fails the loop: do not wait
             return False
 
-    def _take(self) -> list[_Call]:
-        """The first batched method's queued calls within the limits, in arrival order."""
+    def _take(self) -> tuple[list[_Call], int]:
+        """The first batched method's queued calls within the limits, in arrival order, and their tokens."""
         batch, tokens, rest = [], 0, deque()
         for c in self.queue:
             if rest or not self._fits(c, batch, tokens):  # first come, first served: nobody jumps the queue
@@ -231,7 +232,7 @@ class Batcher:
             batch.append(c)
             tokens += self._size(c)
         self.queue = rest
-        return batch
+        return batch, tokens
 
     def _fits(self, c: _Call, batch: list[_Call], tokens: int) -> bool:
         if not batch:

@@ -672,8 +672,8 @@ def test_the_trace_records_each_batch_in_order_with_its_tree_calls():
 
 
 def test_the_trace_counts_tree_calls_in_a_shared_batch():
-    """Two tree verifies and a root-only one queued while a forward runs go in one batch: 3 calls, 2 trees;
-    the batch gathered from its first call's arrival, while the forward before it ran."""
+    """Two tree verifies and a root-only one queued while a forward runs go in one batch: 3 calls, 2 trees,
+    4 + 1 + 8 tokens; the batch gathered from its first call's arrival, while the forward before it ran."""
     started, gate = threading.Event(), threading.Event()
 
     def run_batch(method, calls):
@@ -681,7 +681,7 @@ def test_the_trace_counts_tree_calls_in_a_shared_batch():
         gate.wait(5)
         return [c[0] for c in calls]
 
-    batcher = Batcher(run_batch, lambda *a: None, lambda m, rid, a: 1, BatchLimits())
+    batcher = Batcher(run_batch, lambda *a: None, lambda m, rid, a: a[0].n, BatchLimits())  # tokens: the tree's n
     try:
         with ThreadPoolExecutor(4) as pool:
             held = pool.submit(batcher.call, "verify", "r0", SimpleNamespace(n=1), None)
@@ -695,7 +695,7 @@ def test_the_trace_counts_tree_calls_in_a_shared_batch():
             gate.set()
             assert [c.result(timeout=5) for c in [held, *calls]] == ["r0", "r1", "r2", "r3"]
         first, second = batcher.trace()
-        assert [(f.calls, f.trees) for f in (first, second)] == [(1, 0), (3, 2)]
+        assert [(f.calls, f.trees, f.tokens) for f in (first, second)] == [(1, 0, 1), (3, 2, 13)]
         assert second.start - second.queued >= 0.05 and second.queued < first.end
     finally:
         batcher.close()

@@ -14,7 +14,7 @@ from step_cycle import cycle  # noqa: E402
 
 
 def fwd(start, end, calls=8, trees=8, method="verify"):
-    return Forward(method, start, end, calls, trees, start)
+    return Forward(method, start, end, calls, trees, 2 * calls, start)
 
 
 def test_the_window_splits_into_target_draft_both_and_neither():
@@ -40,9 +40,10 @@ def test_overlapping_forwards_of_one_actor_count_once():
 
 
 def test_gathering_and_requests_per_forward():
-    draft = [Forward("grow", 1.0, 1.5, 8, 8, 0.95), Forward("grow", 3.0, 3.5, 6, 6, 2.9)]
+    draft = [Forward("grow", 1.0, 1.5, 8, 8, 40, 0.95), Forward("grow", 3.0, 3.5, 6, 6, 12, 2.9)]
     c = cycle([], draft, 0.0, 5.0)
-    assert c["draft"]["requests"] == 7.0 and c["draft"]["gather ms"] == pytest.approx(75.0)
+    assert c["draft"]["requests"] == 7.0 and c["draft"]["tokens"] == 26.0
+    assert c["draft"]["gather ms"] == pytest.approx(75.0)
 
 
 def test_an_empty_window_is_refused():
