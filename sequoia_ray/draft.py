@@ -101,16 +101,19 @@ class DynamicTrees:
 
     @classmethod
     def from_cost_model(cls, expected_tokens: float, step_cost: float, token_cost: float,
-                        level_cost: float = 0.0, extend: int = 0) -> DynamicTrees:
+                        level_cost: float = 0.0, extend: int = 0, extend_cost: float | None = None) -> DynamicTrees:
         """Thresholds from the cost model, every cost in target-step units: a node worth g expected tokens
         raises throughput G / S iff g > G * delta / S, with G = ``expected_tokens`` (the plan's G(n, d)),
         S = ``step_cost`` (t(n) + d * c), delta = ``token_cost`` (t(n + 1) - t(n)); a draft level costs
         ``level_cost`` (c, one draft forward): the next level is grown only when the nodes it would draw
-        from are worth G * c / S together, and a node on a new level beyond the plan pays delta + c."""
+        from are worth G * c / S together, and a node on a new level beyond the plan pays delta + the level's
+        ``extend_cost`` (None: c; in a batch a level beyond the plan is a forward of its own that the whole
+        batch waits for, not a share of one)."""
         if step_cost <= 0:
             raise ValueError(f"step_cost {step_cost} must be > 0 (t(n) + d * c in target steps)")
         per_cost = expected_tokens / step_cost
-        return cls(per_cost * token_cost, extend, per_cost * (token_cost + level_cost), per_cost * level_cost)
+        extend_cost = level_cost if extend_cost is None else extend_cost
+        return cls(per_cost * token_cost, extend, per_cost * (token_cost + extend_cost), per_cost * level_cost)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,24 @@ def test_in_a_batch_the_step_is_the_batchs_and_a_level_is_shared():
     assert rules.rule(k_ary(2, 1), 3, P) is rule  # batch 3 runs bucket 2's costs; computed once
 
 
+def test_in_a_batch_a_level_beyond_the_plan_costs_a_whole_forward():
+    """The same B = 2 step with extend 2: a node on an extra level pays delta + c(1) = 0.0375 + 0.3, the one-node
+    forward the other request waits for, not its share of a shared level (0.16). At B = 8 (24 tokens: T_8(24) =
+    1.8, delta 0.025; the level 15.2 nodes wide: C_8(15.2) = 0.54) the bound is 8·1.9 / 2.34 · 0.325 = 2.11, above
+    1: no path is sure enough to extend, while alone (B = 1: t(3) = 1.15, c(1.9) = 0.336, delta 0.05) the same
+    plan extends paths worth more than 1.9 / 1.486 · 0.35 = 0.45."""
+    prof = profile(batch_t={2: {2: 1.05, 4: 1.15, 8: 1.3, 16: 1.7, 32: 2.6}, 8: {8: 1.4, 16: 1.6, 32: 2.0}},
+                   batch_c={2: {2: 0.32, 4: 0.38, 8: 0.45, 16: 0.6, 32: 0.8}, 8: {8: 0.45, 16: 0.55, 32: 0.7}})
+    rules = DynamicRules(prof, extend=2)
+    two = rules.rule(k_ary(2, 1), 2, P)
+    assert two.extend_bound == pytest.approx(2 * 1.9 / (1.225 + 0.374) * (0.0375 + 0.3))
+    assert two.level_threshold == pytest.approx(2 * 1.9 / (1.225 + 0.374) * 0.16)  # in-plan levels: a share
+    eight = rules.rule(k_ary(2, 1), 8, P)
+    assert eight.extend_bound == pytest.approx(8 * 1.9 / (1.8 + 0.54) * (0.025 + 0.3)) and eight.extend_bound > 1
+    alone = rules.rule(k_ary(2, 1), 1, P)
+    assert alone.extend_bound == pytest.approx(1.9 / (1.15 + 0.336) * (0.05 + 0.3)) and alone.extend == 2
+
+
 def test_the_largest_profiled_tree_takes_the_slope_below_it_and_root_only_has_no_rule():
     rules = DynamicRules(profile())
     plan = plan_for(P, 16, 6)[0].plan
