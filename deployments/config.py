@@ -94,6 +94,11 @@ class ServeConfig(BaseModel):
                                 "path probability is worth less than their cost, and stops at a level worth less than "
                                 "a draft forward (thresholds from the store's hardware profile and the served plan; "
                                 "without a profile, the plan's tree).")
+    dynamic_unpruned_every: int = Field(4, ge=0, description="With dynamic_trees: one tree step in this many of a "
+                                        "request grows its plan's tree unpruned, and only those steps teach the live "
+                                        "acceptance estimate (a pruned tree tries only the nodes the draft was sure "
+                                        "of: its verdicts overstate the acceptance); 1: every step unpruned; 0: none "
+                                        "(the estimate then learns nothing while dynamic trees serve).")
     dynamic_extend: int = Field(0, ge=0, le=16, description="With dynamic_trees: levels a confident path may grow beyond "
                                 "the plan's depth (0: prune only).")
     max_concurrent: int = Field(8, ge=1, description="Requests in flight per ingress replica; beyond -> 429.")

@@ -370,7 +370,8 @@ class OpenAIIngress:
         return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
                                   eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
                                   on_verdict=self.live.observe if self.live else None, policy=policy,
-                                  dynamic=rules, first_step_alone=self.cfg.first_step_alone)
+                                  dynamic=rules, first_step_alone=self.cfg.first_step_alone,
+                                  unpruned_every=self.cfg.dynamic_unpruned_every)
 
     async def _draft_actor(self, timeout: float) -> ActorDraft | None:
         """The draft replica's actor, or None: speculation is optional, the request goes on with the target

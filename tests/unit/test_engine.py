@@ -101,7 +101,7 @@ def test_a_decoders_rule_reaches_the_draft_and_never_extends_past_the_tokens_lef
     target, good, _ = models
     rule, plan, prompt = DynamicTrees(0.02, extend=3, extend_threshold=0.005), PLANS["binary3"], [5, 3, 8, 1]
     draft = RecordingDraft(good)
-    spec = SpeculativeDecoder(TargetWorker(target), draft, plan, dynamic=lambda p: rule)
+    spec = SpeculativeDecoder(TargetWorker(target), draft, plan, dynamic=lambda p: rule, unpruned_every=0)
     got = spec.generate(prompt, SamplingParams(max_tokens=12, seed=0))
     assert got.token_ids == target_greedy(target, prompt, 12)
     for (sent, committed), (asked, grown) in zip(draft.rules, draft.shapes):
@@ -130,7 +130,7 @@ def test_a_rule_prunes_the_tree_the_step_policy_chose(models):
         return rule
 
     spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["wide"], policy=lambda params: Policy(),
-                              dynamic=dynamic)
+                              dynamic=dynamic, unpruned_every=0)
     got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
     assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
     assert asked and all(p == chosen or p.n < chosen.n for p in asked)  # the last steps: its first levels

@@ -96,6 +96,57 @@ def test_the_engine_counts_the_verified_trees_rank_and_tells_the_observer():
     assert all(params.seed == 3 for _, _, params in seen)
 
 
+class _Ruled(_Fake):
+    """A fake whose draft records each step's dynamic rule (None: the plan's tree as it is)."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict)
+        self.rules = []
+
+    def grow(self, request_id, plan, commits=(), rule=None) -> DraftTree:
+        self.rules.append(rule)
+        return super().grow(request_id, plan, commits)
+
+
+def test_with_dynamic_trees_only_the_unpruned_steps_tell_their_ranks():
+    """Seven tree steps of 2 tokens (max_tokens 14) with a rule for every step and unpruned_every 3: steps 1, 4
+    and 7 grow the plan as it is, and only their ranks reach the observer and the policy; every step's tokens
+    do (the other verdicts come without ranks). Without a rule every step tells its ranks (the test above)."""
+    from sequoia_ray.draft import DynamicTrees
+
+    rule = DynamicTrees(0.2)
+    fake, seen, told = _Ruled(Verdict([0, 1], [11, 7], ((4, 1), (2, 0)))), [], []
+
+    class Policy:
+        def plan(self, base):
+            return base
+
+        def observe(self, plan, verdict, seconds):
+            told.append(verdict.ranks)
+
+    decoder = SpeculativeDecoder(fake, fake, PLAN, on_verdict=lambda plan, v, params: seen.append(v.ranks),
+                                 policy=lambda params: Policy(), dynamic=lambda plan: rule, unpruned_every=3)
+    out = decoder.generate([1, 2], SamplingParams(max_tokens=14, seed=0))
+    assert out.stats.steps == 7 and len(out.token_ids) == 14
+    assert fake.rules == [None, rule, rule, None, rule, rule, None]
+    ranks = ((4, 1), (2, 0))
+    assert seen == [ranks, (), (), ranks, (), (), ranks] and told == seen
+    assert out.stats.root_rank_hist == {1: 7}  # the engine's own statistics see every step
+
+
+def test_unpruned_every_zero_rules_every_step_and_negative_is_refused():
+    import pytest
+
+    from sequoia_ray.draft import DynamicTrees
+
+    rule, fake, seen = DynamicTrees(0.2), _Ruled(Verdict([0, 1], [11, 7], ((4, 1), (2, 0)))), []
+    SpeculativeDecoder(fake, fake, PLAN, on_verdict=lambda plan, v, params: seen.append(v.ranks),
+                       dynamic=lambda plan: rule, unpruned_every=0).generate([1], SamplingParams(max_tokens=6, seed=0))
+    assert fake.rules == [rule] * 3 and seen == [()] * 3
+    with pytest.raises(ValueError, match="unpruned_every -1 must be >= 0"):
+        SpeculativeDecoder(fake, fake, PLAN, unpruned_every=-1)
+
+
 def test_a_failing_observer_never_fails_the_request():
     fake = _Fake(Verdict([0], [7], ((3, 0),)))
 
