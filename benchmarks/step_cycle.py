@@ -73,3 +73,9 @@ def cycle(target: list[Forward], draft: list[Forward], start: float, end: float)
             "target alone": _kind([f for f in inside if not f.trees]),
             "draft": _kind([f for f in draft if start <= f.start and f.end <= end]),
             "gap after trees ms": _ms(gaps[True]), "gap after alone ms": _ms(gaps[False])}
+
+
+def rows(forwards: list[Forward], start: float) -> list[list]:
+    """Each forward as ``[method, start s after start, ms, requests, trees, tokens, gather ms]`` (for the JSON)."""
+    return [[f.method, round(f.start - start, 4), round(1000 * (f.end - f.start), 1), f.calls, f.trees, f.tokens,
+             round(1000 * (f.start - f.queued), 1)] for f in forwards]
