@@ -69,7 +69,9 @@ class ServeConfig(BaseModel):
                             "Off unless asked for (the shipped config.yaml turns it on).")
     live_cost_probe_every: int = Field(100, ge=1, description="Rounds (one step per request in flight) of the faster "
                                        "arm between two probes of the other.")
-    live_cost_probe_rounds: int = Field(3, ge=1, description="Measured rounds of a probe (one more settles the switch).")
+    live_cost_probe_rounds: int = Field(3, ge=1, description="Measured rounds of a probe (after the settling ones).")
+    live_cost_settle_rounds: int = Field(2, ge=1, description="A phase's first rounds, not measured: a switch to the "
+                                         "tree catches every draft up, over more than one round at a batch.")
     live_cost_backoff: int = Field(8, ge=1, description="A probe that confirms the served arm doubles the next served "
                                    "phase, up to this many times live_cost_probe_every rounds (1: no backoff).")
     live_cost_wide: float = Field(0.7, ge=0.0, le=1.0, description="A probed arm slower than this fraction of the "

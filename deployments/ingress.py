@@ -149,7 +149,8 @@ class OpenAIIngress:
         self.rules: GrowRules | None = None  # trees that adapt inside a request (cfg.dynamic_trees)
         self.rates = StepRates(CostSettings(self.cfg.live_cost_probe_every, self.cfg.live_cost_probe_rounds,
                                             backoff=self.cfg.live_cost_backoff, wide=self.cfg.live_cost_wide,
-                                            max_age_s=self.cfg.live_cost_max_age_s)
+                                            max_age_s=self.cfg.live_cost_max_age_s,
+                                            settle_rounds=self.cfg.live_cost_settle_rounds)
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
         key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)

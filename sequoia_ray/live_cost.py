@@ -9,8 +9,13 @@ promise that speculating is never slower than not, so the service measures both.
 Per key (temperature bucket, batch bucket), steps run in *phases*. A served phase runs the arm that measured
 faster (at first: the tree) for ``probe_every`` rounds. A probe phase then runs the other arm for
 ``probe_rounds`` rounds, and the next served phase runs whichever is now faster. A round is as many steps as
-there are requests in flight, so every request steps about once per round. The first round of a phase is not
-measured: a draft catching up on tokens it missed is slow once. Nor is a step that overlapped another
+there are requests in flight, so every request steps about once per round. The first ``settle_rounds``
+rounds of a phase are not measured (``CostSettings.settle_rounds``: 1 by default, 2 in the service): a draft
+catching up on tokens it missed is slow once, and at a batch for more than one round. Traced through Serve at 8 clients (session 38): a switch to the tree splits the draft's catch-up into
+two or three forwards (the requests reach the draft one alone step apart: 2, 4 and 1 requests, 144-456 ms), the
+target's lockstep waits up to 0.76 s for them, and the second round still carried 341 tokens of catch-up; the
+tree's steady rounds took ~0.32 s. With one round unmeasured the probes measured the tree at 0.49-0.70x the
+target alone's rate a request, where the tree served at every step gave 1.006x its throughput. Nor is a step that overlapped another
 request's step of the other arm (a phase's switch reaches the requests one step apart, and a target-alone step
 beside a tree step shares its forwards and cores): each arm is measured beside its own kind only.
 
@@ -105,7 +110,9 @@ def _other(arm: str) -> str:
 @dataclass(frozen=True)
 class CostSettings:
     probe_every: int = 100  # rounds of the faster arm between two probes of the other one
-    probe_rounds: int = 3  # measured rounds of a probe (one more, not measured, lets the switch settle)
+    probe_rounds: int = 3  # measured rounds of a probe (``settle_rounds`` more, not measured, come first)
+    settle_rounds: int = 1  # a phase's first rounds, not measured: the switch settles (the service: 2; see the
+    # module docstring)
     window: int = 256  # measured steps kept per arm and key (the most recent)
     min_steps: int = 3  # measured steps an arm needs before its rate counts
     backoff: int = 8  # confirmed served phases grow twice as long each time, up to this many probe_every
@@ -117,7 +124,7 @@ class CostSettings:
     # old (seconds; 0: never, only phase lengths and the backoff space the probes)
 
     def __post_init__(self) -> None:
-        for name in ("probe_every", "probe_rounds", "window", "min_steps", "backoff", "phases"):
+        for name in ("probe_every", "probe_rounds", "settle_rounds", "window", "min_steps", "backoff", "phases"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.stale_s <= 0:
@@ -352,7 +359,7 @@ class StepRates:
         else:
             rounds = self.settings.probe_every * state.spacing
         state.phase, state.steps, state.recorded = state.phase + 1, 0, 0
-        state.settle = max(1, batch)
+        state.settle = self.settings.settle_rounds * max(1, batch)
         state.length = state.settle + rounds * max(1, batch)
 
     def _next(self, state: _Key, batch: int) -> None:

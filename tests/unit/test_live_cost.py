@@ -78,6 +78,23 @@ def _step(rates: StepRates, key, request, tokens: int | None = None, arm: str | 
     return step
 
 
+@pytest.mark.parametrize("settle", [1, 2, 3])
+def test_a_phases_first_settle_rounds_are_not_measured(settle):
+    """At batch 2 (a round is 2 steps), the first phase (the tree's) lasts ``settle`` + 2 rounds and measures only
+    its last 2 rounds' 4 steps; then the target alone's phase begins."""
+    rates, key = StepRates(CostSettings(probe_every=5, probe_rounds=2, window=64, min_steps=1,
+                                        settle_rounds=settle)), ("t0.0", 2)
+    measured = []
+    for i in range(2 * (settle + 2)):
+        step = rates.begin(key, 2, f"r{i % 2}")
+        assert step.arm == TREE
+        measured.append(step.measured)
+        rates.record(step, 3, 1.0)
+    assert measured == [False] * (2 * settle) + [True] * 4
+    assert rates.summary()["t0.0-b2"]["steps"] == {TREE: 4, ALONE: 0}
+    assert rates.begin(key, 2, "r0").arm == ALONE
+
+
 def test_a_step_that_ends_after_its_phase_is_not_measured():
     """Even when the next phase runs the same arm: the target alone's probe wins, and its last step ends after
     the target alone's served phase began."""
@@ -278,7 +295,7 @@ def test_a_first_request_alone_runs_mostly_the_faster_tree_while_the_first_step_
     assert rates.summary()["t0.0-b1"]["serving"] == TREE
 
 
-@pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"window": 0}, {"min_steps": 0},
+@pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"settle_rounds": 0}, {"window": 0}, {"min_steps": 0},
                                  {"stale_s": 0}, {"wide": -0.1}, {"wide": 1.5}])
 def test_settings_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
