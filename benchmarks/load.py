@@ -435,8 +435,8 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     print_table(rows, columns)
     print()
     print_table(cycle_rows(rows), ["mode", "clients", "round", "target only", "draft only", "both", "neither",
-                                   "verify ms (trees)", "verify ms (alone)", "grow ms", "grow tokens", "gap after trees ms",
-                                   "gap after alone ms"])
+                                   "verify ms (trees)", "verify ms (alone)", "grow ms", "grow tokens",
+                                   "gap after trees ms", "gap after alone ms"])
     print()
     print_table(ratios(rows), ["clients", "(c)/(b)", "(c)/(a)", "(d)/(c)", "(c)/vLLM best"]
                 + (["(c)/(a) rounds"] if args.repeats > 1 else []))

@@ -63,7 +63,8 @@ def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration:
     end = time.monotonic()
     target_busy = busy_share(rank0, busy)
     target, draft = (ray.get(a.batch_trace.remote(start)) for a in (rank0, actors["DraftActor"]))
-    steps = {**cycle(target, draft, start, end), "forwards": {"target": rows(target, start), "draft": rows(draft, start)}}
+    steps = {**cycle(target, draft, start, end),
+             "forwards": {"target": rows(target, start), "draft": rows(draft, start)}}
     held = wait_idle(url, 30.0)
     return {**_row(mode, results, refs, seconds, clients, duration, max_tokens, tokens_per_step=None,
                    requests_per_forward=mean_batch(before, forwards(rank0)), target_busy=target_busy,

@@ -11,11 +11,12 @@ faster (at first: the tree) for ``probe_every`` rounds. A probe phase then runs 
 ``probe_rounds`` rounds, and the next served phase runs whichever is now faster. A round is as many steps as
 there are requests in flight, so every request steps about once per round. The first ``settle_rounds``
 rounds of a phase are not measured (``CostSettings.settle_rounds``: 1 by default, 2 in the service): a draft
-catching up on tokens it missed is slow once, and at a batch for more than one round. Traced through Serve at 8 clients (session 38): a switch to the tree splits the draft's catch-up into
-two or three forwards (the requests reach the draft one alone step apart: 2, 4 and 1 requests, 144-456 ms), the
-target's lockstep waits up to 0.76 s for them, and the second round still carried 341 tokens of catch-up; the
-tree's steady rounds took ~0.32 s. With one round unmeasured the probes measured the tree at 0.49-0.70x the
-target alone's rate a request, where the tree served at every step gave 1.006x its throughput. Nor is a step that overlapped another
+catching up on tokens it missed is slow once, and at a batch for more than one round. Traced through Serve at
+8 clients (session 38): a switch to the tree splits the drafts' catch-up into two or three forwards (the
+requests reach the draft one alone step apart: 2, 4 and 1 requests, 144-456 ms), the target's lockstep waits up
+to 0.76 s for them, and the second round still carried 341 tokens of catch-up; the tree's steady rounds took
+~0.32 s. With one round unmeasured the probes measured the tree at 0.49-0.70x the target alone's rate a request,
+where the tree served at every step gave 1.006x its throughput. Nor is a step that overlapped another
 request's step of the other arm (a phase's switch reaches the requests one step apart, and a target-alone step
 beside a tree step shares its forwards and cores): each arm is measured beside its own kind only.
 
@@ -36,10 +37,10 @@ Probes back off: a served phase after a probe that confirmed its arm lasts twice
 arm's rate (a loss that wide takes a large change of host or traffic to turn; probing it again soon costs more
 than it can find: at 8 clients through Serve the tree ran at 0.62x the target alone's rate a request, and each of
 its probes first catches up every request's draft and splits the batch, session 18); a probe whose arm wins, or a
-served phase that ends early, brings it back to ``probe_every``. The cost of probing: at most ``(1 +
-probe_rounds) / (probe_every + 1 + probe_rounds)`` of the steps (3.8% with the defaults) run the slower arm,
-falling to ``(1 + probe_rounds) / (backoff x probe_every + 1 + probe_rounds)`` (0.5%) while the served arm stays
-the faster one. Each tree probe costs more than its steps: every request's draft first catches up on all it
+served phase that ends early, brings it back to ``probe_every``. The cost of probing: at most ``(s +
+probe_rounds) / (probe_every + s + probe_rounds)`` of the steps, s = ``settle_rounds`` (3.8% with the defaults,
+4.8% with the service's s = 2) run the slower arm, falling to ``(s + probe_rounds) / (backoff x probe_every + s +
+probe_rounds)`` (0.5%, 0.6%) while the served arm stays the faster one. Each tree probe costs more than its steps: every request's draft first catches up on all it
 missed since its last tree (measured through Serve at 4 clients, session 15: 60 tree steps begun in 1336, 26 of
 them measured).
 
@@ -66,7 +67,7 @@ minute: through Serve at 8 clients (session 24) the target alone's rate inside t
 once, in the first minute (1.9-2.4 tokens/s a request, 15-24 steps), never again within the 3 minutes, while
 the target alone served by itself gave 2.0-3.1; on this host the speed moves up to 2x within minutes. Only the
 served arm's falling rate ended a phase early, never the other arm's rising one. The cost: at most one probe
-(``1 + probe_rounds`` rounds of the other arm) per ``max_age_s``, about 4% of the rounds at 8 clients with
+(``settle_rounds + probe_rounds`` rounds of the other arm) per ``max_age_s``, about 4% of the rounds at 8 clients with
 the defaults (a round ~2 s), ~1% at 1 client (~0.4 s); below that age the backoff spaces them.
 
 A new key's first phase is the tree's, unless the nearest smaller batch bucket of its temperature whose two

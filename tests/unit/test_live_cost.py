@@ -295,8 +295,8 @@ def test_a_first_request_alone_runs_mostly_the_faster_tree_while_the_first_step_
     assert rates.summary()["t0.0-b1"]["serving"] == TREE
 
 
-@pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"settle_rounds": 0}, {"window": 0}, {"min_steps": 0},
-                                 {"stale_s": 0}, {"wide": -0.1}, {"wide": 1.5}])
+@pytest.mark.parametrize("bad", [{"probe_every": 0}, {"probe_rounds": 0}, {"settle_rounds": 0}, {"window": 0},
+                                 {"min_steps": 0}, {"stale_s": 0}, {"wide": -0.1}, {"wide": 1.5}])
 def test_settings_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         CostSettings(**bad)
