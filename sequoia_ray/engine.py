@@ -344,7 +344,7 @@ class _Rules:
     """A request's dynamic-tree rules (``SpeculativeDecoder(dynamic=...)``), guarded like ``_Policy``: a failing
     rule is logged once and dropped for the request (its steps grow their plans), never its failure."""
 
-    def __init__(self, dynamic: Callable[[TreePlan], DynamicTrees | None] | None, unpruned_every: int = 1) -> None:
+    def __init__(self, dynamic: Callable[[TreePlan], DynamicTrees | None] | None, unpruned_every: int) -> None:
         self.dynamic, self.unpruned_every = dynamic, unpruned_every
         self.trees = 0  # tree steps so far
 

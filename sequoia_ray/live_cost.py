@@ -40,9 +40,9 @@ its probes first catches up every request's draft and splits the batch, session 
 served phase that ends early, brings it back to ``probe_every``. The cost of probing: at most ``(s +
 probe_rounds) / (probe_every + s + probe_rounds)`` of the steps, s = ``settle_rounds`` (3.8% with the defaults,
 4.8% with the service's s = 2) run the slower arm, falling to ``(s + probe_rounds) / (backoff x probe_every + s +
-probe_rounds)`` (0.5%, 0.6%) while the served arm stays the faster one. Each tree probe costs more than its steps: every request's draft first catches up on all it
-missed since its last tree (measured through Serve at 4 clients, session 15: 60 tree steps begun in 1336, 26 of
-them measured).
+probe_rounds)`` (0.5%, 0.6%) while the served arm stays the faster one. Each tree probe costs more than its
+steps: every request's draft first catches up on all it missed since its last tree (measured through Serve at
+4 clients, session 15: 60 tree steps begun in 1336, 26 of them measured).
 
 What a request costs beyond its steps is counted too. Its first step (its prompt's prefill) and the steps beside
 a prefill are not samples, but their excess over the arm's rate is kept per arm, and once both arms have some,
@@ -67,8 +67,8 @@ minute: through Serve at 8 clients (session 24) the target alone's rate inside t
 once, in the first minute (1.9-2.4 tokens/s a request, 15-24 steps), never again within the 3 minutes, while
 the target alone served by itself gave 2.0-3.1; on this host the speed moves up to 2x within minutes. Only the
 served arm's falling rate ended a phase early, never the other arm's rising one. The cost: at most one probe
-(``settle_rounds + probe_rounds`` rounds of the other arm) per ``max_age_s``, about 4% of the rounds at 8 clients with
-the defaults (a round ~2 s), ~1% at 1 client (~0.4 s); below that age the backoff spaces them.
+(``settle_rounds + probe_rounds`` rounds of the other arm) per ``max_age_s``, about 4% of the rounds at 8
+clients with the defaults (a round ~2 s), ~1% at 1 client (~0.4 s); below that age the backoff spaces them.
 
 A new key's first phase is the tree's, unless the nearest smaller batch bucket of its temperature whose two
 arms are measured found the target alone faster. Speculation pays less as the batch grows (the target's forward
