@@ -27,7 +27,7 @@ import ray
 import requests
 
 from load import MODEL, log, model_actors, references, run_clients, serving, summarize, wait_idle
-from step_cycle import cycle, rows
+from step_cycle import cycle, trace_rows
 from vllm_server import USAGE, spec_counters, tokens_per_step, vllm_serving
 
 MODES = {"a": "target alone, batched", "b": "trees, 1 request/forward", "c": "batched trees, per-batch plans",
@@ -64,7 +64,7 @@ def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration:
     target_busy = busy_share(rank0, busy)
     target, draft = (ray.get(a.batch_trace.remote(start)) for a in (rank0, actors["DraftActor"]))
     steps = {**cycle(target, draft, start, end),
-             "forwards": {"target": rows(target, start), "draft": rows(draft, start)}}
+             "forwards": {"target": trace_rows(target, start), "draft": trace_rows(draft, start)}}
     held = wait_idle(url, 30.0)
     return {**_row(mode, results, refs, seconds, clients, duration, max_tokens, tokens_per_step=None,
                    requests_per_forward=mean_batch(before, forwards(rank0)), target_busy=target_busy,

@@ -75,7 +75,7 @@ def cycle(target: list[Forward], draft: list[Forward], start: float, end: float)
             "gap after trees ms": _ms(gaps[True]), "gap after alone ms": _ms(gaps[False])}
 
 
-def rows(forwards: list[Forward], start: float) -> list[list]:
+def trace_rows(forwards: list[Forward], start: float) -> list[list]:
     """Each forward as ``[method, start s after start, ms, requests, trees, tokens, gather ms]`` (for the JSON)."""
     return [[f.method, round(f.start - start, 4), round(1000 * (f.end - f.start), 1), f.calls, f.trees, f.tokens,
              round(1000 * (f.start - f.queued), 1)] for f in forwards]

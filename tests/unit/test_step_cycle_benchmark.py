@@ -10,7 +10,7 @@ import pytest
 from sequoia_ray.batching import Forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from step_cycle import cycle, rows  # noqa: E402
+from step_cycle import cycle, trace_rows  # noqa: E402
 
 
 def fwd(start, end, calls=8, trees=8, method="verify"):
@@ -53,4 +53,4 @@ def test_an_empty_window_is_refused():
 
 def test_rows_are_relative_to_the_window_in_milliseconds():
     f = Forward("grow", 10.5, 10.625, 3, 2, 9, 10.45)
-    assert rows([f], 10.0) == [["grow", 0.5, 125.0, 3, 2, 9, 50.0]]
+    assert trace_rows([f], 10.0) == [["grow", 0.5, 125.0, 3, 2, 9, 50.0]]
