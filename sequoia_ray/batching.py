@@ -174,6 +174,8 @@ class Batcher:
                     for seen in self.recent:
                         seen.discard(item.request_id)
                 _settle(item, lambda i=item: self.run_one(i.method, i.request_id, *i.args))
+                if item.method == "start" and item.future.exception() is None and self._back(item):
+                    self._expect(item.request_id)
             if batch:
                 self._run_guarded(batch, tokens)
 
@@ -198,6 +200,16 @@ class Batcher:
     def expected(self) -> set[str]:
         """The requests of the last ``lookback`` forwards that come back, not finished."""
         return set().union(*self.recent)
+
+    def _expect(self, request_id: str) -> None:
+        """A request just started here: its first batched call comes next, so the next forwards wait for it as
+        for one of the last forward's (``lookback`` forwards at most). A request that starts while the others'
+        calls gather (its first ``grow`` a round trip behind them) then joins their forward instead of running
+        alone right after it."""
+        with self.cond:
+            if not self.recent:
+                self.recent.append(set())
+            self.recent[-1].add(request_id)
 
     def _run_guarded(self, batch: list[_Call], tokens: int) -> None:
         start = time.monotonic()
@@ -286,10 +298,11 @@ def comes_back_after_any_step(method: str, args: tuple) -> bool:
     """The guess when tree requests are waited for too (``batch_wait_trees``): a request's next call after any
     ``grow`` or ``verify`` comes back to the same worker, one call to the other worker in between (a tree step
     is ``grow`` -> ``verify`` -> ``grow``), so a forward waits for its previous batch and the two workers step
-    every request in lockstep. Only the target waits long (``wait_s``); the draft only gathers (``gather_s``
-    from its first queued call): when the requests are split in two groups, one queued on each worker, two long
-    waits would each wait for the group the other holds, at every step."""
-    return method in BATCHED
+    every request in lockstep; after a ``start`` its first batched call comes here next. Only the target waits
+    long (``wait_s``); the draft only gathers (``gather_s`` from its first queued call): when the requests are
+    split in two groups, one queued on each worker, two long waits would each wait for the group the other
+    holds, at every step."""
+    return method in BATCHED or method == "start"
 
 
 def _settle(item: _Call, run: Callable[[], object]) -> None:

@@ -543,6 +543,7 @@ def test_tree_requests_waited_for_step_in_lockstep():
 def test_comes_back_after_any_step():
     tree = SimpleNamespace(n=8)
     assert comes_back_after_any_step("verify", (tree, None)) and comes_back_after_any_step("grow", (tree,))
+    assert comes_back_after_any_step("start", ("prompt",))  # a started request's first grow or verify comes next
     assert not comes_back_after_any_step("commit", ())
 
 
@@ -561,6 +562,46 @@ def test_a_start_arriving_during_a_wait_does_not_cut_it_short():
         b = pool.submit(batcher.call, "verify", "b", SimpleNamespace(n=1))
         assert (a.result(timeout=5), b.result(timeout=5)) == ("verify:a", "verify:b")
     assert seen == [("start", ["c"]), ("verify", ["a", "b"])]
+    batcher.close()
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_in_lockstep_a_request_started_while_the_others_gather_joins_their_forward(lockstep):
+    """The draft in lockstep: "a" and "b" shared its last forward and are queued again; "c", new, is started and
+    its first ``grow`` comes a round trip (30 ms) later, within the gather (200 ms here). Started, "c" is
+    expected like a request of the last forward, so the three share one forward; before, the forward ran "a" and
+    "b" at once and "c" alone after them (served at 8 clients: 22 of 149 draft forwards were such stragglers,
+    each ~140 ms). Without the lockstep guess (``comes_straight_back``) a start changes nothing."""
+    policy = dict(comes_back=comes_back_after_any_step, lookback=LOCKSTEP_LOOKBACK) if lockstep else {}
+    seen = []
+
+    def run_batch(method, calls):
+        seen.append((method, [c[0] for c in calls]))
+        return [c[0] for c in calls]
+
+    batcher = Batcher(run_batch, lambda m, rid, *a: seen.append((m, [rid])), lambda m, rid, a: 1,
+                      BatchLimits(gather_s=0.2), **policy)
+    with batcher.cond:
+        batcher.recent.append({"a", "b"})
+    tree = SimpleNamespace(n=8)
+    with ThreadPoolExecutor(3) as pool:
+        a = pool.submit(batcher.call, "grow", "a", tree)
+        _wait_until(lambda: batcher.queue or seen)
+        pool.submit(batcher.call, "start", "c").result(timeout=5)
+        b = pool.submit(batcher.call, "grow", "b", tree)
+        time.sleep(0.03)
+        c = pool.submit(batcher.call, "grow", "c", tree)
+        assert [f.result(timeout=5) for f in (a, b, c)] == ["a", "b", "c"]
+    forwards = [rids for method, rids in seen if method == "grow"]
+    assert forwards == ([["a", "b", "c"]] if lockstep else [["a", "b"], ["c"]]), seen
+    # a started request that never calls is waited for no longer than one of the last forward's
+    with batcher.cond:
+        batcher.recent.clear()
+    batcher.call("start", "quiet")
+    start = time.monotonic()
+    for _ in range(3):
+        assert batcher.call("grow", "a", tree) == "a"
+    assert time.monotonic() - start < (LOCKSTEP_LOOKBACK + 1) * 0.2 + 0.5
     batcher.close()
 
 
