@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from sequoia_ray.config import SamplingParams
@@ -370,6 +372,49 @@ def test_the_draft_starts_at_the_first_grow_and_only_then(models, alone_steps):
         assert got.stats.accepted_hist.total() - got.stats.accepted_hist[0] > 0  # the late draft caught up
 
 
+class GatedTarget(TargetWorker):
+    """A target whose first ``verify`` (the prompt's prefill) waits up to 5 s for the draft's ``start``."""
+
+    def __init__(self, model, started: threading.Event) -> None:
+        super().__init__(model)
+        self.started, self.first_saw_start = started, None
+
+    def verify(self, request_id, plan, tree):
+        if self.first_saw_start is None:
+            self.first_saw_start = self.started.wait(5.0)
+        return super().verify(request_id, plan, tree)
+
+
+class StartSignal(CallLog):
+    def __init__(self, model, started: threading.Event, fail: str | None = None) -> None:
+        super().__init__(model, fail)
+        self.signal = started
+
+    def start(self, request_id, prompt, params, seed):
+        try:
+            super().start(request_id, prompt, params, seed)
+        finally:
+            self.signal.set()
+
+
+@pytest.mark.parametrize("max_tokens, fail", [(16, None), (1, None), (16, "start")])
+def test_with_the_first_step_alone_the_draft_starts_while_the_target_prefills(models, max_tokens, fail):
+    """The draft's ``start`` runs beside the first step (the target's first verify sees it begin), before the
+    first ``grow``; a request done in its first step still finishes the draft it started; a start that fails
+    leaves the request to the target alone. Greedy tokens are the target alone's in every case."""
+    target, good, _ = models
+    started = threading.Event()
+    draft, gated = StartSignal(good, started, fail), GatedTarget(target, started)
+    spec = SpeculativeDecoder(gated, draft, PLANS["binary3"], first_step_alone=True)
+    got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=max_tokens, seed=0))
+    assert gated.first_saw_start is True
+    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], max_tokens)
+    if fail:
+        assert draft.calls == ["start"] and got.stats.draft_failures == 1
+    else:
+        assert draft.calls == ["start"] + ["grow"] * (got.stats.steps - 1) + ["finish"] and not draft.requests
+
+
 def test_a_draft_whose_start_fails_leaves_the_request_to_the_target_alone(models):
     target, good, _ = models
     draft = CallLog(good, fail="start")
@@ -380,8 +425,8 @@ def test_a_draft_whose_start_fails_leaves_the_request_to_the_target_alone(models
 
 
 def test_the_first_step_alone_prefills_with_the_target_only_and_the_draft_joins_next(models):
-    """``first_step_alone``: the prompt's step is root-only (one token, no draft call), the draft starts at the
-    second step and catches up; greedy tokens are the target alone's and trees are accepted afterwards."""
+    """``first_step_alone``: the prompt's step is root-only (one token, no tree; the draft is only started beside
+    it), the draft grows from the second step and catches up; greedy tokens are the target alone's and trees are accepted afterwards."""
     target, good, _ = models
     draft = CallLog(good)
     spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"], first_step_alone=True)
