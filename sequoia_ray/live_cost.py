@@ -9,7 +9,10 @@ promise that speculating is never slower than not, so the service measures both.
 Per key (temperature bucket, batch bucket), steps run in *phases*. A served phase runs the arm that measured
 faster (at first: the tree) for ``probe_every`` rounds. A probe phase then runs the other arm for
 ``probe_rounds`` rounds, and the next served phase runs whichever is now faster. A round is as many steps as
-there are requests in flight, so every request steps about once per round. The first ``settle_rounds``
+there are requests in flight, so every request steps about once per round. A phase changes only between two
+rounds (a round ends when a request of it begins its next step, or when as many requests as are in flight
+began one), so every request of a round runs the same arm: a switch that reached the requests one step apart
+split the lockstep batch, half of it drafting while the other half waited (see below). The first ``settle_rounds``
 rounds of a phase are not measured (``CostSettings.settle_rounds``: 1 by default, 2 in the service): a draft
 catching up on tokens it missed is slow once, and at a batch for more than one round. Traced through Serve at
 8 clients (session 38): a switch to the tree splits the drafts' catch-up into two or three forwards (the
@@ -156,6 +159,7 @@ class _Key:
     # first steps and steps beside a prefill (``StepRates._admission``)
     first_probes: int = 0  # probes run for an arm with no first step measured yet
     begun: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ARMS, 0))  # arm -> steps run, all
+    round: set = field(default_factory=set)  # requests that began a step in the current round (see ``begin``)
     seen: dict[str, float] = field(default_factory=dict)  # arm -> clock time of its newest measured step
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
@@ -211,14 +215,17 @@ class StepRates:
                 if self._alone_below(key):  # serve the target alone first; the tree's probe comes later
                     state.arm, state.probing = ALONE, False
                 self._start(state, batch)
-            if state.steps >= state.length:
-                self._next(state, batch)
-            elif self._losing(state, batch):  # probe the other arm now: decide on fresh steps of both
-                state.arm, state.probing, state.spacing = _other(state.arm), True, 1
-                self._start(state, batch)
-            elif self._aged(state, now):  # the other arm's rate is old: probe it again (the backoff stays)
-                state.arm, state.probing = _other(state.arm), True
-                self._start(state, batch)
+            if request in state.round or len(state.round) >= batch:  # a new round: the phase may change
+                state.round.clear()
+                if state.steps >= state.length:
+                    self._next(state, batch)
+                elif self._losing(state, batch):  # probe the other arm now: decide on fresh steps of both
+                    state.arm, state.probing, state.spacing = _other(state.arm), True, 1
+                    self._start(state, batch)
+                elif self._aged(state, now):  # the other arm's rate is old: probe it again (the backoff stays)
+                    state.arm, state.probing = _other(state.arm), True
+                    self._start(state, batch)
+            state.round.add(request)
             state.steps += 1
             state.begun[state.arm] += 1
             step = Step(key, state.arm, state.phase, state.steps > state.settle, request, now)

@@ -549,3 +549,22 @@ def test_an_arm_measured_slow_early_is_found_faster_once_its_rate_ages():
         # with the age: 30 rounds of the tree, a probe, then the target alone; without: the tree to the end
         assert arms[2:] == ([(TREE, 30 * batch), (ALONE, (probe + 1) * batch)] if max_age_s else [(TREE, 34 * batch)])
         assert rates.summary()["t0.0-b8"]["serving"] == serves
+
+
+def test_a_phase_changes_only_between_rounds_so_a_round_runs_one_arm():
+    """Lockstep rounds whose batch changes: 3 requests, then a fourth joins, later two leave. The first phase
+    (the tree's, settle 1 + 1 round at batch 3: 6 steps) ends inside the round the fourth request joined, at
+    its fourth step; that step still runs the tree and the next round the target alone. Over 60 rounds every
+    round's steps ran one arm (each arm several times), and the arms still alternate as the phases say."""
+    rates, key = StepRates(CostSettings(probe_every=2, probe_rounds=1, window=64, min_steps=1)), ("t0.0", 4)
+    members = [["r0", "r1", "r2"]] + [["r0", "r1", "r2", "r3"]] * 30 + [["r1", "r3"]] * 29
+    rounds = []
+    for k, requests in enumerate(members):
+        steps = [rates.begin(key, len(requests), r) for r in requests]
+        for step in steps:
+            rates.record(step, 2 if step.arm == TREE else 1, 1.0)
+        rounds.append([step.arm for step in steps])
+    assert rounds[0] == [TREE] * 3 and rounds[1] == [TREE] * 4 and rounds[2] == [ALONE] * 4
+    assert all(len(set(arms)) == 1 for arms in rounds), rounds
+    assert {arms[0] for arms in rounds} == {TREE, ALONE}
+    assert sum(a[0] != b[0] for a, b in zip(rounds, rounds[1:])) >= 4  # phases still change
