@@ -31,6 +31,7 @@ class LockstepRun:
     tokens_per_step: float  # per request and step, over every step
     outputs: tuple[tuple[int, ...], ...] = ()  # each request's tokens (its first max_tokens)
     forward_s: tuple[float, ...] = ()  # seconds of each timed step inside the models' forwards (time_forwards)
+    draft_forward_s: tuple[float, ...] = ()  # the part of ``forward_s`` inside the draft's forwards
 
     @property
     def seconds(self) -> float:
@@ -44,6 +45,14 @@ class LockstepRun:
         """The seconds of the timed steps that held every request (the tail, as requests finish, holds fewer)."""
         top = max(self.batch, default=0)
         return tuple(s for s, b in zip(self.step_s, self.batch) if b == top)
+
+    def full_rate(self) -> tuple[int, float, int]:
+        """(tokens kept, seconds, request-steps) of the timed steps that held every request: the run at its
+        batch size. Its tail, where the requests that finished first have left, runs the rest at a smaller
+        batch (a tree's requests finish at different steps; the target alone's all at the same one)."""
+        top = max(self.batch, default=0)
+        full = [(k, s) for k, s, b in zip(self.step_tokens, self.step_s, self.batch) if b == top]
+        return sum(k for k, _ in full), sum(s for _, s in full), top * len(full)
 
     def full_steps_outside(self) -> tuple[float, ...]:
         """The seconds of those steps spent outside the models' forwards (a run with ``time_forwards``)."""
@@ -90,16 +99,16 @@ def run_lockstep(target: TargetWorker, draft: DraftWorker | None, prompts: list[
 
 def _steps(target: TargetWorker, draft: DraftWorker | None, running: list[_Running], plan: TreePlan,
            max_tokens: int) -> LockstepRun:
-    step_s, batch, step_tokens, forward_s, accepted, steps = [], [], [], [], 0, 0
-    clocks = [w.forward_clock for w in (target, draft) if w is not None]
+    step_s, batch, step_tokens, forward_s, draft_s, accepted, steps = [], [], [], [], [], 0, 0
+    clocks = [w.forward_clock for w in (target, draft) if w is not None]  # the target's first
     live = list(running)
     while live:
         plans = [first_levels(plan, max_tokens - r.produced) if draft else ROOT_ONLY for r in live]
-        inside = sum(c.seconds for c in clocks)
+        before = [c.seconds for c in clocks]
         start = _clock(target)
         verdicts = _step(target, draft, live, plans)
         elapsed = _clock(target) - start
-        inside = sum(c.seconds for c in clocks) - inside
+        inside = [c.seconds - b for c, b in zip(clocks, before)]
         kept = 0
         for r, verdict in zip(live, verdicts):
             r.commits.append((verdict.path, verdict.tokens, r.length))
@@ -111,13 +120,14 @@ def _steps(target: TargetWorker, draft: DraftWorker | None, running: list[_Runni
             step_s.append(elapsed)
             batch.append(len(live))
             step_tokens.append(kept)
-            forward_s.append(inside)
+            forward_s.append(sum(inside))
+            draft_s.append(sum(inside[1:]))
         steps += len(live)
         live = [r for r in live if r.produced < max_tokens]
     outputs = tuple(tuple(r.out[:max_tokens]) for r in running)
     timed = all(c.on for c in clocks)
     return LockstepRun(sum(map(len, outputs)), tuple(step_s), tuple(batch), tuple(step_tokens), accepted / steps,
-                       outputs, tuple(forward_s) if timed else ())
+                       outputs, *((tuple(forward_s), tuple(draft_s)) if timed else ()))
 
 
 def _step(target: TargetWorker, draft: DraftWorker | None, live: list[_Running], plans: list[TreePlan]) -> list:

@@ -81,13 +81,15 @@ def _slowed(fn, seconds: float):
 
 
 def test_time_outside_the_forwards_counts_the_walk_not_the_forwards(models, monkeypatch):
-    """50 ms slept inside every target forward lengthens the steps, not their time outside the forwards; 50 ms
-    slept in every walk lengthens both (each step makes one forward and one walk at batch 1).
+    """50 ms slept inside every target forward lengthens the steps, not their time outside the forwards nor the
+    draft's part of the forwards; 50 ms slept in every walk lengthens both (each step makes one forward and one
+    walk at batch 1); 50 ms slept in every draft forward lengthens the draft's part.
 
     The bounds are absolute, not relative to an unslowed run: a sleep makes a step take at least 50 ms, so a step
     (and, for the walk, its time outside) under 50 ms means the sleep was not counted there; the forward's time
     outside at 50 ms or more means the forward's sleep was counted outside. An unslowed baseline's own noise (its
     median step moved from ~5 to 16 ms under CI load once) cannot fail them."""
+    import sequoia_ray.draft as draft_module
     import sequoia_ray.target as target_module
 
     target, draft = models
@@ -96,7 +98,9 @@ def test_time_outside_the_forwards_counts_the_walk_not_the_forwards(models, monk
     def run():
         r = run_lockstep(TargetWorker(target), DraftWorker(draft), ragged_prompts(1), PLAN, params, time_forwards=True)
         assert len(r.forward_s) == len(r.step_s) and all(0 < f < s for f, s in zip(r.forward_s, r.step_s))
-        return statistics.median(r.full_steps()), statistics.median(r.full_steps_outside())
+        assert len(r.draft_forward_s) == len(r.step_s) and all(0 < d < f for d, f in zip(r.draft_forward_s, r.forward_s))
+        return (statistics.median(r.full_steps()), statistics.median(r.full_steps_outside()),
+                statistics.median(r.draft_forward_s))
 
     delay = 0.05
     with monkeypatch.context() as m:
@@ -105,14 +109,18 @@ def test_time_outside_the_forwards_counts_the_walk_not_the_forwards(models, monk
     with monkeypatch.context() as m:
         m.setattr(target_module, "verify_tree", _slowed(target_module.verify_tree, delay))
         slow_walk = run()
-    assert slow_forward[0] >= delay and slow_forward[1] < delay
-    assert slow_walk[0] >= delay and slow_walk[1] >= delay
+    with monkeypatch.context() as m:
+        m.setattr(draft_module, "hidden_many", _slowed(draft_module.hidden_many, delay))
+        slow_draft = run()
+    assert slow_forward[0] >= delay and slow_forward[1] < delay and slow_forward[2] < delay
+    assert slow_walk[0] >= delay and slow_walk[1] >= delay and slow_walk[2] < delay
+    assert slow_draft[0] >= delay and slow_draft[1] < delay and slow_draft[2] >= delay
 
 
 def test_forwards_are_timed_only_when_asked(models):
     target, draft = models
     workers = TargetWorker(target), DraftWorker(draft)
     run = run_lockstep(*workers, ragged_prompts(2), PLAN, SamplingParams(max_tokens=5, temperature=0.0))
-    assert run.forward_s == () and all(w.forward_clock.seconds == 0.0 for w in workers)  # off: no clock, no sync
+    assert run.forward_s == run.draft_forward_s == () and all(w.forward_clock.seconds == 0.0 for w in workers)  # off
     with pytest.raises(ValueError, match="time_forwards"):
         run.full_steps_outside()
