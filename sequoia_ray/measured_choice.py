@@ -5,7 +5,8 @@ target alone, the baseline every speedup is over, and itself a candidate: a batc
 pay serves it) are run for real in lockstep at the batch size (``sequoia_ray.lockstep``), round-robin over
 ``rounds`` rounds — round r decodes prompts r·B, r·B + 1, ... with seed r for every candidate, so they do the
 same work and load drift hits them alike. The measured throughput is the timed steps' tokens over their seconds
-(the first step, which prefills, is not timed) — plus, for plans that will be served, the actor calls every
+(the first step, which prefills, is not timed; nor the tail of a run, once a request has finished: serving fills
+the batch again) — plus, for plans that will be served, the actor calls every
 request makes each step (``calls``, from ``actors.call_probe``; lockstep runs make none: a root-only step's one
 call, a tree step's two and the tree between them), as the cost model adds them. The pick is the fastest
 measured, the prediction only the prior that chose who gets measured.
@@ -100,9 +101,12 @@ class _Runs:
 
     @property
     def tokens_per_s(self) -> float:
-        """The timed steps' tokens over their seconds, each step charged ``call_s`` for each request in it."""
-        seconds = sum(run.seconds + self.call_s * sum(run.batch) for run in self.done)
-        return sum(run.timed_tokens for run in self.done) / seconds if seconds > 0 else math.nan
+        """The tokens of the timed steps that held the whole batch over their seconds, each step charged
+        ``call_s`` for each request in it. A run's tail, where the requests that finished first have left, is
+        left out: it runs the others at a smaller batch than the one measured, while serving refills the batch."""
+        rates = [run.full_rate() for run in self.done]
+        seconds = sum(s + self.call_s * steps for _, s, steps in rates)
+        return sum(k for k, _, _ in rates) / seconds if seconds > 0 else math.nan
 
     @property
     def tokens_per_step(self) -> float:

@@ -230,17 +230,18 @@ def test_measure_choices_runs_each_tree_and_measures_over_the_target_alone(model
         measure_choices(target, draft, choices[1:], PROMPTS, SamplingParams(max_tokens=8), batch=1, rounds=1)
 
 
-def test_a_measured_run_is_charged_its_served_calls_per_request_and_step():
-    """Two runs' timed steps: 0.1 + 0.1 s holding 2 and 1 requests, 0.3 s holding 3; 4 + 2 + 9 tokens. Each
-    request of each step pays 0.05 s of calls: (4 + 2 + 9) / (0.5 + 0.05 * 6) tokens/s."""
+def test_a_measured_run_is_charged_its_served_calls_per_request_and_step_and_not_its_tail():
+    """Two runs' timed steps: 0.1 + 0.1 s holding 2 and 1 requests, 0.3 s holding 3; 4 + 2 + 9 tokens. The
+    first run's second step is its tail (a request has left): not counted. Each request of each counted step
+    pays 0.05 s of calls: (4 + 9) / (0.4 + 0.05 * 5) tokens/s."""
     from sequoia_ray.lockstep import LockstepRun
     from sequoia_ray.measured_choice import _Runs
 
     runs = _Runs(None, None, chain(1), [], SamplingParams(), call_s=0.05)
     runs.done = [LockstepRun(8, (0.1, 0.1), (2, 1), (4, 2), 2.0), LockstepRun(12, (0.3,), (3,), (9,), 3.0)]
-    assert runs.tokens_per_s == pytest.approx(15 / 0.8)
+    assert runs.tokens_per_s == pytest.approx(13 / 0.65)
     runs.call_s = 0.0
-    assert runs.tokens_per_s == pytest.approx(15 / 0.5)
+    assert runs.tokens_per_s == pytest.approx(13 / 0.4)
 
 
 @pytest.mark.parametrize("calls", [(0.0,), (-0.001, 0.0), (0.0, math.nan), (0.0, math.inf)])
