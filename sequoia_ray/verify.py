@@ -56,9 +56,12 @@ def verify_tree(
 
 def _argmax_per_node(logits: torch.Tensor):  # [n, V] -> (node -> argmax of its row)
     """On an accelerator all n rows at once, one transfer of the [n] ids (a read per node would sync per
-    node); on the CPU only the rows the walk visits (nothing to sync, and n rows of a large vocabulary cost)."""
+    node); on the CPU only the rows the walk visits (nothing to sync, and n rows of a large vocabulary cost).
+    On the CPU ``max(0).indices``, the same index as ``argmax`` (the first maximal value, ties and NaN alike):
+    over a row of 151,936 float32 logits it takes 0.08 ms where ``argmax`` takes 0.23 (2-core Xeon, session 40),
+    and a batch of 8 requests' walks reads ~24 rows a step."""
     if logits.device.type == "cpu":
-        return lambda node: int(logits[node].argmax())
+        return lambda node: int(logits[node].max(0).indices)
     return logits.argmax(dim=-1).tolist().__getitem__
 
 

@@ -82,12 +82,17 @@ class KVStore:
 
     @torch.inference_mode()
     def keep(self, slots: torch.Tensor) -> None:  # slots: [m] int64, increasing
-        """Compact every layer to ``slots`` (in order), in place."""
+        """Compact every layer to ``slots`` (in order), in place. Only the slots from the first one that moves
+        are copied: a verdict keeps the whole context and a path of the tree after it, and copying the context
+        onto itself cost ~1 ms a request and step at 300 tokens on the 28-layer target (2-core Xeon)."""
         if self.keys is None:
             return
         length, m = self.length, slots.numel()
-        self.keys[..., :m, :] = self.keys[..., :length, :].index_select(-2, slots)
-        self.values[..., :m, :] = self.values[..., :length, :].index_select(-2, slots)
+        moved = (slots != torch.arange(m, device=slots.device)).nonzero()  # [k, 1]: slots that move
+        if moved.numel():
+            first = int(moved[0, 0])
+            self.keys[..., first:m, :] = self.keys[..., :length, :].index_select(-2, slots[first:])
+            self.values[..., first:m, :] = self.values[..., :length, :].index_select(-2, slots[first:])
         self.lengths = [m] * len(self.lengths)
 
     def truncate(self, length: int) -> None:

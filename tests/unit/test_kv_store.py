@@ -125,3 +125,20 @@ def test_a_batched_forward_needs_store_sessions():
     segments = [Segment(s, torch.tensor([5]), torch.tensor([0])) for s in (KVSession(model), plain)]
     with pytest.raises(ValueError, match="KVStore"):
         hidden_many(model, segments)
+
+
+@pytest.mark.parametrize("case", ["identity", "first moves", "prefix then path", "random"])
+def test_a_keep_leaves_every_slot_as_a_gather_would(case):
+    """``keep`` copies only from the first slot that moves: whatever ``slots`` (none moving, the first, a kept
+    prefix then a path, random increasing), the store equals the gather of every slot."""
+    gen = torch.Generator().manual_seed(2)
+    store = KVStore(LAYERS)
+    store.append(*(torch.stack([t] * LAYERS) for t in _kv(gen, 40)))
+    before_k, before_v = store.keys[..., :40, :].clone(), store.values[..., :40, :].clone()
+    slots = {"identity": torch.arange(40), "first moves": torch.arange(1, 40),
+             "prefix then path": torch.tensor([*range(30), 31, 34, 39]),
+             "random": torch.randperm(40, generator=gen)[:17].sort().values}[case]
+    store.keep(slots)
+    assert store.length == slots.numel()
+    assert torch.equal(store.keys[..., : slots.numel(), :], before_k.index_select(-2, slots))
+    assert torch.equal(store.values[..., : slots.numel(), :], before_v.index_select(-2, slots))

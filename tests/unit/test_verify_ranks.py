@@ -217,3 +217,20 @@ def test_a_failing_step_policy_is_dropped_and_the_request_keeps_the_plan():
     out = SpeculativeDecoder(fake, fake, PLAN, policy=lambda params: Broken()).generate(
         [1], SamplingParams(max_tokens=4, seed=0))
     assert out.token_ids == [11, 7, 11, 7] and fake.grown == [PLAN.n, first_levels(PLAN, 2).n]
+
+
+def test_a_greedy_walk_on_the_cpu_takes_the_first_of_tied_maxima_as_argmax_does():
+    """The CPU walk reads a row's maximum with ``max(0).indices`` (faster than ``argmax``): on rows whose maxima
+    tie (at 2-5 random places, bfloat16 and float32) or hold a NaN, the token it keeps is ``argmax``'s.
+    A walk that took any other of the tied maxima would differ on most of these 200 rows."""
+    gen = torch.Generator().manual_seed(0)
+    plan = first_levels(k_ary(1, 2), 2)  # root -> one child
+    for trial in range(200):
+        row = torch.randn(2, 500, generator=gen).to(torch.bfloat16 if trial % 2 else torch.float32)
+        at = torch.randperm(500, generator=gen)[: 2 + trial % 4]
+        row[0, at] = row[0].max() + 1
+        if trial % 5 == 0:
+            row[0, int(at[-1])] = float("nan")
+        draft = DraftTree(torch.tensor([7, -1]), {})  # a child no row picks: the walk stops at the root
+        verdict = verify_tree(plan, draft, row, SamplingParams(temperature=0.0), torch.Generator())
+        assert verdict.tokens == [int(row[0].argmax())], trial
