@@ -101,8 +101,7 @@ def main() -> int:
             print(f"round {r}, {kind}: {runs[kind][-1].tokens_per_step:.2f} tokens a request and step", flush=True)
 
     measured = {kind: _parts(done) for kind, done in runs.items()}
-    scale = measured["alone"].pop("seconds of the target forward")
-    measured["tree"].pop("seconds of the target forward")
+    scale = measured["alone"]["target forward"]  # seconds: every part in units of it
     measured = {kind: {k: (v / scale if k in PARTS else v) for k, v in parts.items()} for kind, parts in measured.items()}
     rows, summary = _rows(predicted, measured)
     every = {kind: sum(r.timed_tokens for r in done) / sum(r.seconds for r in done) for kind, done in runs.items()}
@@ -134,9 +133,8 @@ def _parts(done: list) -> dict[str, float]:
                 step.append(s), target.append(f - d), draft.append(d), outside.append(s - f)
     rates = [run.full_rate() for run in done]
     tokens = sum(k for k, _, _ in rates) / sum(steps for _, _, steps in rates)
-    return {"tokens": tokens, "seconds of the target forward": statistics.median(target),
-            "target forward": statistics.median(target), "draft forwards": statistics.median(draft),
-            "outside the forwards": statistics.median(outside), "step": statistics.median(step)}
+    return {"tokens": tokens, "target forward": statistics.median(target), "draft forwards": statistics.median(draft),
+            "outside the forwards": statistics.median(outside), "step s": statistics.median(step)}
 
 
 def _rows(predicted: dict, measured: dict) -> tuple[list[dict], dict]:

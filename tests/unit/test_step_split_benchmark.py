@@ -27,7 +27,7 @@ def test_parts_are_medians_over_the_steps_holding_the_whole_batch():
     runs = [_run([(1.0, 0.8, 0.3, 2, 6), (1.2, 1.0, 0.4, 2, 6), (9.0, 5.0, 0.0, 1, 2)]),
             _run([(1.1, 0.9, 0.35, 2, 4), (9.0, 5.0, 0.0, 1, 2)])]
     parts = _parts(runs)
-    assert parts["step"] == pytest.approx(1.1)
+    assert parts["step s"] == pytest.approx(1.1)
     assert parts["target forward"] == pytest.approx(0.55)  # forward minus the draft's: 0.5, 0.6, 0.55
     assert parts["draft forwards"] == pytest.approx(0.35)
     assert parts["outside the forwards"] == pytest.approx(0.2)
