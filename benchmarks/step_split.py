@@ -47,6 +47,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.batch < 1 or args.rounds < 1 or args.max_tokens < 2:
         raise SystemExit("step_split.py: --batch and --rounds must be >= 1 and --max-tokens >= 2")
+    if args.plan:
+        try:
+            n, d = (int(x) for x in args.plan.split(","))
+        except ValueError:
+            raise SystemExit(f"step_split.py: --plan {args.plan!r}: give n,d as two integers, e.g. 4,3") from None
+        if n < 2 or d < 2:
+            raise SystemExit(f"step_split.py: --plan {args.plan!r}: a tree needs n >= 2 nodes and d >= 2 levels")
 
     import torch
 
@@ -71,7 +78,6 @@ def main() -> int:
         raise SystemExit(f"step_split.py: {exc}") from None
     acceptance, plan = stored.acceptance, stored.plan
     if args.plan:
-        n, d = (int(x) for x in args.plan.split(","))
         plan = solve(acceptance, n, d).tree(n, d)
     if plan.n == 1:
         raise SystemExit(f"step_split.py: bucket {key.batch}'s plan is the root-only tree; give --plan n,d")
