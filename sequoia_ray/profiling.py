@@ -537,11 +537,14 @@ def _bounded_plan(cfg, pair, prof: HardwareProfile, prompts, i: int, deadline: D
     bounded = cfg.model_copy(update={"candidates": min(cfg.candidates, BOUNDED_CANDIDATES),
                                      "measure_rounds": BOUNDED_ROUNDS})
     longest = len(max(prompts, key=len))
-    ask = choice_tokens((end - deadline.elapsed()) * (1 - CHECK_SHARE), prof, pace, bounded.candidates, longest)
+    ask, bounded = trees_within((end - deadline.elapsed()) * (1 - CHECK_SHARE), prof, pace, bounded, longest)
     if ask < MIN_TOKENS:
         logger.warning("no time left to measure trees at T=%s; publishing the cost model's choice unmeasured", temperature)
         picks = unmeasured_picks(table, prof, tuple(prof.t), calls=serving.calls, sampled=temperature > 0)
     else:
+        if not bounded.candidates:
+            logger.warning("no time left to measure trees at T=%s: the overhead measured, the cost model's choice "
+                           "with it published unmeasured", temperature)
         params = SamplingParams(max_tokens=min(ask, cfg.validate_tokens), temperature=temperature)
         picks = plan_buckets(bounded, pair, prof, table, tuple(prof.t), prompts, params, measured_buckets=(1,),
                              calls=serving.calls)
@@ -601,17 +604,35 @@ def check_seconds(prof: HardwareProfile, pace: float, batch: int, prompt_len: in
     return pace * (prefills + (1 + CHECK_TREE_STEPS) * MIN_CHOICE_TOKENS * alone)
 
 
-def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int) -> int:
+def trees_within(seconds: float, prof: HardwareProfile, pace: float, cfg: ProfileJobConfig,
+                 prompt_len: int) -> tuple[int, ProfileJobConfig]:
+    """(tokens per run, config) for ``plan_buckets`` at batch 1 in ``seconds``: the measured choice among
+    ``cfg.candidates`` trees when at least MIN_TOKENS fit it; else the overhead runs alone (``candidates`` 0:
+    the cost model's choice, costed with the overhead measured); else fewer than MIN_TOKENS (nothing measured).
+    The overhead comes first because it prices every bucket's tree, where the measured choice only confirms
+    batch 1's: on the 2-core Xeon (session 40) the main job's T = 0 had ~23 s for trees, the choice needed
+    ~26 s, and T = 0 published trees costed with no overhead at all (~6% of a tree step at batch 8)."""
+    if cfg.candidates:
+        ask = choice_tokens(seconds, prof, pace, cfg.candidates, prompt_len)
+        if ask >= MIN_TOKENS:
+            return ask, cfg
+    return choice_tokens(seconds, prof, pace, 0, prompt_len, choice=False), cfg.model_copy(update={"candidates": 0})
+
+
+def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int, *,
+                  choice: bool = True) -> int:
     """Tokens per run that fit ``plan_buckets`` at batch 1 in ``seconds``: BOUNDED_ROUNDS rounds of the
-    overhead runs (root-only and a tree at OVERHEAD_BATCHES) and of the 1 + ``candidates`` measured trees, each
-    run a prefill of each of its prompts (in the draft too where it grows trees) and one root-only step's time
-    per token (a tree step costs more, and yields more tokens; the profiled times scaled by ``pace``)."""
+    overhead runs (root-only and a tree at OVERHEAD_BATCHES) and, with ``choice``, of the 1 + ``candidates``
+    measured trees, each run a prefill of each of its prompts (in the draft too where it grows trees) and one
+    root-only step's time per token (a tree step costs more, and yields more tokens; the profiled times scaled
+    by ``pace``)."""
     alone = {b: pace * prof.target_step_s * prof.target_cost(b, b) for b in OVERHEAD_BATCHES}
-    per_token = BOUNDED_ROUNDS * (2 * sum(alone.values()) + (1 + candidates) * alone[1])
+    measured = 1 + candidates if choice else 0
+    per_token = BOUNDED_ROUNDS * (2 * sum(alone.values()) + measured * alone[1])
     prompts = sum(OVERHEAD_BATCHES)  # prompts a round's runs of each kind prefill: root-only and tree
     target = _prefill_s(prof, prompt_len, draft=False)
     both = _prefill_s(prof, prompt_len)
-    fixed = BOUNDED_ROUNDS * (prompts * (target + both) + target + candidates * both)
+    fixed = BOUNDED_ROUNDS * (prompts * (target + both) + (target + candidates * both if choice else 0.0))
     return tokens_within(seconds, per_token, pace * fixed)
 
 

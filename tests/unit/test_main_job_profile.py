@@ -436,6 +436,52 @@ def test_choice_tokens_fit_their_time():
     assert profiling.choice_tokens(32.9, prof, 1.0, 2, 10) == 0
 
 
+def test_without_time_for_the_measured_choice_the_overhead_is_measured_alone():
+    """The same profile: the overhead runs alone cost 25 s of prefill (2 rounds x 5 prompts x (1 + 1.5 s)) and
+    2 x (2 x (1 + 1)) = 8 s a token. The choice (2 candidates) needs 33 + 14 x 8 = 145 s for MIN_TOKENS; 1 s
+    less fits the overhead runs alone, with 14 tokens; 25 + 8 x 8 s is their least."""
+    prof = replace(_profile(), c={1: 0.5, 32: 0.5})
+    cfg = ProfileJobConfig(storage="unused", candidates=2)
+    assert profiling.trees_within(145, prof, 1.0, cfg, 10) == (8, cfg)
+    ask, overhead_only = profiling.trees_within(144, prof, 1.0, cfg, 10)
+    assert (ask, overhead_only.candidates) == (14, 0) and overhead_only.width == cfg.width
+    assert profiling.trees_within(25 + 8 * 8, prof, 1.0, cfg, 10)[0] == 8
+    assert profiling.trees_within(25 + 8 * 8 - 0.1, prof, 1.0, cfg, 10)[0] == 7  # < MIN_TOKENS: nothing measured
+    # no candidates configured: the overhead runs alone, whatever the time
+    assert profiling.trees_within(1000, prof, 1.0, cfg.model_copy(update={"candidates": 0}), 10)[1].candidates == 0
+
+
+@pytest.mark.parametrize("trees_s, candidates, overhead", [(1000.0, 2, True), (150.0, 0, True), (40.0, None, False)])
+def test_a_temperatures_trees_stage_measures_what_fits(monkeypatch, pair, trees_s, candidates, overhead):
+    """``_bounded_plan`` with p measured at once and ``trees_s`` seconds left for trees (70% of them for the
+    batch-1 stage): the measured choice with 2 candidates when it fits, the overhead runs alone when only they
+    fit, nothing measured when not even they fit; the published plans carry the overhead whenever it was
+    measured."""
+    clock, seen = FakeClock(), []
+    prof = replace(_profile(), c={1: 0.5, 32: 0.5})
+    cfg = ProfileJobConfig(storage="unused", temperatures=(0.0,), candidates=3, max_depth=4)
+    deadline = Deadline(10 + trees_s / (1 - profiling.MEASURE_SHARE), clock)
+    clock.now += 10  # the profile's time: the temperature's share is the rest, 45% of it for p
+
+    def fake_measure(cfg, pair, prompts, temperature, deadline, until, prof):
+        clock.now = deadline.start + until
+        return AcceptanceVector.from_p([0.6, 0.2, 0.1]), 3, 30, 1.0
+
+    def fake_plan_buckets(bounded, pair, prof, table, budgets, prompts, params, **kw):
+        seen.append(bounded.candidates)
+        measured = profiling.StepOverhead(alone=(0.1, 0.0), tree=(0.2, 0.0))
+        return {b: replace(p, overhead=measured)
+                for b, p in profiling.unmeasured_picks(table, prof, budgets, sampled=False).items()}
+
+    monkeypatch.setattr(profiling, "measure_within", fake_measure)
+    monkeypatch.setattr(profiling, "plan_buckets", fake_plan_buckets)
+    monkeypatch.setattr(profiling, "check_buckets", lambda picks, measure, fits: picks)
+    stages = profiling.Stages(["p", "trees"], deadline, progress=False)
+    planned = profiling._bounded_plan(cfg, pair, prof, [[1] * 10] * 3, 0, deadline, stages, Serving(1, 60.0))
+    assert seen == ([candidates] if candidates is not None else [])
+    assert planned and all((tree.provenance.overhead is not None) == overhead for tree, _ in planned)
+
+
 # ---- the larger buckets' trees checked against the target alone -----------------------------------
 def _bucket_picks() -> dict[int, profiling.Picked]:
     """A tree picked by the model at every bucket up to 8 (16: the target alone), as the bounded job has them."""
