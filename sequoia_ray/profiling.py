@@ -624,8 +624,9 @@ def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates
     """Tokens per run that fit ``plan_buckets`` at batch 1 in ``seconds``: BOUNDED_ROUNDS rounds of the
     overhead runs (root-only and a tree at OVERHEAD_BATCHES) and, with ``choice``, of the 1 + ``candidates``
     measured trees, each run a prefill of each of its prompts (in the draft too where it grows trees) and one
-    root-only step's time per token (a tree step costs more, and yields more tokens; the profiled times scaled
-    by ``pace``)."""
+    root-only step's time per token (the profiled times scaled by ``pace``). Two approximations that offset:
+    a tree's token costs less than a root-only step (~half at batch 1 here: a step costs ~2, yields ~4), and
+    the measured trees run at least MIN_CHOICE_TOKENS however few are asked (``plan_buckets``)."""
     alone = {b: pace * prof.target_step_s * prof.target_cost(b, b) for b in OVERHEAD_BATCHES}
     measured = 1 + candidates if choice else 0
     per_token = BOUNDED_ROUNDS * (2 * sum(alone.values()) + measured * alone[1])
