@@ -96,6 +96,8 @@ class ModelActor:
 
     def _unsafe_run(self, method: str, request_id: str, *args, stale=None):  # untracked: the caller tracks
         self._reap(method, [request_id], stale)
+        if method == "finish":
+            self._forget(request_id)
         return getattr(self.worker, method)(request_id, *args)
 
     def _unsafe_run_batch(self, method: str, calls: list[tuple], stale=None) -> list:  # untracked
@@ -107,8 +109,14 @@ class ModelActor:
         free exactly those (a TP follower frees what rank 0 decided, so every rank holds the same requests)."""
         stale = self.reaper.due(method, request_ids) if stale is None else stale
         for rid in stale:
+            self._forget(rid)
             self.worker.finish(rid)
         return stale
+
+    def _forget(self, request_id: str) -> None:
+        """A finished request no longer counts as computing on the other actor (``ThreadShare.forget``)."""
+        if self.share is not None:
+            self.share.forget(request_id)
 
     def _start_batcher(self, run_batch, run_one, *, waits: bool = True) -> None:
         """Continuous batching of the calls this actor receives (``sequoia_ray.batching``): every call

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from actors.base import ModelActor, _steps_a_tree
+from actors.reaper import Reaper
 from actors.thread_share import ThreadShare
 
 
@@ -43,6 +44,43 @@ def test_a_request_seen_stepping_the_target_alone_is_not_elsewhere():
     assert share.threads_for({"a"}) == 2 and share.threads_for({"b"}) == 1  # two tree groups
     assert share.threads_for(set(), {"a"}) == 1  # "b" may still be drafting
     assert share.threads_for(set(), {"a", "b"}) == 2  # both step the target alone now
+
+
+def test_a_finished_request_is_not_elsewhere():
+    share = ThreadShare(2, window_s=1.0, clock=_Clock())
+    assert share.threads_for({"a", "b"}) == 2
+    share.forget("a")  # "a" finished: "b" alone is all the trees there are
+    assert share.threads_for({"b"}) == 2
+    share.forget("never seen")
+    assert share.threads_for(set()) == 1  # "b" is elsewhere
+
+
+def test_an_actor_forgets_the_requests_it_finishes_or_frees():
+    """In lockstep a forward holds every tree request; after one finishes (its ``finish`` call) or is freed as
+    idle (the reaper), the next forwards without it still get all the threads. Until session 41 they got half
+    for a second after every end: at 8 clients, most forwards."""
+    actor = ModelActor.__new__(ModelActor)  # no model: the wrapper, the finish path and the reaper
+    actor.share = ThreadShare(2, clock=_Clock())
+    actor.reaper = Reaper(3600.0)
+    finished = []
+    actor.worker = SimpleNamespace(finish=finished.append)
+    seen = []
+
+    def run_batch(method, calls):
+        seen.append(torch.get_num_threads())
+        return [None] * len(calls)
+
+    before = torch.get_num_threads()
+    try:
+        tree = SimpleNamespace(n=4)
+        actor._run_shared(run_batch, "grow", [("a", tree), ("b", tree), ("c", tree)])
+        actor._unsafe_run("finish", "a")
+        actor._run_shared(run_batch, "grow", [("b", tree), ("c", tree)])
+        actor._reap("grow", ["b"], stale=["c"])  # "c" freed as idle (a TP follower is told which)
+        actor._run_shared(run_batch, "grow", [("b", tree)])
+        assert seen == [2, 2, 2] and finished == ["a", "c"]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_trees_are_grows_and_verifies_of_more_than_the_root():
