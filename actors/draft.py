@@ -24,7 +24,7 @@ class DraftActor(ModelActor):
         self.worker = self.compute.run(DraftWorker, loaded.model, layout=spec.batch_layout,
                                        prefill_chunk=spec.prefill_chunk, prefix_cache=spec.prefix_cache())
         self.meta = model_meta(loaded, device)
-        self.share = ThreadShare(spec.threads)
+        self.share = ThreadShare(spec.threads) if spec.pipelines else None  # lockstep: never beside the target
         self._start_batcher(self._run_batch, self._run, waits=False)  # in lockstep the target waits, this gathers
 
     def call(self, method: str, request_id: str, *args):

@@ -85,6 +85,12 @@ class ModelActorSpec:
         return dict(limits=self.limits(waits=waits), **lockstep)
 
     @property
+    def pipelines(self) -> bool:
+        """Whether tree requests may pipeline, one group drafting while another verifies: not in lockstep
+        (``wait_trees`` with batches of 2+), where every step drafts all of them, then verifies them all."""
+        return not self.wait_trees or self.max_batch_requests == 1
+
+    @property
     def callers(self) -> int:
         """The actor's max_concurrency: enough waiting calls to fill a batch twice over (beyond it Ray queues)."""
         return max(64, 2 * self.max_batch_requests + 8)

@@ -74,8 +74,8 @@ class TargetRank(ModelActor):
     def lead(self, followers: list) -> None:
         """Make this rank (0) the group's entry point for ``followers`` (ranks 1..tp-1)."""
         self.followers = followers
-        if self.world == 1:  # tensor-parallel ranks keep one count: same numerics
-            self.share = ThreadShare(self.spec.threads)
+        if self.world == 1 and self.spec.pipelines:  # TP ranks keep one count (same numerics); in lockstep the
+            self.share = ThreadShare(self.spec.threads)  # draft never grows while this rank verifies
         self._start_batcher(self._lead_batch, self._lead_one)
 
     def call(self, method: str, request_id: str, *args):

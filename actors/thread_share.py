@@ -1,5 +1,12 @@
 """How many torch threads a model actor's forward gets: all of them, or half while the other actor computes.
 
+Only where tree requests pipeline (``ModelActorSpec.pipelines``: ``batch_wait_trees: false``, or one request per
+forward). In lockstep (the default) every step drafts all tree requests, then verifies them all, so the two actors never compute at once
+(the load traces' ``both`` is 0) and the actors run every forward on all their threads: with a share there,
+a request that had just finished, or had not yet joined, counted as "on the other actor", and at 8 clients
+through Serve on the 2-core Xeon (session 41) a draft forward of 7 requests took 1.3x one of 8 and the target's
+verify beside a newcomer's first step 1.2-1.7x a verify of 8 trees.
+
 The draft and the target actors share the machine's cores, each running ``threads`` torch threads, and with
 every torch call on one thread per process (``sequoia_ray.compute_thread``) libgomp's threads spin between
 parallel regions. That is what a forward wants while it is alone, and ruinous while the other actor computes
@@ -12,10 +19,7 @@ tree request it does not carry was seen in the last ``window_s`` (that request i
 actor now), and all of them otherwise: one client's trees, the target alone at any batch, tree requests in
 lockstep. A request seen stepping the target alone is forgotten at once: when the service switches from trees
 to the target alone (``live_cost``), its forwards get all the threads from the switch, not a second later. So
-is a request that finished (``forget``): until session 41 it stayed "elsewhere" for ``window_s``, and at 8
-clients in lockstep, where one request ends every ~2 steps, the forwards after each end ran on half the threads
-(through Serve on the 2-core Xeon: a draft forward of 7 requests 210-290 ms against 160-220 ms for 8, the
-target's verify of 7 trees and a newcomer's first step 330-445 ms against 265 for 8 trees).
+is a request that finished (``forget``), when its ``finish`` arrives.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import torch
 
 from actors.base import ModelActor, _steps_a_tree
+from actors.draft import DraftActor
 from actors.reaper import Reaper
+from actors.spec import ModelActorSpec
+from actors.target import TargetRank, free_port
 from actors.thread_share import ThreadShare
 
 
@@ -81,6 +84,24 @@ def test_an_actor_forgets_the_requests_it_finishes_or_frees():
         assert seen == [2, 2, 2] and finished == ["a", "c"]
     finally:
         torch.set_num_threads(before)
+
+
+def test_only_actors_whose_tree_requests_pipeline_share_their_threads():
+    """In lockstep (tree requests waited for, batches of 2+) the draft never grows while the target verifies:
+    both actors keep all their threads for every forward. Pipelined (no lockstep, or one request per forward),
+    both share them."""
+    for spec, shares in [(dict(wait_trees=True, max_batch_requests=8), False),
+                         (dict(wait_trees=False, max_batch_requests=8), True),
+                         (dict(wait_trees=True, max_batch_requests=1), True)]:
+        assert ModelActorSpec("x", **spec).pipelines is shares
+        draft = DraftActor(ModelActorSpec("tiny-draft", threads=2, **spec))
+        rank = TargetRank(0, 1, "127.0.0.1", free_port(), "gloo", ModelActorSpec("tiny-target", threads=2, **spec))
+        rank.lead([])
+        try:
+            assert (draft.share is not None, rank.share is not None) == (shares, shares), spec
+        finally:
+            draft.batcher.close()
+            rank.batcher.close()
 
 
 def test_trees_are_grows_and_verifies_of_more_than_the_root():
