@@ -1,11 +1,11 @@
 """How many torch threads a model actor's forward gets: all of them, or half while the other actor computes.
 
 Only where tree requests pipeline (``ModelActorSpec.pipelines``: ``batch_wait_trees: false``, or one request per
-forward). In lockstep (the default) every step drafts all tree requests, then verifies them all, so the two actors never compute at once
-(the load traces' ``both`` is 0) and the actors run every forward on all their threads: with a share there,
-a request that had just finished, or had not yet joined, counted as "on the other actor", and at 8 clients
-through Serve on the 2-core Xeon (session 41) a draft forward of 7 requests took 1.3x one of 8 and the target's
-verify beside a newcomer's first step 1.2-1.7x a verify of 8 trees.
+forward). In lockstep (the default) every step drafts all tree requests, then verifies them all, so the two
+actors never compute at once (the load traces' ``both`` is 0) and every forward runs on all the threads: with a
+share there, a request that had just finished counted as "on the other actor", and at 8 clients through Serve
+on the 2-core Xeon (session 41) a draft forward of 7 requests took 1.3x one of 8 and the target's verify beside
+a newcomer's first step 1.2-1.7x a verify of 8 trees.
 
 The draft and the target actors share the machine's cores, each running ``threads`` torch threads, and with
 every torch call on one thread per process (``sequoia_ray.compute_thread``) libgomp's threads spin between
