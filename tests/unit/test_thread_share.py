@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -58,32 +60,40 @@ def test_a_finished_request_is_not_elsewhere():
     assert share.threads_for(set()) == 1  # "b" is elsewhere
 
 
-def test_an_actor_forgets_the_requests_it_finishes_or_frees():
-    """In lockstep a forward holds every tree request; after one finishes (its ``finish`` call) or is freed as
-    idle (the reaper), the next forwards without it still get all the threads. Until session 41 they got half
-    for a second after every end: at 8 clients, most forwards."""
-    actor = ModelActor.__new__(ModelActor)  # no model: the wrapper, the finish path and the reaper
+@contextlib.contextmanager
+def _actor_counting_threads():
+    """(actor, run, counts): a ModelActor with no model (its batch wrapper, finish path and reaper are under
+    test), ``run(method, calls)`` running a batch through the wrapper, and each batch's thread count so far.
+    The count is restored after."""
+    actor = ModelActor.__new__(ModelActor)
     actor.share = ThreadShare(2, clock=_Clock())
-    actor.reaper = Reaper(3600.0)
-    finished = []
-    actor.worker = SimpleNamespace(finish=finished.append)
-    seen = []
+    counts = []
 
     def run_batch(method, calls):
-        seen.append(torch.get_num_threads())
+        counts.append(torch.get_num_threads())
         return [None] * len(calls)
 
     before = torch.get_num_threads()
     try:
-        tree = SimpleNamespace(n=4)
-        actor._run_shared(run_batch, "grow", [("a", tree), ("b", tree), ("c", tree)])
-        actor._unsafe_run("finish", "a")
-        actor._run_shared(run_batch, "grow", [("b", tree), ("c", tree)])
-        actor._reap("grow", ["b"], stale=["c"])  # "c" freed as idle (a TP follower is told which)
-        actor._run_shared(run_batch, "grow", [("b", tree)])
-        assert seen == [2, 2, 2] and finished == ["a", "c"]
+        yield actor, functools.partial(actor._run_shared, run_batch), counts
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_actor_forgets_the_requests_it_finishes_or_frees():
+    """After a tree request finishes (its ``finish`` call) or is freed as idle (the reaper), the next forwards
+    without it still get all the threads (before session 41, half for a second after every end)."""
+    with _actor_counting_threads() as (actor, run, counts):
+        actor.reaper = Reaper(3600.0)
+        finished = []
+        actor.worker = SimpleNamespace(finish=finished.append)
+        tree = SimpleNamespace(n=4)
+        run("grow", [("a", tree), ("b", tree), ("c", tree)])
+        actor._unsafe_run("finish", "a")
+        run("grow", [("b", tree), ("c", tree)])
+        actor._reap("grow", ["b"], stale=["c"])  # "c" freed as idle (a TP follower is told which)
+        run("grow", [("b", tree)])
+        assert counts == [2, 2, 2] and finished == ["a", "c"]
 
 
 def test_only_actors_whose_tree_requests_pipeline_share_their_threads():
@@ -113,23 +123,11 @@ def test_trees_are_grows_and_verifies_of_more_than_the_root():
 
 def test_a_batch_runs_with_the_threads_it_was_given():
     """The actor's batch wrapper sets the count on the thread that runs the batch, before running it."""
-    actor = ModelActor.__new__(ModelActor)  # no model: only the wrapper is under test
-    clock = _Clock()
-    actor.share = ThreadShare(2, clock=clock)
-    seen = []
-
-    def run_batch(method, calls):
-        seen.append(torch.get_num_threads())
-        return [None] * len(calls)
-
-    before = torch.get_num_threads()
-    try:
+    with _actor_counting_threads() as (_, run, counts):
         tree = SimpleNamespace(n=4)
-        actor._run_shared(run_batch, "verify", [("a", tree, None)])
-        actor._run_shared(run_batch, "verify", [("b", tree, None)])  # "a" is elsewhere now
-        actor._run_shared(run_batch, "verify", [("a", tree, None), ("b", tree, None)])
+        run("verify", [("a", tree, None)])
+        run("verify", [("b", tree, None)])  # "a" is elsewhere now
+        run("verify", [("a", tree, None), ("b", tree, None)])
         root = SimpleNamespace(n=1)  # both switch to the target alone: all threads at once
-        actor._run_shared(run_batch, "verify", [("a", root, None), ("b", root, None)])
-        assert seen == [2, 1, 2, 2]
-    finally:
-        torch.set_num_threads(before)
+        run("verify", [("a", root, None), ("b", root, None)])
+        assert counts == [2, 1, 2, 2]
