@@ -616,24 +616,24 @@ def trees_within(seconds: float, prof: HardwareProfile, pace: float, cfg: Profil
         ask = choice_tokens(seconds, prof, pace, cfg.candidates, prompt_len)
         if ask >= MIN_TOKENS:
             return ask, cfg
-    return choice_tokens(seconds, prof, pace, 0, prompt_len, choice=False), cfg.model_copy(update={"candidates": 0})
+    return choice_tokens(seconds, prof, pace, 0, prompt_len), cfg.model_copy(update={"candidates": 0})
 
 
-def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int, *,
-                  choice: bool = True) -> int:
+def choice_tokens(seconds: float, prof: HardwareProfile, pace: float, candidates: int, prompt_len: int) -> int:
     """Tokens per run that fit ``plan_buckets`` at batch 1 in ``seconds``: BOUNDED_ROUNDS rounds of the
-    overhead runs (root-only and a tree at OVERHEAD_BATCHES) and, with ``choice``, of the 1 + ``candidates``
-    measured trees, each run a prefill of each of its prompts (in the draft too where it grows trees) and one
-    root-only step's time per token (the profiled times scaled by ``pace``). Two approximations that offset:
-    a tree's token costs less than a root-only step (~half at batch 1 here: a step costs ~2, yields ~4), and
-    the measured trees run at least MIN_CHOICE_TOKENS however few are asked (``plan_buckets``)."""
+    overhead runs (root-only and a tree at OVERHEAD_BATCHES) and of the 1 + ``candidates`` measured trees (none
+    with ``candidates`` 0: ``plan_buckets`` then runs the overhead runs alone), each run a prefill of each of its
+    prompts (in the draft too where it grows trees) and one root-only step's time per token (the profiled times
+    scaled by ``pace``). Two approximations that offset: a tree's token costs less than a root-only step (~half
+    at batch 1 here: a step costs ~2, yields ~4), and the measured trees run at least MIN_CHOICE_TOKENS however
+    few are asked (``plan_buckets``)."""
     alone = {b: pace * prof.target_step_s * prof.target_cost(b, b) for b in OVERHEAD_BATCHES}
-    measured = 1 + candidates if choice else 0
+    measured = 1 + candidates if candidates else 0
     per_token = BOUNDED_ROUNDS * (2 * sum(alone.values()) + measured * alone[1])
     prompts = sum(OVERHEAD_BATCHES)  # prompts a round's runs of each kind prefill: root-only and tree
     target = _prefill_s(prof, prompt_len, draft=False)
     both = _prefill_s(prof, prompt_len)
-    fixed = BOUNDED_ROUNDS * (prompts * (target + both) + (target + candidates * both if choice else 0.0))
+    fixed = BOUNDED_ROUNDS * (prompts * (target + both) + (target + candidates * both if candidates else 0.0))
     return tokens_within(seconds, per_token, pace * fixed)
 
 

@@ -428,14 +428,14 @@ def test_choice_tokens_fit_their_time():
     """1 s a target step everywhere, prompts of 10 tokens: the target prefills one in 1 s, the draft in 0.5 s.
     A round: the overhead runs root-only and with a tree at batch 1 and 4 (5 prompts each: 5 x 1 + 5 x 1.5 s),
     the target alone and 2 trees measured (1 + 2 x 1.5 s); 2 rounds: 33 s of prefill. A token costs
-    2 x (2 x (1 + 1) + 3 x 1) = 14 s; the overhead runs alone, 25 s of prefill and 8 s a token."""
+    2 x (2 x (1 + 1) + 3 x 1) = 14 s; with no candidates the overhead runs alone, 25 s of prefill and 8 s a token."""
     prof = replace(_profile(), c={1: 0.5, 32: 0.5})
     assert profiling.choice_tokens(33 + 14 * 5, prof, 1.0, 2, 10) == 5
     assert profiling.choice_tokens(33 + 14 * 5 - 0.1, prof, 1.0, 2, 10) == 4
     assert profiling.choice_tokens(2 * (33 + 14 * 5), prof, 2.0, 2, 10) == 5  # twice as slow as profiled
     assert profiling.choice_tokens(32.9, prof, 1.0, 2, 10) == 0
-    assert profiling.choice_tokens(25 + 8 * 5, prof, 1.0, 2, 10, choice=False) == 5
-    assert profiling.choice_tokens(25 + 8 * 5 - 0.1, prof, 1.0, 2, 10, choice=False) == 4
+    assert profiling.choice_tokens(25 + 8 * 5, prof, 1.0, 0, 10) == 5
+    assert profiling.choice_tokens(25 + 8 * 5 - 0.1, prof, 1.0, 0, 10) == 4
 
 
 def test_without_time_for_the_measured_choice_the_overhead_is_measured_alone():
