@@ -115,11 +115,15 @@ def run(decoder: SpeculativeDecoder, pair: LocalPair, prompt: Prompt, max_tokens
 
 
 def summary(name: str, runs: list[dict]) -> dict:
+    """A mode's row; ``forwards ms`` a step is the runs' ``forward_s`` where they carry it (a served run: the
+    actors' forwards), else their worker calls' time (in process a call is its forward; in two processes it
+    includes the pipe)."""
     tokens, seconds, steps = (sum(r[k] for r in runs) for k in ("tokens", "seconds", "steps"))
+    forward_s = sum(r.get("forward_s", r["draft_s"] + r["verify_s"]) for r in runs)
     return {"mode": name, "tok/s": tokens / seconds, "step ms": 1000 * seconds / steps,
             "draft ms": 1000 * sum(r["draft_s"] for r in runs) / steps,
-            "verify ms": 1000 * sum(r["verify_s"] for r in runs) / steps, "tok/step": tokens / steps,
-            "tokens": tokens}
+            "verify ms": 1000 * sum(r["verify_s"] for r in runs) / steps, "forwards ms": 1000 * forward_s / steps,
+            "tok/step": tokens / steps, "tokens": tokens}
 
 
 def interleave(modes: dict[str, Callable[[Prompt], dict]], prompts: list[Prompt], rounds: int) -> dict[str, list[dict]]:

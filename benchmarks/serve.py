@@ -14,7 +14,10 @@ without the drift between phases. Then, Ray stopped, the first phase again. Each
 row of its phase, so Serve against in-process beside the idle app is what Ray's actors and calls cost, and the
 in-process rows beside the app against the mean of those before and after it what the idle app costs.
 Prints tokens/s, ms a step and where a step's time goes (the draft's call ``grow`` and the target's ``verify``
-per step, as the decoder saw them: with the call's round trip); writes benchmarks/results/serve.json. The goal
+per step, as the decoder saw them: with the call's round trip; and the forwards alone: through Serve the model
+actors' batches as their traces time them, in process the worker calls), and what a Serve step adds to one in
+process beside the idle app, in the forwards and in the calls and the ingress; writes
+benchmarks/results/serve.json. The goal
 is Serve within 10% of in-process.
 """
 
@@ -29,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background import ray_groups, while_paused  # noqa: E402
 from common import print_table, write_json  # noqa: E402
+from load import model_actors  # noqa: E402
 from processes import apart, interleave, load_pair, pair_args, rows_of, run, warm  # noqa: E402
 
 from sequoia_ray.local import LocalPair  # noqa: E402
@@ -61,17 +65,29 @@ def start_serve(args):
     post = lambda body: requests.post(f"{url}/v1/{'chat/' if 'messages' in body else ''}completions",  # noqa: E731
                                       json={"model": "bench", "temperature": 0, **body}, timeout=900).json()
     post({"prompt": "warm up", "max_tokens": 4})
+    actors = list(model_actors().values())
 
     def one(p) -> dict:
         body = ({"messages": [{"role": "user", "content": p.text}]} if p.chat else {"prompt": p.text})
+        since = time.monotonic()  # the actors' clock: one host
         start_t = time.perf_counter()
         out = post({**body, "max_tokens": args.max_tokens})
         seconds = time.perf_counter() - start_t
         spec = out["usage"]["speculative"]
         text = out["choices"][0]["message"]["content"] if p.chat else out["choices"][0]["text"]
         return {"tokens": out["usage"]["completion_tokens"], "seconds": seconds, "steps": spec["steps"],
-                "text": text, "draft_s": spec["draft_s"], "verify_s": spec["verify_s"]}
+                "text": text, "draft_s": spec["draft_s"], "verify_s": spec["verify_s"],
+                "forward_s": actor_forward_s(actors, since)}
     return one
+
+
+def actor_forward_s(actors: list, since: float) -> float:
+    """Seconds the model actors' batchers spent in batches (forwards) that began at or after ``since``: in a
+    Serve step, what is not the actors' calls and the ingress (read after the request, outside its timing)."""
+    import ray
+
+    return sum(f.end - f.start for forwards in ray.get([a.batch_trace.remote(since) for a in actors])
+               for f in forwards)
 
 
 def measure(pair: LocalPair, args, prompts) -> tuple[list[dict], dict[str, int]]:
@@ -125,7 +141,7 @@ def main() -> None:
     pair_args(args)
     prompts = load_prompts(HERE / "prompts.jsonl")[: args.limit]
     rows, same = measure(load_pair(args), args, prompts)
-    print_table(rows, ["mode", "tok/s", "step ms", "draft ms", "verify ms", "tok/step", "tokens",
+    print_table(rows, ["mode", "tok/s", "step ms", "draft ms", "verify ms", "forwards ms", "tok/step", "tokens",
                        "vs in-process, same phase"])
     runs = args.rounds * len(prompts)
     print("the in-process text in " + ", ".join(f"{n}/{runs} runs {name}" for name, n in same.items()
@@ -139,6 +155,12 @@ def main() -> None:
     print(f"within the app's phase: Ray Serve {rate['Ray Serve (HTTP)'] / clean:.2f}x and in process beside the "
           f"idle app {rate['in-process, Serve app idle beside it'] / clean:.2f}x in process with all of Ray paused "
           "(no drift between phases: the goal's measure)")
+    row = {r["mode"]: r for r in rows}
+    served, here = row["Ray Serve (HTTP)"], row["in-process, Serve app idle beside it"]
+    more = served["step ms"] - here["step ms"]
+    forwards = served["forwards ms"] - here["forwards ms"]
+    print(f"a Serve step took {more:+.1f} ms against in process beside the idle app: {forwards:+.1f} in the actors' "
+          f"forwards, {more - forwards:+.1f} in the calls and the ingress")
     write_json("serve", {"rows": rows, "identical": same, "runs": runs,
                          "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
 

@@ -48,3 +48,15 @@ def test_a_workers_exception_reaches_the_caller(pair):
     finally:
         target.close()
     assert not target.process.is_alive()
+
+
+def test_a_rows_forwards_are_the_actors_where_a_run_carries_them():
+    """``forwards ms`` a step: a served run's ``forward_s`` (the actors' traced forwards), else the worker calls'
+    time (in process, a call is its forward)."""
+    here = [{"tokens": 10, "seconds": 1.0, "steps": 4, "draft_s": 0.2, "verify_s": 0.6},
+            {"tokens": 6, "seconds": 0.6, "steps": 2, "draft_s": 0.1, "verify_s": 0.3}]
+    served = [{**run, "forward_s": run["draft_s"] + run["verify_s"] - 0.05 * run["steps"]} for run in here]
+    row_here, row_served = processes.summary("here", here), processes.summary("served", served)
+    assert row_here["forwards ms"] == pytest.approx(1000 * 1.2 / 6)
+    assert row_served["forwards ms"] == pytest.approx(1000 * 1.2 / 6 - 50)
+    assert row_here["draft ms"] == row_served["draft ms"] == pytest.approx(1000 * 0.3 / 6)
