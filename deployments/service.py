@@ -281,13 +281,7 @@ class GrowRules:
 
 
 class Runner:
-    """Runs decoders in worker threads and exposes them as async chunk streams.
-
-    A request's next step starts as soon as its last one has produced a chunk, before that chunk is handed on:
-    the step runs while the chunk goes out through the event loop, Serve and the proxy (4-5 ms a step on the
-    real pair, ~10 ms with tiny models, when they took turns), so a request is back at the actors with its next
-    call as soon as its worker thread can make it, not after its chunk's delivery. It is never more than one step
-    ahead of its reader: a client that stops reading stops its request's calls after one more step."""
+    """Runs decoders in worker threads and exposes them as async chunk streams."""
 
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sequoia-request")
@@ -298,16 +292,13 @@ class Runner:
         gen: Iterator[Chunk] = decoder.stream(prompt, params, request_id)
         pending = None
         try:
-            pending = loop.run_in_executor(self.pool, next, gen, _END)
             while True:
+                pending = loop.run_in_executor(self.pool, next, gen, _END)
                 chunk = await asyncio.shield(pending)
                 if chunk is _END:
                     return
-                pending = loop.run_in_executor(self.pool, next, gen, _END)  # the next step, while this chunk goes out
                 yield chunk
         finally:
-            if pending is not None:
+            if pending is not None and not pending.done():
                 await asyncio.wait([pending])  # the step in flight finishes before the generator closes
-                if not pending.cancelled():
-                    pending.exception()  # a step nobody reads any more may fail quietly: its request is freed below
             await loop.run_in_executor(self.pool, gen.close)  # frees the request on every actor
