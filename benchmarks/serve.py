@@ -17,8 +17,7 @@ Prints tokens/s, ms a step and where a step's time goes (the draft's call ``grow
 per step, as the decoder saw them: with the call's round trip; and the forwards alone: through Serve the model
 actors' batches as their traces time them, in process the worker calls), and what a Serve step adds to one in
 process beside the idle app, in the forwards and in the calls and the ingress; writes
-benchmarks/results/serve.json. The goal
-is Serve within 10% of in-process.
+benchmarks/results/serve.json. The goal is Serve within 10% of in-process.
 """
 
 from __future__ import annotations
