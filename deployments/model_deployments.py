@@ -55,6 +55,16 @@ async def drain(state: Callable[[], Awaitable[tuple[int, float]]], timeout_s: fl
         await asyncio.sleep(poll_s)
 
 
+async def group_whole(ranks: list, timeout_s: float) -> bool:
+    """Whether every rank of a TP group answers its health call within ``timeout_s``. A group missing a rank
+    (dead, or too stuck to answer) can finish none of the requests it holds, so there is nothing to drain."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*[r.health.remote() for r in ranks]), timeout_s)
+    except Exception:  # noqa: BLE001 - a dead rank's call raises RayActorError; a stuck one times out
+        return False
+    return True
+
+
 async def actor_state(actor) -> tuple[int, float]:
     """(requests ``actor`` holds, seconds its batcher ran forwards)."""
     held, use = await asyncio.gather(actor.active.remote(), actor.utilization.remote())
@@ -108,7 +118,13 @@ class TargetDeployment:
         return {HELD: await self.group.ranks[0].active.remote()}  # every rank holds the same requests
 
     async def __del__(self) -> None:  # Serve awaits it when it stops this replica
-        await drain(lambda: actor_state(self.group.ranks[0]), self.cfg.drain_timeout_s)
+        """Drain the held requests while the whole group lives, then end the ranks now: left to Ray, they
+        die with their owner (this replica) only some seconds later, beside the group replacing them."""
+        try:
+            if await group_whole(self.group.ranks, self.cfg.health_check_timeout_s):
+                await drain(lambda: actor_state(self.group.ranks[0]), self.cfg.drain_timeout_s)
+        finally:
+            self.group.kill()
 
 
 def replica_bundles(cfg: ServeConfig, actors: int) -> list[dict]:

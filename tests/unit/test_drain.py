@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deployments.model_deployments import drain
+from deployments.model_deployments import drain, group_whole
 
 
 def _states(*states):
@@ -47,3 +47,26 @@ def test_a_dead_actor_holds_nothing():
         raise RuntimeError("ActorDiedError")
 
     assert asyncio.run(drain(state, 10.0)) == 0
+
+
+class _Rank:
+    """A rank handle whose ``health.remote()`` answers, raises (a dead actor) or never returns (a stuck one)."""
+
+    def __init__(self, answer: str) -> None:
+        self.health = self
+        self.answer = answer
+
+    async def remote(self) -> dict:
+        if self.answer == "dead":
+            raise RuntimeError("the actor died")
+        if self.answer == "stuck":
+            await asyncio.sleep(60)
+        return {}
+
+
+def test_a_group_is_whole_only_while_every_rank_answers():
+    assert asyncio.run(group_whole([_Rank("ok"), _Rank("ok")], 1.0))
+    assert not asyncio.run(group_whole([_Rank("ok"), _Rank("dead")], 1.0))  # nothing it holds can finish
+    start = time.monotonic()
+    assert not asyncio.run(group_whole([_Rank("stuck"), _Rank("ok")], 0.1))
+    assert time.monotonic() - start < 5.0  # the timeout bounds the wait
