@@ -120,11 +120,14 @@ class TargetDeployment:
     async def __del__(self) -> None:  # Serve awaits it when it stops this replica
         """Drain the held requests while the whole group lives, then end the ranks now: left to Ray, they
         die with their owner (this replica) only some seconds later, beside the group replacing them."""
+        group = getattr(self, "group", None)
+        if group is None:  # the constructor failed before the group existed: nothing to drain or end
+            return
         try:
-            if await group_whole(self.group.ranks, self.cfg.health_check_timeout_s):
-                await drain(lambda: actor_state(self.group.ranks[0]), self.cfg.drain_timeout_s)
+            if await group_whole(group.ranks, self.cfg.health_check_timeout_s):
+                await drain(lambda: actor_state(group.ranks[0]), self.cfg.drain_timeout_s)
         finally:
-            self.group.kill()
+            group.kill()
 
 
 def replica_bundles(cfg: ServeConfig, actors: int) -> list[dict]:

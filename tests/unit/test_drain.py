@@ -70,3 +70,73 @@ def test_a_group_is_whole_only_while_every_rank_answers():
     start = time.monotonic()
     assert not asyncio.run(group_whole([_Rank("stuck"), _Rank("ok")], 0.1))
     assert time.monotonic() - start < 5.0  # the timeout bounds the wait
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class _GroupRank(_Rank):
+    """A rank that also answers the drain's calls: it holds ``held`` requests and its batcher never moves."""
+
+    def __init__(self, answer: str, held: int = 0) -> None:
+        super().__init__(answer)
+
+        async def active():
+            return held
+
+        async def utilization():
+            return {"busy_s": 1.0}
+
+        self.active, self.utilization = _Method(active), _Method(utilization)
+
+
+class _Group:
+    def __init__(self, ranks) -> None:
+        self.ranks, self.killed = ranks, 0
+
+    def kill(self) -> None:
+        self.killed += 1
+
+
+def _stopping_replica(group, drain_timeout_s: float = 30.0):
+    """A ``TargetDeployment`` instance as Serve holds it when stopping it, made without its constructor."""
+    from types import SimpleNamespace
+
+    from deployments.model_deployments import TargetDeployment
+
+    cls = TargetDeployment.func_or_class
+
+    class Held(cls):  # Serve awaits ``__del__`` itself; garbage collection must not start another (unawaited)
+        def __del__(self) -> None:
+            pass
+
+    replica = object.__new__(Held)
+    replica.cfg = SimpleNamespace(health_check_timeout_s=1.0, drain_timeout_s=drain_timeout_s)
+    if group is not None:
+        replica.group = group
+    return cls, replica
+
+
+def test_a_stopping_target_replica_drains_a_whole_group_then_ends_its_ranks():
+    group = _Group([_GroupRank("ok", held=1), _GroupRank("ok", held=1)])
+    cls, replica = _stopping_replica(group, drain_timeout_s=0.3)
+    start = time.monotonic()
+    asyncio.run(cls.__del__(replica))
+    assert time.monotonic() - start >= 0.3  # it waited for the held request (up to the drain's timeout)
+    assert group.killed == 1
+
+
+def test_a_stopping_target_replica_with_a_dead_rank_ends_at_once():
+    group = _Group([_GroupRank("ok", held=1), _GroupRank("dead")])
+    cls, replica = _stopping_replica(group, drain_timeout_s=30.0)
+    start = time.monotonic()
+    asyncio.run(cls.__del__(replica))
+    assert time.monotonic() - start < 3.0  # no drain: the held request can never finish
+    assert group.killed == 1
+
+
+def test_a_target_replica_whose_constructor_failed_stops_quietly():
+    cls, replica = _stopping_replica(None)
+    asyncio.run(cls.__del__(replica))  # no group: nothing to drain or end, and no AttributeError
