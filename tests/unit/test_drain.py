@@ -49,14 +49,21 @@ def test_a_dead_actor_holds_nothing():
     assert asyncio.run(drain(state, 10.0)) == 0
 
 
+class _Method:
+    """An actor method as the code calls it: ``method.remote()``, awaited."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
 class _Rank:
     """A rank handle whose ``health.remote()`` answers, raises (a dead actor) or never returns (a stuck one)."""
 
     def __init__(self, answer: str) -> None:
-        self.health = self
         self.answer = answer
+        self.health = _Method(self._health)
 
-    async def remote(self) -> dict:
+    async def _health(self) -> dict:
         if self.answer == "dead":
             raise RuntimeError("the actor died")
         if self.answer == "stuck":
@@ -70,11 +77,6 @@ def test_a_group_is_whole_only_while_every_rank_answers():
     start = time.monotonic()
     assert not asyncio.run(group_whole([_Rank("stuck"), _Rank("ok")], 0.1))
     assert time.monotonic() - start < 5.0  # the timeout bounds the wait
-
-
-class _Method:
-    def __init__(self, fn) -> None:
-        self.remote = fn
 
 
 class _GroupRank(_Rank):
