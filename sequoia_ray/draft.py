@@ -58,6 +58,7 @@ import torch
 from sequoia_ray.batching import NOT_YET
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.models.batch_forward import Segment, hidden_many
+from sequoia_ray.models.draft_vocab import kept_logits
 from sequoia_ray.prefix_cache import PrefixCache
 from sequoia_ray.request_state import RequestState, RequestTable
 from sequoia_ray.sampling import (
@@ -237,6 +238,7 @@ class DraftWorker(RequestTable):
         self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
         self.vocab = model.config.vocab_size
         self.embedded = model.get_input_embeddings().num_embeddings  # token ids it can read
+        self.kept: torch.Tensor | None = None  # [K] the ids the head's logits stand for (None: every id)
         self.prefilled = 0  # catch-up tokens forwarded so far, all requests (a tree's ``prefill_beside``)
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
@@ -350,15 +352,25 @@ class DraftWorker(RequestTable):
         return rule.threshold == 0 and rule.extend == 0 and rule.level_threshold == 0
 
     def _forward(self, segments: dict[int, Segment], *, last_only: bool) -> dict[int, torch.Tensor]:
-        """One draft forward over ``segments``; their logits ([q, V], or [1, V] at the last token)."""
+        """One draft forward over ``segments``; their logits ([q, K], or [1, K] at the last token) over the ids
+        the draft's head keeps (``self.kept``; K = V for a full head)."""
         if not segments:
             return {}
         with self.forward_clock.timing():
             hidden = hidden_many(self.model, list(segments.values()), self.layout)
             rows = [h[-1:] for h in hidden] if last_only else hidden
-            head = next(iter(segments.values())).session.head
-            logits = head(torch.cat(rows)).split([r.shape[0] for r in rows])  # one LM-head call for the batch
+            logits, self.kept = kept_logits(self.model, torch.cat(rows), next(iter(segments.values())).session.head)
+            logits = logits.split([r.shape[0] for r in rows])  # one LM-head call for the batch
         return dict(zip(segments, logits))
+
+    def _ids(self, drawn: torch.Tensor) -> torch.Tensor:
+        """Token ids of positions ``drawn`` in the logits ``_forward`` gave."""
+        return drawn if self.kept is None else self.kept[drawn]
+
+    def _dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:  # logits: [K]
+        """D at a node: the sampling distribution of ``logits``, truncated to its top ``support`` tokens."""
+        dist = truncate(target_probs(logits, params.temperature, params.top_p), self.support)
+        return SparseDist(self._ids(dist.tokens), dist.probs)
 
     def _next_level(self, g: _Growth, logits: torch.Tensor) -> Segment | None:
         """Draw the children of ``g.inner``; the segment forwarding the next inner level (None: the tree is done)."""
@@ -393,15 +405,14 @@ class DraftWorker(RequestTable):
             if not kids:
                 continue
             if req.params.greedy:
-                drawn = torch.topk(logits[row], len(kids)).indices
+                drawn = self._ids(torch.topk(logits[row], len(kids)).indices)
             else:
-                probs = target_probs(logits[row], req.params.temperature, req.params.top_p)
-                dists[node] = truncate(probs, self.support)
+                dists[node] = self._dist(logits[row], req.params)
                 drawn = draw_without_replacement(dists[node], len(kids), self.vocab, req.generator)
             tokens[torch.tensor(kids, device=tokens.device)] = drawn
 
     # ---- dynamic trees (see the module docstring) ----------------------------------------------------
-    def _grow_level(self, g: _Growth, logits: torch.Tensor) -> list[int]:  # logits: [len(g.inner), V]
+    def _grow_level(self, g: _Growth, logits: torch.Tensor) -> list[int]:  # logits: [len(g.inner), K]
         """Draw each inner node's planned children, keep the prefix worth its cost; the next level's inner nodes."""
         wanted = [self._wanted(g, node) for node in g.inner]
         drawn = [self._draw_dynamic(g, node, logits[row], k) for (row, node), (k, _) in zip(enumerate(g.inner), wanted)]
@@ -424,15 +435,14 @@ class DraftWorker(RequestTable):
             return len(g.plan.children[src]), g.rule.threshold
         return 1, g.rule.extend_bound
 
-    def _draw_dynamic(self, g: _Growth, node: int, logits: torch.Tensor, k: int):  # logits: [V]
+    def _draw_dynamic(self, g: _Growth, node: int, logits: torch.Tensor, k: int):  # logits: [K]
         """(tokens [k], the draft's probability of each [k], E_i [k]) at ``node``, in draw order."""
         req = g.req
         if req.params.greedy:  # the top-k, as a static tree; their probabilities are known before keeping any
-            tokens = torch.topk(logits, k).indices
-            value = torch.softmax(logits.float(), dim=-1)[tokens].double()  # the draft's confidence at T = 1
-            return tokens, value, value
-        probs = target_probs(logits, req.params.temperature, req.params.top_p)
-        g.dists[node] = dist = truncate(probs, self.support)
+            top = torch.topk(logits, k).indices
+            value = torch.softmax(logits.float(), dim=-1)[top].double()  # the draft's confidence at T = 1
+            return self._ids(top), value, value
+        g.dists[node] = dist = self._dist(logits, req.params)
         tokens = draw_without_replacement(dist, k, self.vocab, req.generator)
         return tokens, probabilities_of(dist, tokens), expected_draw_probability(dist, tokens)
 

@@ -12,7 +12,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from deployments.config import ServeConfig
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
-from sequoia_ray.draft import DraftWorker
+from sequoia_ray import draft as draft_module
+from sequoia_ray.draft import DraftWorker, DynamicTrees
 from sequoia_ray.engine import SpeculativeDecoder
 from sequoia_ray.local import LocalPair
 from sequoia_ray.models.draft_vocab import SubsetHead, kept_ids, restrict_head
@@ -156,3 +157,35 @@ def test_the_draft_proposes_only_kept_ids_and_greedy_output_is_the_targets(tempe
         want = alone.generate(prompt, params).token_ids
         assert got["full"].token_ids == want and got["subset"].token_ids == want
     assert got["subset"].stats.steps >= 1  # (sampled: the law is the statistical tests' business)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("dynamic", [None, DynamicTrees(0.01, extend=2)], ids=["static", "dynamic"])
+def test_draws_over_the_kept_ids_are_the_draws_over_the_whole_head(monkeypatch, temperature, dynamic):
+    """The draft draws on its head's kept logits ([K], ``kept_logits``) and maps positions to ids: the same
+    tree, draw for draw, and the same D at every node as drawing on the whole head's logits with -inf elsewhere."""
+    pair = LocalPair.tiny(device="cpu")
+    restricted = copy.deepcopy(pair.draft.model)
+    full = restricted.get_output_embeddings()
+    ids = torch.arange(1, full.out_features, 2)  # odd ids only: a position is not its id
+    linear = torch.nn.Linear(full.in_features, len(ids), bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(full.weight[ids])
+    restricted.set_output_embeddings(SubsetHead(linear, ids, full.out_features))
+    plan, prompt = k_ary(3, 3), pair.encode("def fib(n): return", chat=False)
+    params = SamplingParams(max_tokens=32, temperature=temperature, ignore_eos=True)
+    trees = {}
+    for name in ("kept", "whole"):
+        if name == "whole":  # the whole head's logits, as before kept_logits
+            monkeypatch.setattr(draft_module, "kept_logits", lambda model, hidden, head: (head(hidden), None))
+        worker = DraftWorker(restricted, dynamic=dynamic)
+        worker.start("r", prompt, params, seed=3)
+        trees[name] = worker.grow("r", plan)
+        assert (worker.kept is None) == (name == "whole")
+    kept, whole = trees["kept"], trees["whole"]
+    assert kept.tokens.tolist() == whole.tokens.tolist() and kept.plan == whole.plan
+    assert kept.tokens.numel() > 4 and set(kept.dists) == set(whole.dists)
+    assert bool(kept.dists) == (temperature > 0) and all(t % 2 for t in kept.tokens[1:].tolist())
+    for node, dist in kept.dists.items():
+        assert dist.tokens.tolist() == whole.dists[node].tokens.tolist()
+        torch.testing.assert_close(dist.probs, whole.dists[node].probs)
