@@ -13,6 +13,11 @@ copied):
   ``apply_rotary_pos_emb``);
 - ``after``: the o projection, the residual, the post-attention norm, the MLP, the residual.
 
+Each trace is frozen (``torch.jit.freeze``): the small weights (norms, biases) become constants of the graph,
+the same tensors, not copies, and the interpreter no longer looks attributes up at every call: a draft forward
+0.98x the time of the unfrozen traces, a target forward 0.99-0.994x (1 and 8 tokens, paired medians of 10,
+the 2-core Xeon, session 44; the probe below checks the frozen traces).
+
 Between them, in Python as transformers' layer does it: the cache's ``update`` and the attention function the
 config names, so every layout (``ragged``, ``flat``, ``padded``), cache and attention implementation works as
 before. Sizes are recorded as ops, so one trace serves every batch, length and tree.
@@ -215,8 +220,8 @@ def _trace(model: torch.nn.Module) -> int:
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         for layer in layers:
             attended = _Before(layer)(hidden, cos, sin)[0].transpose(1, 2)  # [1, 3, heads, dim]: attention's shape
-            before = torch.jit.trace(_Before(layer), (hidden, cos, sin), check_trace=False)
-            after = torch.jit.trace(_After(layer), (attended, hidden), check_trace=False)
+            before = torch.jit.freeze(torch.jit.trace(_Before(layer), (hidden, cos, sin), check_trace=False).eval())
+            after = torch.jit.freeze(torch.jit.trace(_After(layer), (attended, hidden), check_trace=False).eval())
             layer.forward = TracedForward(layer, before, after, hidden)
     for _ in range(PROBE_RUNS):
         got = _probe(model)

@@ -108,6 +108,25 @@ def test_traces_run_on_the_models_own_weights():
     assert not torch.equal(before, after) and torch.equal(after, model(input_ids=ids).logits)
 
 
+def test_frozen_traces_hold_the_models_own_small_weights():
+    """The traces are frozen (the norms' weights and the biases are constants of the graph, not attributes looked
+    up at each call), and those constants are the layer's tensors: changed in place, the traced output changes
+    exactly as the stock one."""
+    model = tiny_model("qwen2", seed=1)
+    trace_layers(model, "traced")
+    layer = model.model.layers[0]
+    assert 'GetAttr[name="norm"]' not in str(layer.forward.before.graph)  # frozen, not read per call
+    ids = torch.arange(1, 8)[None]
+    before = model(input_ids=ids).logits
+    with torch.no_grad():
+        layer.input_layernorm.weight.mul_(2.0)
+        layer.self_attn.q_proj.bias.add_(0.5)
+        layer.post_attention_layernorm.weight.mul_(0.5)
+    after = model(input_ids=ids).logits
+    untrace_layers(model)
+    assert not torch.equal(before, after) and torch.equal(after, model(input_ids=ids).logits)
+
+
 def test_modes_and_what_is_never_traced():
     model = tiny_model("qwen2", seed=0)
     assert trace_layers(model, "eager") == 0 and traced_count(model) == 0
