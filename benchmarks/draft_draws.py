@@ -37,6 +37,11 @@ def whole(model, hidden, head):  # the whole head's logits, -inf outside the kep
     return head(hidden), None
 
 
+def use(way: str) -> None:
+    """The draft worker's logits from here on: ``kept`` (as served) or ``whole`` (as before)."""
+    draft_module.kept_logits = KEPT if way == "kept" else whole
+
+
 CASES = [  # (requests, tree, rule)
     (1, chain(4), None),
     (8, chain(4), None),
@@ -45,15 +50,14 @@ CASES = [  # (requests, tree, rule)
 ]
 
 
-def load(tiny: bool):
+def load(tiny: bool) -> LocalPair:
     if tiny:
         from sequoia_ray.models.draft_vocab import restrict_head
 
         pair = LocalPair.tiny(device="cpu")
         assert restrict_head(pair.draft.model, pair.draft.tokenizer, 40)
-        return pair.draft, pair
-    pair = LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
-    return pair.draft, pair
+        return pair
+    return LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
 
 
 class Grower:
@@ -85,18 +89,18 @@ def run_case(model, prompts, requests: int, plan: TreePlan, rule, temperature: f
     same = 0
     try:
         for name, g in growers.items():  # a warm-up each
-            draft_module.kept_logits = KEPT if name == "kept" else whole
+            use(name)
             g.grow()
         for r in range(rounds):
             for name in ("kept", "whole") if r % 2 == 0 else ("whole", "kept"):
-                draft_module.kept_logits = KEPT if name == "kept" else whole
+                use(name)
                 start = time.perf_counter()
                 growers[name].grow()
                 seconds[name].append(time.perf_counter() - start)
             same += all(a.tokens.tolist() == b.tokens.tolist()
                         for a, b in zip(growers["kept"].trees, growers["whole"].trees))
     finally:
-        draft_module.kept_logits = KEPT
+        use("kept")
     ratios = sorted(k / w for k, w in zip(seconds["kept"], seconds["whole"]))
     return {"requests": requests, "n": plan.n, "rule": "dynamic" if rule else "static", "T": temperature,
             "whole_ms": 1000 * statistics.median(seconds["whole"]), "kept_ms": 1000 * statistics.median(seconds["kept"]),
@@ -111,9 +115,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--temperatures", default="0,0.6")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    draft, pair = load(args.tiny)
+    pair = load(args.tiny)
     prompts = [pair.encode(p.text, chat=p.chat) for p in load_prompts(PROMPTS)[:8]]
-    rows = [run_case(draft.model, prompts, b, plan, rule, float(t), args.rounds)
+    rows = [run_case(pair.draft.model, prompts, b, plan, rule, float(t), args.rounds)
             for t in args.temperatures.split(",") for b, plan, rule in CASES]
     print_table(rows, ["T", "requests", "n", "rule", "whole_ms", "kept_ms", "kept/whole", "q1", "q3", "same_trees"])
     write_json("draft-draws", {"tiny": args.tiny, "rounds": args.rounds, "rows": rows}, args.out)
