@@ -19,6 +19,8 @@ from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan import expected_tokens, k_ary
 from tests.tiny import noisy_copy, sharpen, tiny_model
 
+pytestmark = pytest.mark.long  # 3000 requests a test: ~20 s alone, up to a minute beside the other worker
+
 V = 8
 
 

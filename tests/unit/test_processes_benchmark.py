@@ -15,6 +15,8 @@ import processes  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.prompts import Prompt  # noqa: E402
 
+pytestmark = pytest.mark.long  # two processes that load models
+
 
 @pytest.fixture(scope="module")
 def pair():
