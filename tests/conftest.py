@@ -40,7 +40,7 @@ def pytest_xdist_make_scheduler(config, log):
     return SessionRayScheduling(config, log)
 
 
-LONG_MARKS = ("slow", "integration", "long")
+LONG_MARKS = frozenset({"slow", "integration", "long"})
 
 
 def _unit_rank(root: Path, scope: str) -> int:
@@ -50,7 +50,7 @@ def _unit_rank(root: Path, scope: str) -> int:
     long (a cluster of its own, the real pair, or minutes of sampling); 2: the rest."""
     if scope == "session-ray":
         return 0
-    return 1 if _module_marks(root / scope) & set(LONG_MARKS) else 2
+    return 1 if _module_marks(root / scope) & LONG_MARKS else 2
 
 
 def pytest_configure(config):
@@ -85,23 +85,26 @@ def _end_the_sessions_ray():
 
 
 @functools.cache
-def _module_uses_the_sessions_ray(path: Path) -> bool:
-    """A test module that deploys on the session's Ray: it imports ``serving`` or ``session_ray`` from
-    ``tests.serving`` (anywhere in it; read from its source, so the xdist controller, which imports no test
-    module, can tell too)."""
+def _module_nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every AST node of a test module, parsed once (read from its source, so the xdist controller, which imports
+    no test module, can tell too); none for a path that is not a Python file."""
     if path.suffix != ".py" or not path.is_file():
-        return False
-    return any(isinstance(node, ast.ImportFrom) and node.module == "tests.serving"
-               and any(alias.name in ("serving", "session_ray") for alias in node.names)
-               for node in ast.walk(ast.parse(path.read_text())))
+        return ()
+    return tuple(ast.walk(ast.parse(path.read_text())))
 
 
 @functools.cache
+def _module_uses_the_sessions_ray(path: Path) -> bool:
+    """A test module that deploys on the session's Ray: it imports ``serving`` or ``session_ray`` from
+    ``tests.serving`` (anywhere in it)."""
+    return any(isinstance(node, ast.ImportFrom) and node.module == "tests.serving"
+               and any(alias.name in ("serving", "session_ray") for alias in node.names)
+               for node in _module_nodes(path))
+
+
 def _module_marks(path: Path) -> set[str]:
-    """The ``pytest.mark.X`` names written anywhere in a test module (read from its source, as above)."""
-    if path.suffix != ".py" or not path.is_file():
-        return set()
-    return {node.attr for node in ast.walk(ast.parse(path.read_text()))
+    """The ``pytest.mark.X`` names written anywhere in a test module."""
+    return {node.attr for node in _module_nodes(path)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
             and node.value.attr == "mark" and isinstance(node.value.value, ast.Name) and node.value.value.id == "pytest"}
 
