@@ -153,6 +153,7 @@ class OpenAIIngress:
                                             settle_rounds=self.cfg.live_cost_settle_rounds)
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
+        self.background: list[asyncio.Task] = []  # the plan refresh and live re-plan loops; ``__del__`` ends them
         key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
         self.expected_auth = f"Bearer {key}".encode() if key else None
 
@@ -278,15 +279,28 @@ class OpenAIIngress:
             target = await self._target_actors()
             if self.plans is None:  # another request may have got here first
                 self.plans = PlanProvider(self.cfg, target["hardware_id"])
-                asyncio.get_running_loop().create_task(self._refresh_plans())
+                self._start(self._refresh_plans())
                 if self.cfg.request_trees:
                     self.families = TreeFamilies(self.plans, self.cfg.live_max_depth, self.cfg.request_trees_max_batch)
                 if self.cfg.dynamic_trees:
                     self.rules = await asyncio.to_thread(GrowRules, self.plans, self.cfg.dynamic_extend)
                 if self.cfg.live_acceptance:
                     self.live = LivePlanner(self.cfg, self.plans)
-                    asyncio.get_running_loop().create_task(self._live_replans())
+                    self._start(self._live_replans())
         return self.plans
+
+    def _start(self, loop) -> None:
+        """Run a background loop on this replica's event loop, held here (the event loop keeps only a weak
+        reference to a task) until ``__del__`` ends it."""
+        self.background.append(asyncio.get_running_loop().create_task(loop))
+
+    async def __del__(self) -> None:  # Serve awaits it when it stops this replica, after its requests end
+        """End the background loops. Left running, a loop's next tick met the executor Serve had shut down and
+        logged a "plan refresh failed" traceback while the replica stopped."""
+        tasks = getattr(self, "background", [])  # none if the constructor failed before it set them
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _target_actors(self) -> dict:
         try:

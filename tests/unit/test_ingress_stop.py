@@ -1,0 +1,60 @@
+"""A stopping ingress replica ends its background loops (plan refresh, live re-plans) in ``__del__``, which Serve
+awaits through its ASGI wrapper. Left running, a loop's next tick met the executor Serve had shut down and
+logged a "plan refresh failed" traceback while the replica stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+from deployments.ingress import OpenAIIngress
+
+
+class _Plans:
+    errors = 0
+
+    def __init__(self) -> None:
+        self.refreshes = 0
+
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+
+def _stopping_ingress():
+    """The ingress as Serve holds it (its ASGI wrapper class), made without its constructor: the refresh loop's
+    attributes only."""
+    wrapper = OpenAIIngress.func_or_class
+
+    class Held(wrapper):  # Serve awaits ``__del__`` itself; garbage collection must not start another (unawaited)
+        def __del__(self) -> None:
+            pass
+
+    replica = object.__new__(Held)
+    replica.cfg = SimpleNamespace(plan_refresh_s=0.01)
+    replica.plans, replica.rules, replica.rates, replica.background = _Plans(), None, None, []
+    return wrapper, replica
+
+
+def test_a_stopping_ingress_ends_its_background_loops(caplog):
+    wrapper, replica = _stopping_ingress()
+
+    async def scenario() -> int:
+        replica._start(replica._refresh_plans())
+        while replica.plans.refreshes < 3:  # the loop runs: refreshes every plan_refresh_s
+            await asyncio.sleep(0.01)
+        await wrapper.__del__(replica)  # as Serve's replica calls it when it stops
+        assert replica.background and all(task.done() for task in replica.background)
+        ended = replica.plans.refreshes
+        await asyncio.sleep(0.1)  # ten refresh periods
+        return replica.plans.refreshes - ended
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(scenario()) == 0  # no tick after __del__
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_an_ingress_whose_constructor_failed_stops_quietly():
+    wrapper, replica = _stopping_ingress()
+    del replica.background  # the constructor raised before it set them
+    asyncio.run(wrapper.__del__(replica))  # nothing to end, and no AttributeError
