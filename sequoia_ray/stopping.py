@@ -6,6 +6,8 @@ incomplete UTF-8 character, is held back until it is resolved.
 
 from __future__ import annotations
 
+import os
+
 
 class StopChecker:
     def __init__(self, tokenizer, stop: tuple[str, ...], eos_ids: frozenset[int]) -> None:
@@ -42,13 +44,14 @@ class StopChecker:
     def _decode_and_find_stop(self) -> bool:
         if self.tokenizer is None:
             return False
-        before = len(self.text)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            at = self.text.find(s, max(0, min(before, len(self.text)) - len(s) + 1))
-            if at >= 0:
-                self.text = self.text[:at]
-                return True
+        old, self.text = self.text, self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        # Text up to ``same`` held no stop string before; a new one ends after it. Decoding usually only appends,
+        # but a token may also complete a character or change spacing before the old end.
+        same = len(old) if self.text.startswith(old) else len(os.path.commonprefix([old, self.text]))
+        found = [at for s in self.stop if (at := self.text.find(s, max(0, same - len(s) + 1))) >= 0]
+        if found:  # the earliest stop string in the text, whichever of them it is
+            self.text = self.text[:min(found)]
+            return True
         return False
 
     def _delta(self, final: bool) -> str:

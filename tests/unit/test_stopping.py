@@ -1,0 +1,60 @@
+"""StopChecker: EOS, stop strings (cut at the earliest, never returned) and max_tokens, token by token."""
+
+from __future__ import annotations
+
+import pytest
+
+from sequoia_ray.stopping import StopChecker
+
+
+class PieceTokenizer:
+    """Token i decodes to PIECES[i]; a piece may be half a character (shown as U+FFFD until completed)."""
+
+    PIECES = {1: "x", 2: "ab", 3: "fo", 4: "o", 5: "bar", 6: "\xc3", 7: "\xa9", 8: " done", 9: "é"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        raw = "".join(self.PIECES[i] for i in ids)
+        out = raw.encode("latin-1", errors="surrogateescape") if any(i in (6, 7) for i in ids) else None
+        return raw if out is None else out.decode("utf-8", errors="replace")
+
+
+def run(stop, tokens, max_tokens=100, eos=frozenset()):
+    checker = StopChecker(PieceTokenizer(), tuple(stop), frozenset(eos))
+    ids, text, reason = [], "", None
+    for token in tokens:  # one token a step, as a chain would send them
+        new, delta, reason = checker.feed([token], max_tokens)
+        ids += new
+        text += delta
+        if reason:
+            break
+    return ids, text, reason
+
+
+@pytest.mark.parametrize("stop", [("b", "a"), ("a", "b")])
+def test_cuts_at_the_earliest_stop_string_whatever_the_list_order(stop):
+    ids, text, reason = run(stop, [1, 2, 5])
+    assert (text, reason) == ("x", "stop")  # "xab": "a" comes first; "xa" would return a stop string
+    assert ids == [1, 2]
+
+
+def test_a_stop_string_across_tokens_is_held_back_then_cut():
+    checker = StopChecker(PieceTokenizer(), ("foo",), frozenset())
+    assert checker.feed([1], 100) == ([1], "", None)  # the last len("foo") - 1 characters are held back
+    new, delta, reason = checker.feed([3], 100)
+    assert (new, reason) == ([3], None) and "fo" not in delta
+    new, delta, reason = checker.feed([4], 100)
+    assert (new, reason) == ([4], "stop")
+    assert checker.text == "x"
+
+
+def test_a_stop_string_completed_by_the_second_half_of_a_character():
+    # "\xc3" then "\xa9" are the two UTF-8 bytes of "é": the first decodes to "\ufffd", the second replaces it.
+    ids, text, reason = run(("é",), [1, 6, 7, 8])
+    assert (text, reason) == ("x", "stop")
+    assert ids == [1, 6, 7]
+
+
+def test_eos_and_max_tokens():
+    assert run((), [1, 5, 1], eos={5}) == ([1], "x", "stop")
+    assert run((), [1, 5, 1], max_tokens=2) == ([1, 5], "xbar", "length")
+    assert run(("zzz",), [1, 5, 8], max_tokens=3) == ([1, 5, 8], "xbar done", "length")
