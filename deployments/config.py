@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.placement import ActorResources
 from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, STEP_TIMEOUT_S, ModelActorSpec, check_backend
-from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC, DraftVocab
+from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC, DraftQuantize, DraftVocab
 from sequoia_ray.devices import check_device
 
 
@@ -23,7 +23,7 @@ class ServeConfig(BaseModel):
     draft: str | None = Field("default-draft", description="Draft source; None serves the target alone.")
     target: str = Field("default-target", description="Target source (HF dir, .gguf, hub id, default-target, tiny).")
     dtype: str = Field("bfloat16", description="float32 (exact greedy identity) | bfloat16 | float16.")
-    draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
+    draft_quantize: DraftQuantize = Field(None, description="'int8' for a dynamically quantised CPU draft.")
     linears: Literal["auto", "packed", "aten"] = Field("auto", description="Linear layers on weights packed once "
                                                        "for oneDNN (CPU; ~2x a decode forward): auto = bf16 models, "
                                                        "packed = also fp32, aten = never.")
@@ -139,8 +139,11 @@ class ServeConfig(BaseModel):
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
     request_idle_timeout_s: float = Field(IDLE_TIMEOUT_S, gt=0, description="Free a request's KV state after this idle time.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (bytes); beyond -> 413.")
-    api_key: str | None = Field(None, description="Bearer token required on every route but /health (None = open).")
-    api_key_env: str | None = Field(None, description="Read the API key from this environment variable instead.")
+    api_key: str | None = Field(None, min_length=1, description="Bearer token required on every route but /health "
+                                "(None = open).")
+    api_key_env: str | None = Field(None, min_length=1, description="Read the API key from this environment variable "
+                                    "instead (in the ingress replica's environment: unset or empty there, the "
+                                    "replica refuses to start rather than serve an open API).")
     step_timeout_s: float = Field(STEP_TIMEOUT_S, gt=0, description="Longest one draft or verify call may take; a target "
                                   "beyond it -> 503 (retryable), a draft beyond it -> the target alone.")
     collective_timeout_s: float = Field(COLLECTIVE_TIMEOUT_S, gt=0, description="torch.distributed timeout of the TP group: a "

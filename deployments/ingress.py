@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -95,6 +96,19 @@ async def _parse(request: Request, model, max_bytes: int):
         raise api.validation_error(exc) from None
 
 
+def api_key_header(cfg: ServeConfig) -> bytes | None:
+    """The ``Authorization`` header every request must send, or None when the API is open (no key configured).
+    A key to be read from an environment variable that is unset or empty here is an error, not an open API."""
+    key = cfg.api_key
+    if key is None and cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env, "")
+        if not key:
+            raise ValueError(f"api_key_env {cfg.api_key_env!r}: that environment variable is unset or empty in this "
+                             "ingress replica; set it in the replica's environment (runtime_env env_vars, or the "
+                             "pod's env), or give api_key, or drop api_key_env for an open API")
+    return f"Bearer {key}".encode() if key else None
+
+
 def _as_request(request):
     if isinstance(request, (api.CompletionRequest, api.ChatCompletionRequest)):
         return request, isinstance(request, api.ChatCompletionRequest)
@@ -154,8 +168,7 @@ class OpenAIIngress:
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
         self.background: list[asyncio.Task] = []  # the plan refresh and live re-plan loops; ``__del__`` ends them
-        key = self.cfg.api_key or (os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
-        self.expected_auth = f"Bearer {key}".encode() if key else None
+        self.expected_auth = api_key_header(self.cfg)
 
     @property
     def active(self) -> int:
@@ -231,7 +244,8 @@ class OpenAIIngress:
         req, chat = _as_request(request)
         prompt, params = self._prepare(req, chat)
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
-        async for event in self._events(self._chunks(prompt, params, rid, req.speculative), rid, chat, len(prompt)):
+        async for event in self._events(self._chunks(prompt, params, rid, req.speculative), req, rid, chat,
+                                        len(prompt)):
             yield event
 
     # ---- internals --------------------------------------------------------------------------------
@@ -242,7 +256,7 @@ class OpenAIIngress:
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
         chunks = self._chunks(prompt, params, rid, req.speculative)
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
-        events = self._events(_prepend(first, chunks), rid, chat, len(prompt))
+        events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
         return StreamingResponse(_sse(events), media_type="text/event-stream")
 
     def _prepare(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
@@ -255,17 +269,20 @@ class OpenAIIngress:
             prompt = self._encode(req, chat)
         except (ValueError, ValidationError) as exc:
             raise api.validation_error(exc) if isinstance(exc, ValidationError) else api.APIError(400, str(exc))
+        except TemplateError as exc:  # a chat template's own refusal ("roles must alternate", ...)
+            raise api.APIError(400, f"the model's chat template refused these messages: {exc}", param="messages",
+                               code="invalid_messages") from None
         if len(prompt) > self.cfg.max_prompt_tokens:
             raise api.APIError(400, f"prompt has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
                                param="prompt", code="context_length_exceeded")
         if params.max_tokens > self.cfg.max_tokens_limit:
-            raise api.APIError(400, f"max_tokens {params.max_tokens} > limit {self.cfg.max_tokens_limit}",
-                               param="max_tokens")
+            raise api.APIError(400, f"{req.length_param} {params.max_tokens} > limit {self.cfg.max_tokens_limit}",
+                               param=req.length_param)
         return prompt, params
 
     def _encode(self, req, chat: bool) -> list[int]:
         if chat:
-            return encode(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages], chat=True)
+            return encode(self.tokenizer, [m.for_template() for m in req.messages], chat=True)
         prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
@@ -343,7 +360,7 @@ class OpenAIIngress:
     async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, speculate: bool = True):
         if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
-                                    "retry later", type="rate_limit_error", code="overloaded")
+                                    "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
         self.in_flight.enter()
         self.metrics.active.set(self.active)
         start, first = time.perf_counter(), None
@@ -410,19 +427,23 @@ class OpenAIIngress:
 
         return policy
 
-    async def _events(self, chunks, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
-        model = self.cfg.model_name
+    async def _events(self, chunks, req, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
+        """A stream's chunks: the finish chunk carries the usage; with ``stream_options.include_usage`` a last
+        chunk with no choices carries it again, as OpenAI sends it. One ``created`` for the whole stream."""
+        model, created = self.cfg.model_name, int(time.time())
         if chat:
-            yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None)
+            yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created)
         produced = 0
         async for chunk in chunks:
             produced += len(chunk.token_ids)
             if chunk.text or chunk.finish_reason:
                 if chat:
                     delta = {"content": chunk.text} if chunk.text else {}
-                    event = api.chat_chunk(rid, model, delta, chunk.finish_reason)
+                    event = api.chat_chunk(rid, model, delta, chunk.finish_reason, created)
                 else:
-                    event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason)
+                    event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason, created)
                 if chunk.finish_reason:
                     event["usage"] = api.usage(prompt_tokens, produced, chunk.stats.to_dict())
                 yield event
+                if chunk.finish_reason and req.usage_chunk:
+                    yield {**event, "choices": []}

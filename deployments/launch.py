@@ -40,11 +40,24 @@ DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number it
 
 
 def app_args(config: Path, overrides: list[str]) -> dict:
-    spec = yaml.safe_load(config.read_text())
-    args = dict(spec["applications"][0].get("args", {}))
+    """The first application's args in a Serve config file, with ``KEY=VALUE`` overrides (VALUE read as YAML).
+    A malformed file or override is a ValueError naming it."""
+    try:
+        spec = yaml.safe_load(config.read_text())
+        args = dict(spec["applications"][0].get("args") or {})
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config {str(config)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except (TypeError, KeyError, IndexError, AttributeError):
+        raise ValueError(f"config {str(config)!r} has no 'applications:' list with an application's 'args:' "
+                         "(see deployments/config.yaml)") from None
     for item in overrides:
-        key, _, value = item.partition("=")
-        args[key] = yaml.safe_load(value)
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--set {item!r}: give KEY=VALUE (e.g. --set max_concurrent=4; KEY=null unsets it)")
+        try:
+            args[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
     store = args.get("plan_store")
     if store and "://" not in store:  # actors do not share the launcher's working directory
         args["plan_store"] = str(Path(store).expanduser().resolve())

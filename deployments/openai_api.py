@@ -1,7 +1,9 @@
 """OpenAI-compatible request/response models and the one place errors become HTTP responses.
 
-Unknown OpenAI fields are tolerated (clients send many); fields we cannot honour (n > 1, logprobs, echo,
-best_of, tools) are rejected with 400 rather than silently ignored. Every error body is OpenAI-style:
+Unknown fields are tolerated (clients send many: ``user``, ``metadata``, ...); a field that would change the
+output and that we cannot honour (n > 1, logprobs, tools, penalties, logit_bias, a JSON response_format, vLLM's
+top_k / min_p / ...) is accepted only at its no-op value and otherwise rejected with a 400 naming it, never
+silently ignored. ``null`` stands for a field's default, as in OpenAI's API. Every error body is OpenAI-style:
 ``{"error": {"message", "type", "param", "code"}}``; no stack trace ever reaches a client.
 """
 
@@ -14,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, field_validator,
                       model_validator)
+from pydantic_core import PydanticCustomError
 
 from sequoia_ray.config import MAX_STOP_STRINGS, SamplingParams
 
@@ -39,6 +42,8 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
     got = first.get("input")
+    if not loc and "param" in first.get("ctx", {}):  # a whole-body check that names its field (``_unsupported``)
+        return APIError(400, first["msg"], param=first["ctx"]["param"], code="unsupported_parameter")
     message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}" + (f" (got {got!r:.80})" if got is not None else "")
     return APIError(400, message, param=".".join(loc) or None, code="invalid_value")
 
@@ -52,19 +57,40 @@ def _json_number(value):
 Int = Annotated[int, BeforeValidator(_json_number)]  # 5 and 5.0 (JSON Schema integers), not 5.5 or "5"
 Float = Annotated[float, BeforeValidator(_json_number)]
 
+# Fields (OpenAI's, and vLLM's extensions clients send to OpenAI-compatible servers) that change the output and
+# that this server does not implement: each is accepted only at a value that changes nothing.
+NO_OP_VALUES: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "auto", "none"),
+    "function_call": (None, "none"), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+    "top_k": (None, 0, -1), "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: StrictBool | None = Field(
+        None, description="Send a last chunk with the usage and no choices before [DONE] (the finish chunk carries "
+                          "the usage either way).")
+
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(description="The served model id (see /v1/models).")
     max_tokens: Int | None = Field(None, ge=1, description="Tokens to generate at most.")
-    temperature: Float = Field(1.0, ge=0.0, le=2.0)
-    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0, description="Default (null) 1.0; 0 = greedy.")
+    top_p: Float | None = Field(None, gt=0.0, le=1.0, description="Default (null) 1.0.")
     seed: Int | None = Field(None, ge=0, lt=2**62)
     stop: str | list[str] | None = None
-    stream: StrictBool = False
-    n: Int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    n: Int | None = Field(None, ge=1, le=1, description="Only n = 1 is supported.")
     speculative: StrictBool = Field(True, description="sequoia-ray extension: false = the target alone (for A/B).")
+    ignore_eos: StrictBool = Field(False, description="vLLM's extension: keep generating past end-of-sequence.")
 
     @field_validator("stop")
     @classmethod
@@ -76,16 +102,29 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _unsupported(self):
         extra = self.model_extra or {}
-        for name in ("logprobs", "top_logprobs", "best_of", "tools", "functions", "suffix"):
-            if extra.get(name) not in (None, False, 0, []):
-                raise ValueError(f"'{name}' is not supported by this server")
-        if extra.get("echo"):
-            raise ValueError("'echo' is not supported by this server")
+        for name, no_op in NO_OP_VALUES.items():
+            value = extra.get(name)
+            if not any(value == ok and type(value) is not bool or value is ok for ok in no_op):
+                raise PydanticCustomError(
+                    "unsupported", "'{param}' = {value} is not supported by this server; leave it out (or send "
+                    "{no_op})", {"param": name, "value": f"{value!r:.60}", "no_op": f"{no_op[-1]!r}"})
         return self
 
+    @property
+    def length_param(self) -> str:
+        """The field that set the length limit, for errors."""
+        return "max_tokens"
+
     def sampling(self, default_max: int) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens or default_max, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=self.stop)
+        return SamplingParams(max_tokens=self.max_tokens or default_max,
+                              temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=self.stop,
+                              ignore_eos=self.ignore_eos)
+
+    @property
+    def usage_chunk(self) -> bool:
+        """Whether a stream ends with a usage-only chunk (``stream_options.include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Common):
@@ -108,6 +147,11 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
 
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates take it: OpenAI's "developer" role (its newer name for "system") is
+        "system", which templates know; a template without a "developer" branch would drop the text."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -121,13 +165,22 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
 
-    def sampling(self, default_max: int) -> SamplingParams:
-        params = super().sampling(default_max)
-        if self.max_completion_tokens is not None and self.max_tokens is None:
-            params = params.model_copy(update={"max_tokens": self.max_completion_tokens})
-        return params
+    @model_validator(mode="after")
+    def _one_length(self):
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise PydanticCustomError(
+                "conflict", "max_tokens {max_tokens} and max_completion_tokens {max_completion_tokens} differ; send "
+                "one of them", {"param": "max_completion_tokens", "max_tokens": self.max_tokens,
+                                "max_completion_tokens": self.max_completion_tokens})
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    @property
+    def length_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
 def completion_id(kind: str) -> str:
@@ -153,13 +206,13 @@ def chat_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
             "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, created: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, created: int) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 

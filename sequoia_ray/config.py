@@ -24,6 +24,7 @@ def draft_vocab_value(value):
 
 
 DraftVocab = Annotated[int | None, BeforeValidator(draft_vocab_value)]  # ServeConfig's and the profiling job's
+DraftQuantize = Literal["int8"] | None  # the one quantisation loading knows (models/loading.py); checked at the config
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
@@ -93,7 +94,7 @@ class ProfileJobConfig(BaseModel):
                              "the repeats) or drift between rounds (sequoia_ray.hardware.round_drift) exceeds this "
                              "fraction; raise it on a shared machine.")
     dtype: str = Field("bfloat16", description="Model dtype on this hardware: float32 | bfloat16 | float16.")
-    draft_quantize: str | None = Field(None, description="'int8' for a dynamically quantised CPU draft.")
+    draft_quantize: DraftQuantize = Field(None, description="'int8' for a dynamically quantised CPU draft.")
     linears: Literal["auto", "packed", "aten"] = Field("auto", description="Linear layers on weights packed once for "
                                                        "oneDNN (CPU): auto = bf16 models, packed = also fp32, aten = never.")
     layers: Literal["auto", "traced", "eager"] = Field("auto", description="Decoder layers' dense parts as TorchScript "

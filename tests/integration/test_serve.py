@@ -61,19 +61,22 @@ def test_tp2_equals_tp1_equals_in_process(server, local, prompt):
 
 
 def test_chat_stream_equals_non_stream(server):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 30,
-            "temperature": 0}
+    body = {"model": "tiny", "messages": [{"role": "developer", "content": "be brief"},
+                                          {"role": "user", "content": "hi there"}],
+            "max_completion_tokens": 30, "temperature": 0, "top_p": None}
     whole = requests.post(f"{server}/tp1/v1/chat/completions", json=body, timeout=60).json()
-    r = requests.post(f"{server}/tp1/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=60)
+    r = requests.post(f"{server}/tp1/v1/chat/completions", stream=True, timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     lines = [line.decode() for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    *events, usage = [json.loads(line[len("data: "):]) for line in lines[:-1]]
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     assert text == whole["choices"][0]["message"]["content"]
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert usage["choices"] == [] and usage["usage"] == events[-1]["usage"]  # stream_options.include_usage
 
 
 def test_openai_client(server):
@@ -124,6 +127,9 @@ def test_openai_client(server):
         ({"prompt": ["a", "b"]}, 400, "prompt"),
         ({"prompt": {"text": "x"}}, 400, "prompt"),
         ({"prompt": "x", "model": None}, 400, "model"),
+        ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "x", "top_k": 5}, 400, "top_k"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param):
@@ -145,7 +151,9 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
         ({"messages": [{"role": "user"}]}, "content"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
         ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "max_completion_tokens": 6},
+         "max_completion_tokens"),
     ],
 )
 def test_bad_chat_requests_get_openai_errors(server, body, param):
