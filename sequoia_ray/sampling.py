@@ -111,12 +111,24 @@ def node_steps(
     d: torch.Tensor,  # [V] draft distribution the first child was drawn from
     children: list[int],  # tokens in draw order
 ) -> Iterator[NodeStep]:
-    """The deterministic part of the verifier at one node: acceptance chances and residuals, lazily."""
+    """The deterministic part of the verifier at one node: acceptance chances and residuals, lazily.
+
+    A D with no support (``truncate`` of a draft row of NaN, e.g. from an overflowing float16 draft) is the
+    uniform distribution: the draft drew those children uniformly (``draw_without_replacement``'s fallback).
+    A target P that is not a distribution (NaN) is an error, as drawing from it alone is (``inverse_cdf``),
+    never an acceptance."""
     r = p
     drawn = torch.zeros_like(p, dtype=torch.bool)
+    if not d.sum() > 0:
+        d = torch.full_like(p, 1.0 / p.shape[-1])
     for s in children:
-        assert d[s] > 0, f"child token {s} has draft probability 0: it was not drawn from this D"
-        accept = min(1.0, float(r[s] / d[s]))
+        if not d[s] > 0:
+            raise ValueError(f"child token {s} has draft probability 0: it was not drawn from this D")
+        accept = float(r[s] / d[s])
+        if math.isnan(accept):
+            raise ValueError(f"the target's probability of token {s} is {float(r[s])!r}: its logits at this node "
+                             "are not finite")
+        accept = min(1.0, accept)
         r = _normalise(torch.clamp(r - d, min=0), fallback=p)
         drawn[s] = True
         d = d.clone()

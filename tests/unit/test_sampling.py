@@ -55,6 +55,29 @@ def test_verifier_output_equals_p_exactly(seed, v, k, q_zeros):
     torch.testing.assert_close(output_distribution(p, q, k), p, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("v,k", [(4, 1), (5, 3), (4, 4)])
+def test_a_draft_row_without_support_is_uniform_and_the_verifier_stays_exact(seed, v, k):
+    """A draft row of NaN logits (an overflowing float16 draft) leaves D no support: the draft draws uniformly
+    (the fallback), and the verifier reads the same uniform D, so the output is still exactly P."""
+    nan_row = truncate(target_probs(torch.full((v,), float("nan")), 1.0), v)
+    assert len(nan_row.tokens) == 0
+    drawn = draw_without_replacement(nan_row, k, v, torch.Generator().manual_seed(seed))
+    assert sorted(set(drawn.tolist())) == sorted(drawn.tolist()) and len(drawn) == k
+    p = random_dist(torch.Generator().manual_seed(seed), v, zeros=seed % 2)
+    no_support = nan_row.dense(v, torch.float64)
+    torch.testing.assert_close(output_distribution(p, no_support, k), p, atol=1e-12, rtol=0)
+
+
+def test_a_target_row_of_nan_is_an_error_not_an_acceptance():
+    p = torch.full((4,), float("nan"), dtype=torch.float64)
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    with pytest.raises(ValueError, match="not finite"):
+        list(node_steps(p, q, [3, 2]))
+    with pytest.raises(ValueError, match="draft probability 0"):  # a child D could not have drawn
+        list(node_steps(q, torch.tensor([0.0, 0.5, 0.5, 0.0], dtype=torch.float64), [0]))
+
+
 def test_fallback_case_really_draws_outside_q():
     q = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
     orders = [o for o in itertools.permutations(range(4), 3) if draw_order_probability(q, o) > 0]
