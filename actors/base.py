@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 from typing import TYPE_CHECKING
@@ -182,5 +184,14 @@ def model_meta(loaded, device: torch.device) -> dict:
     from sequoia_ray.hardware import accelerator_name, cpu_name
 
     return {"eos_ids": loaded.eos_ids, "max_context": loaded.max_context, "vocab": loaded.model.config.vocab_size,
-            "threads": torch.get_num_threads(), "device": str(device), "accelerator": accelerator_name(device),
-            "cpu": cpu_name()}
+            "tokenizer": tokenizer_digest(loaded.tokenizer), "threads": torch.get_num_threads(),
+            "device": str(device), "accelerator": accelerator_name(device), "cpu": cpu_name()}
+
+
+def tokenizer_digest(tokenizer) -> str | None:
+    """A short digest of a tokenizer's token -> id map (None without a tokenizer): two actors' models share a
+    tokenizer when their digests are equal (the ingress checks the draft's against the target's)."""
+    if tokenizer is None:
+        return None
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]

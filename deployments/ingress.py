@@ -96,6 +96,16 @@ async def _parse(request: Request, model, max_bytes: int):
         raise api.validation_error(exc) from None
 
 
+def pair_refusal(target: dict, draft: dict) -> str | None:
+    """Why a draft model (its actor's ``info``) cannot speculate for a target (rank 0's), or None."""
+    if draft.get("vocab") != target.get("vocab"):
+        return (f"the draft's vocabulary has {draft.get('vocab')} ids, the target's {target.get('vocab')}: "
+                "speculative decoding needs a draft with the target's vocabulary")
+    if None not in (draft.get("tokenizer"), target.get("tokenizer")) and draft["tokenizer"] != target["tokenizer"]:
+        return "the draft's tokenizer is not the target's: speculative decoding needs a same-tokenizer pair"
+    return None
+
+
 def api_key_header(cfg: ServeConfig) -> bytes | None:
     """The ``Authorization`` header every request must send, or None when the API is open (no key configured).
     A key to be read from an environment variable that is unset or empty here is an error, not an open API."""
@@ -167,6 +177,7 @@ class OpenAIIngress:
                                             settle_rounds=self.cfg.live_cost_settle_rounds)
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
+        self.pairs: dict[str, str | None] = {}  # draft actor id -> why it cannot serve this target (None: it can)
         self.background: list[asyncio.Task] = []  # the plan refresh and live re-plan loops; ``__del__`` ends them
         self.expected_auth = api_key_header(self.cfg)
 
@@ -396,6 +407,8 @@ class OpenAIIngress:
         timeout = self.cfg.step_timeout_s
         if speculate and self.draft_deployment is not None:  # both replicas asked at once: one round trip
             target, draft = await asyncio.gather(self._target_actors(), self._draft_actor(timeout))
+            if draft is not None and await self._pair_refusal(draft.actor, target, timeout):
+                draft = None
         else:
             target, draft = await self._target_actors(), None
         policy = self._policy(family) if draft is not None else None
@@ -413,6 +426,24 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead or missing replica
             logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
             return None
+
+    async def _pair_refusal(self, actor, target: dict, timeout: float) -> str | None:
+        """Why this draft actor cannot speculate for the target (None: it can), asked once per draft actor.
+        A draft whose vocabulary or tokenizer differs from the target's would draw its uniform fallback over
+        other ids than the verifier's (sampling no longer exactly the target's) or propose ids the target
+        reads otherwise; ``sequoia-ray generate`` refuses such a pair, the service serves the target alone."""
+        key = actor._actor_id.hex()
+        if key not in self.pairs:
+            try:
+                meta = await asyncio.wait_for(actor.info.remote(), timeout)
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck draft: this request goes on alone, ask again
+                logger.warning("the draft actor did not report its model (%s); this request runs on the target "
+                               "alone", type(exc).__name__)
+                return "no answer"
+            self.pairs[key] = reason = pair_refusal(target, meta)
+            if reason:
+                logger.error("%s; every request runs on the target alone until the draft is replaced", reason)
+        return self.pairs[key]
 
     def _policy(self, family):
         """Each request's step policy: its own tree (``family``), inside the measured choice between the tree
