@@ -16,6 +16,7 @@ from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, 
                                    one_line, positive_int)
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.devices import DEVICE_CHOICES
+from sequoia_ray.plan_store import StoreError
 from sequoia_ray.tree.builtin import DEFAULT_DEPTH
 
 
@@ -260,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except SystemExit as exc:  # `serve`'s own parser: usage errors and --help
         return int(exc.code or 0)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, StoreError) as exc:  # StoreError: a plan store that cannot be opened or read
         print(f"sequoia-ray {args.verb}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

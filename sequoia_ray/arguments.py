@@ -10,6 +10,7 @@ give is ``None`` here and the model fills it in.
 from __future__ import annotations
 
 import argparse
+import math
 
 from pydantic import BaseModel
 
@@ -127,9 +128,12 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
 
 def _floats(text: str, name: str) -> tuple[float, ...]:
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
+        values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--{name} {text!r} must be comma-separated numbers") from None
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"--{name} {text!r} must be finite numbers (not inf or nan)")
+    return values
 
 
 def _acceptance_files(items: list[str]) -> dict[float, str]:

@@ -3,6 +3,7 @@ The serving configuration lives with the Serve app (``deployments/config.py``)."
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
@@ -117,8 +118,8 @@ class ProfileJobConfig(BaseModel):
     @field_validator("temperatures")
     @classmethod
     def _temps(cls, value):
-        if not value or min(value) < 0:
-            raise ValueError(f"temperatures {value} must be >= 0")
+        if not value or not all(math.isfinite(t) and t >= 0 for t in value):
+            raise ValueError(f"temperatures {value} must be finite and >= 0")
         return tuple(value)
 
     @field_validator("device")

@@ -103,7 +103,7 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
         else:
             picks = plan_buckets(cfg, pair, prof, table, budgets, prompts, params, calls=calls)
         grids[temperature] = [(c.n, c.d, c.predicted_speedup) for c in picks[1].predicted]
-        for batch, picked in picks.items():
+        for batch, picked in sorted(picks.items(), key=lambda item: -item[0]):  # batch 1 last: see _publish_all
             key = PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature, batch)
             prov = _provenance(cfg, pair, picked, batch, prompts=len(prompts), tokens=cfg.measure_tokens)
             planned = PlannedTree(picked.choice.plan, acceptance, picked.choice.n, picked.choice.d,
@@ -111,7 +111,7 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
             result = _result(prof, temperature, picked)
             results.append(replace(result, plan_key=store.publish_plan(planned, key), profile_key=profile_key))
             logger.info("%s T=%s B=%d: %s", hardware, temperature, batch, asdict(results[-1]))
-    return results, grids
+    return sorted(results, key=lambda r: (cfg.temperatures.index(r.temperature), r.batch)), grids
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,19 @@ def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, float]:
     if args.cpus_per_trial <= 0:
         raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} must be > 0")
     cfg = job_config(args, hardware=tuple(h for h in args.hardware.split(",") if h))
-    return cfg, args.cpus_per_trial
+    return absolute_paths(cfg), args.cpus_per_trial
+
+
+def absolute_paths(cfg: ProfileJobConfig) -> ProfileJobConfig:
+    """``cfg`` with its local paths (store, prompts, acceptance files) absolute: Tune runs each trial in a
+    directory of its own, where a relative path would name another file (or publish plans into the trial's
+    directory while the driver reports them under the path given)."""
+    def local(path: str) -> str:
+        return path if "://" in path else str(Path(path).expanduser().resolve())
+
+    return cfg.model_copy(update={
+        "storage": join_uri(cfg.storage), "prompts": cfg.prompts and local(cfg.prompts),
+        "acceptance": {t: local(p) for t, p in cfg.acceptance.items()}})
 
 
 def discover_hardware(resources: dict[str, float]) -> list[str]:

@@ -9,7 +9,7 @@ from cli.main import main as cli_main
 from sequoia_ray.hardware import BATCH_BUCKETS
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from tests.serving import session_ray
-from tuning.profile import discover_hardware, main as job_main, trial_bundles
+from tuning.profile import discover_hardware, main as job_main, parse_config, trial_bundles
 
 
 def test_discover_and_bundles():
@@ -25,16 +25,36 @@ def test_discover_and_bundles():
     "args,needle",
     [(["--smoke-test"], "--storage"), (["--storage", "x", "--temperatures", "a,b"], "comma-separated numbers"),
      (["--storage", "x", "--budgets", "0,4"], "budgets"), (["--storage", "x", "--acceptance", "nofile"], "T=FILE"),
-     (["--storage", "x", "--cpus-per-trial", "0"], "must be > 0")],
+     (["--storage", "x", "--cpus-per-trial", "0"], "must be > 0"),
+     (["--storage", "x", "--budgets", "4,inf"], "finite"), (["--storage", "x", "--temperatures", "0,nan"], "finite")],
 )
 def test_job_bad_arguments_exit_2(args, needle, capsys):
     assert job_main(args) == 2
     assert needle in capsys.readouterr().err
 
 
-def test_profile_verb_in_process(tmp_path, capsys):
+def test_local_paths_reach_the_trials_absolute(tmp_path, monkeypatch):
+    """Tune runs each trial in a directory of its own: a relative store, prompt or acceptance path must not be
+    read there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acc.json").write_text("{}")
+    cfg, _ = parse_config(["--storage", "plans", "--prompts", "p.jsonl", "--acceptance", "0=acc.json"])
+    assert (cfg.storage, cfg.prompts) == (str(tmp_path / "plans"), str(tmp_path / "p.jsonl"))
+    assert cfg.acceptance == {0.0: str(tmp_path / "acc.json")}
+    assert parse_config(["--storage", "s3://bucket/plans?region=x"])[0].storage == "s3://bucket/plans?region=x"
+
+
+def test_profile_verb_in_process(tmp_path, capsys, monkeypatch):
     store = tmp_path / "store"
+    published, publish = [], PlanStore.publish_plan
+
+    def recording(self, planned, key):
+        published.append(key.batch)
+        return publish(self, planned, key)
+
+    monkeypatch.setattr(PlanStore, "publish_plan", recording)
     assert cli_main(["profile", "--smoke-test", "--storage", str(store), "--temperatures", "0"]) == 0
+    assert published == sorted(BATCH_BUCKETS, reverse=True)  # batch 1 last: its plan marks the set complete
     out = capsys.readouterr().out
     assert "pred" in out and "heatmap" in out
     from sequoia_ray.hardware import hardware_id
@@ -75,3 +95,9 @@ def test_tensor_parallel_trial_times_the_whole_group(tmp_path):
     store.fetch_plan(PlanKey("cpu-test-tp2", "tiny-draft", "tiny-target", 0.0, 16))
     planned, _ = store.fetch_plan(PlanKey("cpu-test-tp2", "tiny-draft", "tiny-target", 0.0))
     assert results[0].measured_tokens_per_step >= 1.0 and planned.budget == results[0].n >= planned.plan.n
+
+
+def test_a_store_that_cannot_be_opened_is_an_error_line(capsys):
+    assert cli_main(["profile", "--smoke-test", "--storage", "bogus://x", "--temperatures", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "sequoia-ray profile: error: cannot open plan store 'bogus://x'" in err and "Traceback" not in err
