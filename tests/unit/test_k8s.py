@@ -69,6 +69,21 @@ def test_rayjob_entrypoint_parses_with_the_job_parser():
     assert job["shutdownAfterJobFinishes"] is True and job["ttlSecondsAfterFinished"] > 0
 
 
+def test_a_profiling_trial_fits_one_node_of_every_gpu_group():
+    """A trial with --tp-size N takes N + 1 GPUs (the draft and each rank): a group whose node has fewer could
+    never place it, and the job would wait until its deadline."""
+    from tuning.profile import parse_config, trial_bundles
+
+    job = load("rayjob.yaml")["spec"]
+    cfg, cpus = parse_config(shlex.split(job["entrypoint"])[2:])
+    for group in job["rayClusterSpec"]["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        if limits.get("nvidia.com/gpu"):
+            wanted = trial_bundles("GPU", cfg.tp_size, cpus)
+            assert sum(b.get("GPU", 0) for b in wanted) <= int(limits["nvidia.com/gpu"]), group["groupName"]
+            assert sum(b["CPU"] for b in wanted) <= float(limits["cpu"]), group["groupName"]
+
+
 def test_gpu_groups_declare_their_accelerator_type():
     for name in MANIFESTS:
         spec = load(name)["spec"]
