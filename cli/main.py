@@ -215,6 +215,10 @@ def _run_profile(args: argparse.Namespace) -> int:
     from sequoia_ray.profiling import format_results, publish_heatmaps, run_trial
 
     cfg = job_config(args)
+    if cfg.tp_size > 1:  # this process loads one unsharded target: its costs are not a TP group's
+        raise ValueError(f"--tp-size {cfg.tp_size}: `sequoia-ray profile` runs the target in this process, unsharded; "
+                         "profile a tensor-parallel target with the Ray job: python tuning/profile.py --tp-size "
+                         f"{cfg.tp_size} --storage ...")
     hw = hardware_id(accelerator_name(resolve_device(cfg.device)), cfg.tp_size)
     results, grids = run_trial(cfg, hw)
     reports = publish_heatmaps(cfg, hw, grids)

@@ -101,3 +101,9 @@ def test_a_store_that_cannot_be_opened_is_an_error_line(capsys):
     assert cli_main(["profile", "--smoke-test", "--storage", "bogus://x", "--temperatures", "0"]) == 2
     err = capsys.readouterr().err
     assert "sequoia-ray profile: error: cannot open plan store 'bogus://x'" in err and "Traceback" not in err
+
+
+def test_the_in_process_profile_refuses_a_tensor_parallel_size(capsys):
+    """It loads one unsharded target: published under a -tp2 hardware id, its costs would describe no TP group."""
+    assert cli_main(["profile", "--smoke-test", "--storage", "x", "--tp-size", "2"]) == 2
+    assert "python tuning/profile.py --tp-size 2" in capsys.readouterr().err
