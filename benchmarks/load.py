@@ -398,15 +398,20 @@ def build_config(args, clients: int) -> dict:
             raise SystemExit("load.py: --config runs the file's model pair; leave out --tiny")
         try:
             cfg = {**app_args(args.config, []), "model_name": MODEL, "max_concurrent": clients}
-        except (OSError, KeyError, IndexError, TypeError, yaml.YAMLError) as exc:
+        except (OSError, ValueError) as exc:  # app_args: a ValueError naming what is wrong with the file
             raise SystemExit(f"load.py: --config {args.config}: not a serve config with an application's args "
-                             f"({exc!r}); give e.g. deployments/config.yaml") from None
+                             f"({exc}); give e.g. deployments/config.yaml") from None
         flags.update(dtype=args.dtype, draft_quantize=args.draft_quantize, tp_size=args.tp_size,
                      num_cpus=args.num_cpus)
     cfg.update({k: v for k, v in flags.items() if v is not None})
     for item in args.set:
-        key, _, value = item.partition("=")
-        cfg[key] = yaml.safe_load(value)
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise SystemExit(f"load.py: --set {item!r}: give KEY=VALUE (e.g. --set prefill_chunk=64)")
+        try:
+            cfg[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise SystemExit(f"load.py: --set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})")
     try:
         ServeConfig.model_validate(cfg)  # a bad --set fails here, naming the field, before Ray starts
     except ValueError as exc:

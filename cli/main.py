@@ -16,7 +16,6 @@ from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, 
                                    one_line, positive_int)
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.devices import DEVICE_CHOICES
-from sequoia_ray.plan_store import StoreError
 from sequoia_ray.tree.builtin import DEFAULT_DEPTH
 
 
@@ -265,9 +264,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except SystemExit as exc:  # `serve`'s own parser: usage errors and --help
         return int(exc.code or 0)
-    except (ValueError, OSError, StoreError) as exc:  # StoreError: a plan store that cannot be opened or read
+    except (ValueError, OSError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not _is_store_error(exc):
+            raise
         print(f"sequoia-ray {args.verb}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _is_store_error(exc: BaseException) -> bool:
+    """A plan store that cannot be opened or read (plan_store.StoreError). Looked up only once one is raised: importing
+    plan_store imports torch, which `plan` must not."""
+    store = sys.modules.get("sequoia_ray.plan_store")
+    return store is not None and isinstance(exc, store.StoreError)
 
 
 if __name__ == "__main__":

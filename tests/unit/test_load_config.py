@@ -55,6 +55,8 @@ def test_the_shipped_config_with_the_flags_given_on_top(tmp_path):
     (("--config", "{bad}"), "not a serve config"),
     (("--tiny", "--config", "{shipped}"), "leave out --tiny"),
     (("--config", "{shipped}", "--set", "live_cost_max_age_s=-1"), "live_cost_max_age_s"),
+    (("--config", "{shipped}", "--set", "prefill_chunk"), "give KEY=VALUE"),
+    (("--config", "{shipped}", "--set", "prefill_chunk=[1"), "not valid YAML"),
 ])
 def test_a_bad_config_names_the_value_and_the_fix(tmp_path, argv, message):
     bad = tmp_path / "bad.yaml"
