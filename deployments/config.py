@@ -227,7 +227,8 @@ class ServeConfig(BaseModel):
 
     def plan_hardware_id(self, threads: int, accelerator: str | None = None, cpu: str | None = None) -> str:
         """The hardware id plans are published and looked up by: the override, else the configured
-        accelerator type or the name of the GPU the target runs on, else the CPU the target runs on (``cpu``,
+        accelerator type or the type of the GPU the target runs on (``hardware.gpu_type``: Ray's name, as the Tune
+        job's), else the CPU the target runs on (``cpu``,
         its ``sequoia_ray.hardware.cpu_name()``; this machine's when None) with the target's threads."""
         from sequoia_ray.hardware import hardware_id
 

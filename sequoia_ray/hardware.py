@@ -54,6 +54,7 @@ import json
 import logging
 import math
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -601,11 +602,33 @@ def cpu_name() -> str:
 
 
 def accelerator_name(device: torch.device) -> str | None:
-    """The GPU's name as a hardware-id part (``NVIDIA_A100-SXM4-80GB``) for a CUDA device, else None; call it
-    where the device is visible (in the actor that owns it)."""
+    """The GPU's type as a hardware-id part (``A100``) for a CUDA device, else None; call it where the device is
+    visible (in the actor that owns it). The type is Ray's name for it (``gpu_type``), so serving, ``sequoia-ray
+    profile`` and the Ray Tune job (which names a GPU type by its node's ``accelerator_type:A100`` resource) file
+    one GPU's plans under one hardware id."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    return gpu_type(torch.cuda.get_device_name(device))
+
+
+_UPPER_WORD = re.compile(r"[A-Z]+")
+_MODEL_TOKEN = re.compile(r"[A-Z0-9]*[0-9][A-Z0-9]*")
+
+
+def gpu_type(device_name: str) -> str:
+    """The GPU type Ray labels a node with (its ``accelerator_type:<type>`` resource) for an NVIDIA device name:
+    after the vendor word, the all-capital words and the model number that follow, hyphen-joined, cut at the
+    first other character (``NVIDIA A100-SXM4-80GB`` -> ``A100``, ``Tesla V100-SXM2-16GB`` -> ``V100``,
+    ``NVIDIA RTX PRO 6000 Blackwell`` -> ``RTX-PRO-6000``); a name without such a model number (``NVIDIA GeForce
+    RTX 4090``) is the name without ``NVIDIA``, hyphen-joined. A100 40 GB and 80 GB share ``A100``, as in Ray."""
+    words = device_name.split()
+    lead, rest = [], words[1:]
+    while rest and _UPPER_WORD.fullmatch(rest[0]):
+        lead.append(rest.pop(0))
+    model = _MODEL_TOKEN.match(rest[0]) if rest else None
+    if model and len(name := "-".join([*lead, model.group()])) > 1:
+        return name
+    return "-".join(words[1:] if words[:1] == ["NVIDIA"] else words) or "unknown-gpu"
 
 
 def _cpu_model() -> str:

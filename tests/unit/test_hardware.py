@@ -97,6 +97,37 @@ def test_cpu_hardware_ids_tell_vector_instruction_sets_apart(monkeypatch):
     assert len(ids) == 3, ids
 
 
+GPU_NAMES = {"NVIDIA A100-SXM4-80GB": "A100", "NVIDIA A100 80GB PCIe": "A100", "NVIDIA H100 80GB HBM3": "H100",
+             "NVIDIA L4": "L4", "Tesla V100-SXM2-16GB": "V100", "Tesla T4": "T4", "NVIDIA A10G": "A10G",
+             "NVIDIA RTX PRO 6000 Blackwell Server Edition": "RTX-PRO-6000",
+             "NVIDIA GeForce RTX 4090": "GeForce-RTX-4090", "NVIDIA TITAN RTX": "TITAN-RTX"}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_NAMES))
+def test_a_gpu_is_named_as_ray_labels_its_node(name):
+    """The Tune job files a GPU type's plans under its node's ``accelerator_type:<type>`` resource, which Ray
+    derives from the device name; serving and ``sequoia-ray profile`` name the GPU from torch's device name. Both
+    must give one id, or serving never finds the job's plans. Checked against the Ray installed here."""
+    from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
+
+    from sequoia_ray.hardware import gpu_type
+
+    assert gpu_type(name) == GPU_NAMES[name]
+    assert gpu_type(name) == NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(name)
+
+
+def test_serving_and_the_tune_job_give_one_gpu_one_hardware_id(monkeypatch):
+    """No GPU here: torch's device name is stubbed; the id serving computes in the target actor (accelerator_name
+    of its device) equals the one the Tune job publishes under (the node resource's type)."""
+    from sequoia_ray.hardware import accelerator_name
+    from tuning.profile import discover_hardware
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    (job_type,) = discover_hardware({"CPU": 8, "GPU": 4, "accelerator_type:A100": 4})
+    assert hardware_id(accelerator_name(torch.device("cuda", 0)), 2) == hardware_id(job_type, 2) == "A100-tp2"
+    assert accelerator_name(torch.device("cpu")) is None
+
+
 # ---- batches -----------------------------------------------------------------------------------------
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
