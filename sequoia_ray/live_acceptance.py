@@ -100,15 +100,26 @@ class Snapshot:
             guess = min(hi[k], p[k - 1] if k else 1.0) if self.settings.explore else p[k]
             p[k] = max(0.0, min(guess, left))
             left -= p[k]
-        total = p.sum()
-        return AcceptanceVector.from_p(list(p / total if total > 1 else p))
+        return AcceptanceVector.from_p(list(p * self.scale()))
+
+    def scale(self) -> float:
+        """What ``estimate`` multiplies every rank by so the vector sums to <= 1: 1 / (sum of the estimated
+        ranks' p̂) when it exceeds 1, else 1. It can: each rank is estimated on its own nodes (rank 1 on every
+        inner node, rank 2 on the nodes 2 or more wide), and the narrow nodes deep in a tree, reached after an
+        acceptance, accept rank 1 more often than the wide root (a rank's p is not the same at every node, as
+        the model assumes). The bound ``departs`` tests is scaled alike, so a plan made from the estimate stays
+        inside it (the Wilson interval holds p̂) and the service does not re-plan again on the same counts."""
+        total = float(np.nan_to_num(self.p_hat())[self.enough()].sum())
+        return 1.0 / total if total > 1.0 else 1.0
 
     def departs(self, plan_p: tuple[float, ...]) -> bool:
-        """True when ``plan_p`` lies outside the interval at some rank with enough samples."""
+        """True when ``plan_p`` lies outside the interval (scaled as ``estimate`` scales p̂) at some rank with
+        enough samples."""
         lo, hi = self.interval()
+        scale = self.scale()
         p = np.zeros(len(self.tried))
         p[: min(len(plan_p), len(p))] = plan_p[: len(p)]
-        out = (p < lo) | (p > hi)
+        out = (p < lo * scale - 1e-12) | (p > hi * scale + 1e-12)  # 1e-12: Wilson bounds at p̂ = 0 or 1 come out 1e-18 off
         return bool(np.any(out & (self.tried >= self.settings.min_samples)))
 
 
