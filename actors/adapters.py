@@ -55,6 +55,11 @@ class ActorDraft:
     def finish(self, request_id: str) -> None:
         self._call("finish", request_id)
 
+    def abandon(self, request_id: str) -> None:
+        """A finish not awaited: after a failed call the engine frees the request here without waiting on an
+        actor that may be stuck (the finish runs when it gets to it)."""
+        self.actor.call.remote("finish", request_id)
+
 
 class RanksTarget:
     """The Target protocol over a tensor-parallel group: every call goes to rank 0, which forwards it to

@@ -42,6 +42,8 @@ class Draft(Protocol):
     def grow(self, request_id: str, plan: TreePlan, commits: list[tuple[list[int], list[int], int]] = (),
              rule: DynamicTrees | None = None) -> DraftTree: ...
     def finish(self, request_id: str) -> None: ...
+    # optional: ``abandon(request_id)``, a finish that neither waits nor raises (a draft behind a remote call),
+    # sent after a failed call so the draft frees the request's state; without it the engine calls ``finish``
 
 
 class StepPolicy(Protocol):
@@ -164,8 +166,16 @@ class _DraftLink:
         except Exception as exc:  # noqa: BLE001 - any draft failure degrades to target-only decoding
             logger.warning("draft %s failed for request %s (%s: %s); continuing with the target alone",
                            method, self.request_id, type(exc).__name__, exc)
-            self.draft, self.failures = None, self.failures + 1
+            draft, self.draft, self.failures = self.draft, None, self.failures + 1
+            if method != "finish":  # the draft may still hold the request (a grow that failed after its start)
+                self._release(draft)
             return None
+
+    def _release(self, draft: Draft) -> None:
+        try:
+            getattr(draft, "abandon", draft.finish)(self.request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort: the draft has already failed this request
+            logger.debug("draft finish after a failure failed for request %s: %s", self.request_id, exc)
 
 
 _STARTS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-start")  # early starts (``_DraftLink``)
@@ -239,17 +249,19 @@ class SpeculativeDecoder:
         params = with_seed(params)
         rid = request_id or uuid.uuid4().hex
         seed = params.seed
-        self.target.start(rid, prompt, params, _salt(seed, "verify"))
-        draft = _DraftLink(self.draft, rid, (prompt, params, _salt(seed, "draft")), early=self.first_step_alone)
-        policy = _Policy(self.policy, params)
+        policy, draft = _Policy(self.policy, params), None
         try:
+            # inside the try: a start that failed after it ran (a timeout) leaves state the finish below frees
+            self.target.start(rid, prompt, params, _salt(seed, "verify"))
+            draft = _DraftLink(self.draft, rid, (prompt, params, _salt(seed, "draft")), early=self.first_step_alone)
             yield from self._loop(rid, params, prompt, draft, policy)
         finally:
             policy.finish()
             try:
                 self.target.finish(rid)
             finally:
-                draft.finish()  # even when the target has failed (if it was started)
+                if draft is not None:
+                    draft.finish()  # even when the target has failed (if it was started)
 
     def _loop(self, rid: str, params: SamplingParams, prompt: list[int], draft: _DraftLink,
               policy: _Policy) -> Iterator[Chunk]:

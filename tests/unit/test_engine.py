@@ -409,8 +409,8 @@ def test_with_the_first_step_alone_the_draft_starts_while_the_target_prefills(mo
     got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=max_tokens, seed=0))
     assert gated.first_saw_start is True
     assert got.token_ids == target_greedy(target, [5, 3, 8, 1], max_tokens)
-    if fail:
-        assert draft.calls == ["start"] and got.stats.draft_failures == 1
+    if fail:  # the failed start is followed by a finish: the draft frees whatever the start left
+        assert draft.calls == ["start", "finish"] and got.stats.draft_failures == 1 and not draft.requests
     else:
         assert draft.calls == ["start"] + ["grow"] * (got.stats.steps - 1) + ["finish"] and not draft.requests
 
@@ -421,7 +421,51 @@ def test_a_draft_whose_start_fails_leaves_the_request_to_the_target_alone(models
     spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"])
     got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
     assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
-    assert draft.calls == ["start"] and got.stats.draft_failures == 1
+    assert draft.calls == ["start", "finish"] and got.stats.draft_failures == 1
+
+
+class GrowFailsOnce(CallLog):
+    """The second ``grow`` raises after the request's state exists (as a batched forward that failed does)."""
+
+    def grow(self, request_id, plan, commits=(), rule=None):
+        if self.calls.count("grow") == 1:
+            self.calls.append("grow")
+            raise RuntimeError("one request's grow failed")
+        return super().grow(request_id, plan, commits, rule)
+
+
+def test_a_draft_that_fails_a_request_is_told_to_free_it(models):
+    """After a failed grow the request goes on with the target alone and the draft is sent a finish (through
+    ``abandon`` when the draft has one: an actor's finish not awaited), so its KV session is not held until the
+    idle reaper runs."""
+    target, good, _ = models
+    draft, abandoned = GrowFailsOnce(good), []
+    spec = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"])
+    got = spec.generate([5, 3, 8, 1], SamplingParams(max_tokens=12, seed=0))
+    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 12)
+    assert got.stats.draft_failures == 1 and draft.calls == ["start", "grow", "grow", "finish"]
+    assert not draft.requests
+    draft = GrowFailsOnce(good)
+    draft.abandon = lambda rid: abandoned.append(rid) or DraftWorker.finish(draft, rid)
+    SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"]).generate([5, 3, 8, 1], SamplingParams(
+        max_tokens=12, seed=0), request_id="r1")
+    assert abandoned == ["r1"] and "finish" not in draft.calls and not draft.requests
+
+
+class StartRunsThenFails(TargetWorker):
+    """As ``RanksTarget`` sees a start that timed out: rank 0 ran it, the caller got an error."""
+
+    def start(self, request_id, prompt, params, seed):
+        super().start(request_id, prompt, params, seed)
+        raise TimeoutError("start timed out")
+
+
+def test_a_target_start_that_fails_after_it_ran_is_finished(models):
+    target, good, _ = models
+    worker, draft = StartRunsThenFails(target), CallLog(good)
+    with pytest.raises(TimeoutError):
+        SpeculativeDecoder(worker, draft, PLANS["binary3"]).generate([5, 3, 8, 1], SamplingParams(max_tokens=4))
+    assert not worker.requests and draft.calls == []  # freed; the draft was never started
 
 
 def test_the_first_step_alone_prefills_with_the_target_only_and_the_draft_joins_next(models):
