@@ -160,6 +160,7 @@ class PlanProvider:
         if not self.cfg.plan_store:
             return None
         key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature, bucket)
+        skips = self.store.skips if self.store else 0
         try:
             self.store = self.store or PlanStore(self.cfg.plan_store)
             planned, path = self.store.fetch_plan(key)
@@ -170,8 +171,11 @@ class PlanProvider:
             error = f"{type(exc).__name__}: {exc}"
             log = logger.error if error != self.last_error else logger.debug  # once per distinct error
             log("plan store error, keeping the current plan: %s", error)
-            self.errors, self.last_error = self.errors + 1, error
+            skipped = self.store.skips - skips if self.store else 0  # the files it tried, each counted below
+            self.errors, self.last_error = self.errors + max(1, skipped), error
             return None
+        if self.store.skips > skips:  # newer files that did not read, skipped for an older good plan (logged)
+            self.errors, self.last_error = self.errors + self.store.skips - skips, self.store.last_skip
         why = self.cfg.measured_otherwise(planned.provenance)
         if why and path not in self.warned:  # served all the same: a tree for this machine beats the built-in one
             self.warned.add(path)

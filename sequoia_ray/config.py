@@ -111,8 +111,10 @@ class ProfileJobConfig(BaseModel):
     @field_validator("budgets")
     @classmethod
     def _budgets(cls, value):
-        if not value or min(value) < 1:
-            raise ValueError(f"budgets {value} must be positive tree sizes")
+        from sequoia_ray.tree.plan import MAX_PLAN_NODES
+
+        if not value or min(value) < 1 or max(value) > MAX_PLAN_NODES:
+            raise ValueError(f"budgets {value} must be tree sizes from 1 to {MAX_PLAN_NODES}")
         return tuple(sorted(set(value) | {1}))
 
     @field_validator("temperatures")

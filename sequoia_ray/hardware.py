@@ -68,7 +68,7 @@ from sequoia_ray.devices import synchronize
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.models.tree_lm import KVSession
 from sequoia_ray.tree.dp import DPTable
-from sequoia_ray.tree.plan import TreePlan, carried_leaf, chain
+from sequoia_ray.tree.plan import MAX_PLAN_NODES, TreePlan, carried_leaf, chain
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,9 @@ class StepOverhead:
             pairs = {k: tuple(float(x) for x in obj.get(k, (0.0, 0.0))) for k in ("alone", "tree", "calls")}
         except (AttributeError, TypeError, ValueError) as exc:
             raise ProfileError(f"{source}: malformed overhead ({type(exc).__name__}: {exc})") from None
-        if any(len(v) != 2 or not all(math.isfinite(x) for x in v) for v in pairs.values()):
-            raise ProfileError(f"{source}: overhead fields alone/tree/calls must be [fixed, per_request] finite numbers")
+        if any(len(v) != 2 or not all(math.isfinite(x) and x >= 0 for x in v) for v in pairs.values()):
+            raise ProfileError(f"{source}: overhead fields alone/tree/calls must be [fixed, per_request] seconds, "
+                               "finite and >= 0")
         return cls(**pairs)
 
 
@@ -215,15 +216,21 @@ class HardwareProfile:
             prof = cls(str(obj["hardware_id"]), t, c, float(obj["target_step_s"]), int(obj["context"]),
                        str(obj["dtype"]), dict(obj.get("versions", {})), str(obj.get("timestamp", "")),
                        batch_t, batch_c, _optional_float(obj.get("noise")), _optional_float(obj.get("drift")))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
-        tables = [("t", t), ("c", c)] + [(f"{name}[{b}]", row) for name, batches in (("batch_t", batch_t),
-                  ("batch_c", batch_c)) for b, row in batches.items()]
-        for name, table in tables:
-            if not table or any(k < 1 or not math.isfinite(v) or v <= 0 for k, v in table.items()):
-                raise ProfileError(f"{source}: field '{name}' must map positive sizes to finite positive times")
-        if any(b < 2 for b in (*batch_t, *batch_c)):
-            raise ProfileError(f"{source}: fields 'batch_t'/'batch_c' hold batches >= 2 (batch 1 is 't'/'c')")
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+            raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {str(exc)[:200]})") from None
+        top = max(BATCH_BUCKETS)
+        tables = [("t", t, MAX_PLAN_NODES), ("c", c, MAX_PLAN_NODES)] + [
+            (f"{name}[{b}]", row, MAX_PLAN_NODES * top)
+            for name, batches in (("batch_t", batch_t), ("batch_c", batch_c)) for b, row in batches.items()]
+        for name, table, largest in tables:
+            if not table or any(not 1 <= k <= largest or not math.isfinite(v) or v <= 0 for k, v in table.items()):
+                raise ProfileError(f"{source}: field '{name}' must map sizes from 1 to {largest} to finite positive "
+                                   "times")
+        if any(not 2 <= b <= top for b in (*batch_t, *batch_c)):
+            raise ProfileError(f"{source}: fields 'batch_t'/'batch_c' hold batches from 2 to {top} (batch 1 is 't'/'c')")
+        if not (math.isfinite(prof.target_step_s) and prof.target_step_s > 0) or prof.context < 1:
+            raise ProfileError(f"{source}: fields 'target_step_s' (finite, > 0) and 'context' (>= 1) are "
+                               f"{prof.target_step_s!r}, {prof.context!r}")
         return prof
 
     def save(self, path: Path) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, replace
@@ -32,6 +33,9 @@ import pyarrow.fs as pafs
 
 from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
+
+logger = logging.getLogger(__name__)
+FALLBACK_FILES = 4  # older files a fetch tries when the newest in a folder does not read (corrupt, another schema)
 
 
 class PlanNotFound(LookupError):
@@ -100,6 +104,8 @@ class PlanStore:
         except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise StoreError(f"cannot open plan store {uri!r}: {exc}") from None
         self.root = root.rstrip("/")
+        self._skipped: set[str] = set()  # files that did not read, logged once each (``_newest_valid``)
+        self.skips, self.last_skip = 0, None  # every skip, and why the latest was (a caller counts them as errors)
 
     # ---- plans ---------------------------------------------------------------------------------
     def publish_plan(self, planned: PlannedTree, key: PlanKey) -> str:
@@ -111,11 +117,11 @@ class PlanStore:
         return self._publish(key.folder(), stamped.dumps())
 
     def fetch_plan(self, key: PlanKey) -> tuple[PlannedTree, str]:
-        """The latest plan for ``key`` and its path; PlanNotFound if none, StoreError if corrupt."""
-        path = self._latest(key.folder(), f"no plan for hardware {key.hardware!r}, pair {key.draft!r} -> "
-                                          f"{key.target!r}, temperature {key.temperature}, batch bucket {key.batch}; "
-                                          "run tuning/profile.py")
-        return self.read_plan(path), path
+        """The latest plan for ``key`` that reads, and its path; PlanNotFound if none, StoreError if none of the
+        newest few reads (see ``_newest_valid``)."""
+        return self._newest_valid(key.folder(), f"no plan for hardware {key.hardware!r}, pair {key.draft!r} -> "
+                                                f"{key.target!r}, temperature {key.temperature}, batch bucket "
+                                                f"{key.batch}; run tuning/profile.py", self.read_plan)
 
     def read_plan(self, path: str) -> PlannedTree:
         """The plan at ``path`` (one of ``list_plans``); StoreError if corrupt or unreadable."""
@@ -133,12 +139,17 @@ class PlanStore:
                              json.dumps(profile.to_dict(), indent=1))
 
     def fetch_profile(self, hardware: str) -> HardwareProfile:
-        path = self._latest(f"profiles/{_safe(hardware, 'hardware id')}",
-                            f"no profile for hardware {hardware!r}; run tuning/profile.py")
-        try:
-            return HardwareProfile.from_dict(json.loads(self._read(path)), source=self._display(path))
-        except (ValueError, ProfileError) as exc:
-            raise StoreError(f"{self._display(path)}: {exc}") from None
+        def read(path: str) -> HardwareProfile:
+            try:
+                prof = HardwareProfile.from_dict(json.loads(self._read(path)), source=self._display(path))
+            except (ValueError, ProfileError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
+                raise StoreError(f"{self._display(path)}: {type(exc).__name__}: {exc}"[:500]) from None
+            if prof.hardware_id != hardware:
+                raise StoreError(f"{self._display(path)}: a profile of {prof.hardware_id!r} filed under {hardware!r}")
+            return prof
+
+        return self._newest_valid(f"profiles/{_safe(hardware, 'hardware id')}",
+                                  f"no profile for hardware {hardware!r}; run tuning/profile.py", read)[0]
 
     # ---- reports -------------------------------------------------------------------------------
     def put_report(self, name: str, data: bytes) -> str:
@@ -165,11 +176,25 @@ class PlanStore:
             raise StoreError(f"cannot publish to {self._display(final)}: {exc}") from None
         return final
 
-    def _latest(self, folder: str, missing: str) -> str:
+    def _newest_valid(self, folder: str, missing: str, read):
+        """``(read(path), path)`` for the newest file in ``folder`` that reads. A newer one that does not (truncated
+        by hand, written by a newer schema during an upgrade) is logged once per store and path and skipped, so it
+        does not hide the good plan before it; at most ``FALLBACK_FILES`` older ones are tried, then the newest's
+        StoreError is raised."""
         names = sorted(p for p in self._files(folder) if p.rsplit("/", 1)[-1][:1].isdigit() and p.endswith(".json"))
         if not names:
             raise PlanNotFound(missing)
-        return names[-1]
+        first = None
+        for path in reversed(names[-1 - FALLBACK_FILES:]):
+            try:
+                return read(path), path
+            except StoreError as exc:
+                first = first or exc
+                self.skips, self.last_skip = self.skips + 1, f"StoreError: {exc}"
+                if path not in self._skipped:
+                    self._skipped.add(path)
+                    logger.error("plan store: skipping %s, which does not read: %s", self._display(path), exc)
+        raise first
 
     def _files(self, folder: str) -> list[str]:
         selector = pafs.FileSelector(f"{self.root}/{folder}", recursive=True, allow_not_found=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector
-from sequoia_ray.tree.plan import PlanError, TreePlan, expected_tokens
+from sequoia_ray.tree.plan import MAX_PLAN_DEPTH, MAX_PLAN_NODES, PlanError, TreePlan, expected_tokens
 
 SCHEMA_VERSION = 1
 KIND = "sequoia-ray/tree-plan"
@@ -101,6 +101,8 @@ class PlannedTree:
             obj = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise PlanFormatError(f"{source}: not valid JSON (truncated or corrupt?): {exc}") from None
+        except RecursionError:
+            raise PlanFormatError(f"{source}: JSON nested too deeply to be a plan") from None
         return _parse(obj, source)
 
     @classmethod
@@ -122,18 +124,21 @@ def _parse(obj: Any, source: str) -> PlannedTree:
         raise bad("schema_version", f"{obj.get('schema_version')!r} is not {SCHEMA_VERSION}; re-create the plan")
     if obj.get("kind", KIND) != KIND:
         raise bad("kind", f"{obj.get('kind')!r} is not {KIND!r}")
+    parents = obj.get("parents")
+    if isinstance(parents, list) and len(parents) > MAX_PLAN_NODES:
+        raise bad("parents", f"{len(parents)} nodes; a plan holds at most {MAX_PLAN_NODES}")
     try:
-        plan = TreePlan(tuple(_int_list(obj.get("parents"))))
+        plan = TreePlan(tuple(_int_list(parents)))
     except (PlanError, TypeError) as exc:
         raise bad("parents", str(exc)) from None
     try:
         acceptance = AcceptanceVector.from_dict(obj.get("acceptance"), source="acceptance")
     except AcceptanceError as exc:
         raise bad("acceptance", str(exc)) from None
-    budget = _int_field(obj, "budget", bad, minimum=plan.n)
+    budget = _int_field(obj, "budget", bad, minimum=plan.n, maximum=MAX_PLAN_NODES)
     max_depth = obj.get("max_depth")
     if max_depth is not None:
-        max_depth = _int_field(obj, "max_depth", bad, minimum=plan.num_levels)
+        max_depth = _int_field(obj, "max_depth", bad, minimum=plan.num_levels, maximum=MAX_PLAN_DEPTH)
     value = obj.get("expected_tokens")
     if not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad("expected_tokens", f"{value!r} must be a finite number")
@@ -149,10 +154,10 @@ def _int_list(x: Any) -> list[int]:
     return x
 
 
-def _int_field(obj: dict, name: str, bad, *, minimum: int) -> int:
+def _int_field(obj: dict, name: str, bad, *, minimum: int, maximum: int) -> int:
     v = obj.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise bad(name, f"{v!r} must be an integer >= {minimum}")
+    if not isinstance(v, int) or isinstance(v, bool) or not minimum <= v <= maximum:
+        raise bad(name, f"{v!r:.40} must be an integer from {minimum} to {maximum}")
     return v
 
 
@@ -198,7 +203,9 @@ def _check_overhead(overhead: Any, bad) -> None:
     if overhead is None:
         return
     ok = isinstance(overhead, dict) and all(
-        isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and math.isfinite(x) for x in v)
+        isinstance(v, list) and len(v) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
         for v in overhead.values())
     if not ok:
-        raise bad("provenance.overhead", f"{overhead!r:.80} must map alone/tree/calls to [fixed, per_request]")
+        raise bad("provenance.overhead", f"{overhead!r:.80} must map alone/tree/calls to [fixed, per_request] "
+                                         "seconds, finite and >= 0")

@@ -26,7 +26,8 @@ def test_discover_and_bundles():
     [(["--smoke-test"], "--storage"), (["--storage", "x", "--temperatures", "a,b"], "comma-separated numbers"),
      (["--storage", "x", "--budgets", "0,4"], "budgets"), (["--storage", "x", "--acceptance", "nofile"], "T=FILE"),
      (["--storage", "x", "--cpus-per-trial", "0"], "must be > 0"),
-     (["--storage", "x", "--budgets", "4,inf"], "finite"), (["--storage", "x", "--temperatures", "0,nan"], "finite")],
+     (["--storage", "x", "--budgets", "4,inf"], "finite"),
+     (["--storage", "x", "--budgets", "4,5000"], "from 1 to 1024"), (["--storage", "x", "--temperatures", "0,nan"], "finite")],
 )
 def test_job_bad_arguments_exit_2(args, needle, capsys):
     assert job_main(args) == 2

@@ -4,6 +4,8 @@ request, refresh picks up every bucket's new plan, and a loaded bucket costs no 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from deployments.config import ServeConfig
@@ -58,10 +60,16 @@ def test_a_store_fault_falls_back_and_is_counted(store):
     with open(four.rsplit("/", 1)[0] + "/99990101T000000000000Z-deadbeef.json", "w") as f:
         f.write('{"schema_version": 1, "parents": [')  # bucket 4's newest file is corrupt
     plans = provider(store.uri)
-    active = plans.get(0.0, 4)
-    assert (active.source, active.bucket) == (f"store:{one}", 1) and plans.errors == 1
-    plans.refresh()  # still corrupt: batch 1's plan stays, the error is counted again
-    assert plans.get(0.0, 4).source == f"store:{one}" and plans.errors == 2
+    active = plans.get(0.0, 4)  # the corrupt file is skipped for bucket 4's good plan before it, and counted
+    assert (active.source, active.bucket) == (f"store:{four}", 4) and plans.errors == 1
+    assert "not valid JSON" in plans.last_error
+    plans.refresh()  # still corrupt: skipped again, the error counted again
+    assert plans.get(0.0, 4).source == f"store:{four}" and plans.errors == 2
+    Path(four).unlink()  # bucket 4 holds only the corrupt file now: the plan loaded stays, one more error
+    plans.refresh()
+    assert plans.get(0.0, 4).source == f"store:{four}" and plans.errors == 3
+    fresh = provider(store.uri)  # a new replica: bucket 4 unreadable, so batch 1's plan
+    assert fresh.get(0.0, 4).source == f"store:{one}" and fresh.errors == 1
 
 
 def test_refresh_follows_every_bucket(store):

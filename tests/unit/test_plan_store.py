@@ -74,13 +74,60 @@ def test_publish_fetch_latest_and_list(store):
     assert len([p for p in store.list_plans() if temperature_bucket(0.6) in p]) >= 2
 
 
-def test_corrupt_or_foreign_file_names_the_key(store):
+def test_a_corrupt_newest_file_is_skipped_for_the_good_plan_before_it(store, caplog):
+    """A newest file that does not read (truncated, another schema version mid-upgrade) must not hide the good
+    plan before it: it is logged once, naming the file, and counted in ``skips``; a folder of bad files only is
+    a StoreError naming the newest."""
     path = store.publish_plan(planned(8), KEY)
     folder = path.rsplit("/", 1)[0]
     with store.fs.open_output_stream(folder + "/99990101T000000000000Z-deadbeef.json") as out:
         out.write(b'{"schema_version": 1, "parents": [')
-    with pytest.raises(StoreError, match="99990101T000000000000Z-deadbeef.json.*not valid JSON"):
+    with store.fs.open_output_stream(folder + "/99990102T000000000000Z-deadbeef.json") as out:
+        out.write(json.dumps({**planned(4).to_dict(), "schema_version": 2}).encode())
+    with caplog.at_level("ERROR", logger="sequoia_ray.plan_store"):
+        got, where = store.fetch_plan(KEY)
+        assert (got.budget, where) == (8, path) and store.skips == 2
         store.fetch_plan(KEY)
+    logged = [r for r in caplog.records if r.name == "sequoia_ray.plan_store"]
+    assert store.skips == 4 and len(logged) == 2  # every skip counted, each file logged once
+    assert "99990101T000000000000Z-deadbeef.json" in caplog.text and "not valid JSON" in caplog.text
+    store.fs.delete_file(path)
+    with pytest.raises(StoreError, match="99990102T000000000000Z-deadbeef.json.*schema_version"):
+        store.fetch_plan(KEY)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (json.dumps({**planned(4).to_dict(), "budget": 10 ** 9}), "budget"),
+    (json.dumps({**planned(4).to_dict(), "max_depth": 10 ** 6}), "max_depth"),
+    (json.dumps({**planned(4).to_dict(), "parents": [-1] + [0] * 5000}), "at most 1024"),
+    (json.dumps({**planned(4).to_dict(), "provenance": {"overhead": {"alone": [-50, 0], "tree": [-80, -3]}}}),
+     "overhead"),
+])
+def test_hostile_plan_files_are_store_errors(store, text, why):
+    """Whatever a shared store holds, reading it is a StoreError naming the file and why (serving logs it and
+    keeps its plan): no RecursionError, no budget the DP would run out of memory on."""
+    folder = f"{store.root}/{KEY.folder()}"
+    store.fs.create_dir(folder, recursive=True)
+    with store.fs.open_output_stream(folder + "/99990101T000000000000Z-deadbeef.json") as out:
+        out.write(text.encode())
+    with pytest.raises(StoreError, match=why):
+        store.fetch_plan(KEY)
+
+
+def test_a_profile_must_be_the_hardware_it_is_filed_under_and_sane(store, tmp_path):
+    prof = HardwareProfile("hw-a", {1: 1.0, 8: 1.2}, {1: 0.1, 8: 0.1}, 0.1, 128, "float32")
+    store.publish_profile(prof)
+    assert store.fetch_profile("hw-a").t == prof.t
+    folder = f"{store.root}/profiles/hw-b"
+    store.fs.create_dir(folder, recursive=True)
+    for i, change in enumerate([{}, {"t": {"1": 1.0, "100000000": 1.5}}, {"target_step_s": float("nan")},
+                                {"context": -5}, {"t": {"1": 10 ** 400}}]):
+        with store.fs.open_output_stream(f"{folder}/9999010{i + 1}T000000000000Z-deadbeef.json") as out:
+            out.write(json.dumps({**prof.to_dict(), **change}).encode())
+        with pytest.raises(StoreError):  # the first: a profile of hw-a filed under hw-b
+            store.fetch_profile("hw-b")
+        store.fs.delete_file(f"{folder}/9999010{i + 1}T000000000000Z-deadbeef.json")
 
 
 def test_concurrent_publishers_do_not_corrupt(store):
