@@ -6,6 +6,8 @@ actor to rank 0 by object reference, never through the caller."""
 
 from __future__ import annotations
 
+import math
+
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
@@ -17,6 +19,18 @@ from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict
 
 
+PREFILL_TOKENS_PER_TIMEOUT = 256  # without chunking: a prompt's deadline grows one timeout per this many tokens
+
+
+def prefill_timeout(timeout_s: float, tokens: int, chunk: int | None) -> float:
+    """The deadline of a call that prefills ``tokens`` prompt tokens. A batching actor prefills ``chunk`` of them
+    per forward and answers only after the last, so ``timeout_s`` (what one forward may take) is given per chunk:
+    a 6,000-token prompt at 256 a chunk, beside other requests, takes longer than one step's 60 s without any
+    forward being slow. A hung forward is still caught, later by the same factor, and by the actor's health
+    check (one forward longer than ``step_timeout_s``). ``chunk`` None: the whole prompt in one forward."""
+    return timeout_s * max(1, math.ceil(tokens / (chunk or PREFILL_TOKENS_PER_TIMEOUT)))
+
+
 class TargetUnavailable(RuntimeError):
     """The target group failed or timed out on a call (a rank died or hung): the request cannot go on;
     the client may retry once the group has been replaced (HTTP 503)."""
@@ -26,24 +40,27 @@ class ActorDraft:
     """The Draft protocol over one DraftActor handle; a call slower than ``timeout_s`` fails (and the
     engine goes on without the draft)."""
 
-    def __init__(self, actor, timeout_s: float = STEP_TIMEOUT_S) -> None:
-        self.actor, self.timeout_s = actor, timeout_s
+    def __init__(self, actor, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None) -> None:
+        self.actor, self.timeout_s, self.prefill_chunk = actor, timeout_s, prefill_chunk
+        self.prefill: dict[str, float] = {}  # request -> the deadline of its first grow (its prompt's prefill)
 
-    def _call(self, method: str, request_id: str, *args):
+    def _call(self, method: str, request_id: str, *args, timeout_s: float | None = None):
         try:
-            return ray.get(self.actor.call.remote(method, request_id, *args), timeout=self.timeout_s)
+            return ray.get(self.actor.call.remote(method, request_id, *args), timeout=timeout_s or self.timeout_s)
         except GetTimeoutError:
             self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
             raise
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        self._call("start", request_id, prompt, params, seed)
+        deadline = prefill_timeout(self.timeout_s, len(prompt), self.prefill_chunk)
+        self.prefill[request_id] = deadline  # the draft prefills at the first grow (or here, unbatched)
+        self._call("start", request_id, prompt, params, seed, timeout_s=deadline)
 
     def grow(self, request_id: str, plan: TreePlan, commits=(), rule: DynamicTrees | None = None) -> ray.ObjectRef:
         """The tree as a reference: the target's rank 0 fetches it from the draft actor directly."""
         done, tree = self.actor.grow.remote(request_id, plan, commits, rule)
-        try:
-            ray.get(done, timeout=self.timeout_s)  # raises the draft's failure; the tree itself stays remote
+        try:  # raises the draft's failure; the tree itself stays remote
+            ray.get(done, timeout=self.prefill.pop(request_id, self.timeout_s))
         except GetTimeoutError:
             self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
             raise
@@ -53,11 +70,13 @@ class ActorDraft:
         self._call("commit", request_id, path, new_tokens, at)
 
     def finish(self, request_id: str) -> None:
+        self.prefill.pop(request_id, None)
         self._call("finish", request_id)
 
     def abandon(self, request_id: str) -> None:
         """A finish not awaited: after a failed call the engine frees the request here without waiting on an
         actor that may be stuck (the finish runs when it gets to it)."""
+        self.prefill.pop(request_id, None)
         self.actor.call.remote("finish", request_id)
 
 
@@ -67,13 +86,14 @@ class RanksTarget:
     failure — a dead or broken rank, no answer within ``timeout_s``, ranks that disagree — raises
     ``TargetUnavailable``; the request is then over (its state goes with the group, which is replaced)."""
 
-    def __init__(self, ranks: list, timeout_s: float = STEP_TIMEOUT_S) -> None:
-        self.ranks, self.timeout_s = ranks, timeout_s
+    def __init__(self, ranks: list, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None) -> None:
+        self.ranks, self.timeout_s, self.prefill_chunk = ranks, timeout_s, prefill_chunk
+        self.prefill: dict[str, float] = {}  # request -> the deadline of its first verify (its prompt's prefill)
         self.failed = False
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, timeout_s: float | None = None):
         try:
-            return ray.get(self.ranks[0].call.remote(method, *args), timeout=self.timeout_s)
+            return ray.get(self.ranks[0].call.remote(method, *args), timeout=timeout_s or self.timeout_s)
         except (RayError, GetTimeoutError) as exc:
             self.failed = True
             first_line = str(exc).splitlines()[0] if str(exc) else ""
@@ -81,12 +101,16 @@ class RanksTarget:
                                     f"{first_line}") from exc
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        self._call("start", request_id, prompt, params, seed)
+        deadline = prefill_timeout(self.timeout_s, len(prompt), self.prefill_chunk)
+        self.prefill[request_id] = deadline  # the target prefills at the first verify (or here, unbatched)
+        self._call("start", request_id, prompt, params, seed, timeout_s=deadline)
 
     def verify(self, request_id: str, plan: TreePlan, draft: DraftTree | ray.ObjectRef) -> Verdict:
-        return self._call("verify", request_id, plan, draft)  # Ray resolves a reference at rank 0
+        deadline = self.prefill.pop(request_id, self.timeout_s)
+        return self._call("verify", request_id, plan, draft, timeout_s=deadline)  # Ray resolves a reference at rank 0
 
     def finish(self, request_id: str) -> None:
+        self.prefill.pop(request_id, None)
         if self.failed:  # do not wait on a failed group: tell it without awaiting the answer
             self.ranks[0].call.remote("finish", request_id)
             return

@@ -145,7 +145,8 @@ class ServeConfig(BaseModel):
                                     "instead (in the ingress replica's environment: unset or empty there, the "
                                     "replica refuses to start rather than serve an open API).")
     step_timeout_s: float = Field(STEP_TIMEOUT_S, gt=0, description="Longest one draft or verify call may take; a target "
-                                  "beyond it -> 503 (retryable), a draft beyond it -> the target alone.")
+                                  "beyond it -> 503 (retryable), a draft beyond it -> the target alone. The call "
+                                  "that prefills a prompt gets it once per prefill_chunk tokens (256 unchunked).")
     collective_timeout_s: float = Field(COLLECTIVE_TIMEOUT_S, gt=0, description="torch.distributed timeout of the TP group: a "
                                         "collective waiting on a hung rank fails after this.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks the model deployments.")

@@ -412,7 +412,8 @@ class OpenAIIngress:
         else:
             target, draft = await self._target_actors(), None
         policy = self._policy(family) if draft is not None else None
-        return SpeculativeDecoder(RanksTarget(target["ranks"], timeout), draft, plan, tokenizer=self.tokenizer,
+        target_ranks = RanksTarget(target["ranks"], timeout, self.cfg.prefill_chunk)
+        return SpeculativeDecoder(target_ranks, draft, plan, tokenizer=self.tokenizer,
                                   eos_ids=tuple(target["eos_ids"]), max_context=target["max_context"],
                                   on_verdict=self.live.observe if self.live else None, policy=policy,
                                   dynamic=rules, first_step_alone=self.cfg.first_step_alone,
@@ -422,7 +423,8 @@ class OpenAIIngress:
         """The draft replica's actor, or None: speculation is optional, the request goes on with the target
         alone."""
         try:
-            return ActorDraft(await asyncio.wait_for(self.draft_deployment.actors.remote(), timeout), timeout)
+            return ActorDraft(await asyncio.wait_for(self.draft_deployment.actors.remote(), timeout), timeout,
+                              self.cfg.prefill_chunk)
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead or missing replica
             logger.warning("no draft replica (%s); this request runs on the target alone", type(exc).__name__)
             return None

@@ -1,0 +1,69 @@
+"""The actor adapters' deadlines: a call that prefills a prompt is given ``step_timeout_s`` per prefill chunk (a
+batching actor answers it only after the last chunk's forward); every other call one ``step_timeout_s``. No Ray:
+the handles are stand-ins and ``ray.get`` is recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+import actors.adapters as adapters
+from actors.adapters import ActorDraft, RanksTarget, prefill_timeout
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.tree.plan import chain
+
+
+class Method:
+    def __init__(self, name: str, sent: list, returns=None) -> None:
+        self.name, self.sent, self.returns = name, sent, returns
+
+    def remote(self, *args):
+        self.sent.append((self.name, args[0] if self.name == "call" else "grow"))
+        return self.returns(args) if self.returns else ("ref", self.name, args[0])
+
+
+class Handle:
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.call = Method("call", self.sent)
+        self.grow = Method("grow", self.sent, returns=lambda args: (("ref", "grow"), ("ref", "tree")))
+
+
+@pytest.fixture
+def waited(monkeypatch):
+    """The timeout of every ``ray.get`` the adapters make, in order."""
+    timeouts: list[float] = []
+    monkeypatch.setattr(adapters.ray, "get", lambda ref, timeout=None: timeouts.append(timeout))
+    return timeouts
+
+
+def test_prefill_timeout_is_one_step_per_chunk():
+    assert prefill_timeout(60.0, 10, 256) == 60.0  # a short prompt: one step's deadline
+    assert prefill_timeout(60.0, 6000, 256) == 60.0 * 24  # ceil(6000 / 256) chunks
+    assert prefill_timeout(60.0, 0, 256) == 60.0
+    assert prefill_timeout(2.0, 600, None) == 2.0 * 3  # unchunked: one deadline per 256 tokens
+
+
+def test_the_targets_first_verify_has_the_prompts_deadline_and_the_next_one_steps(waited):
+    target = RanksTarget([Handle()], timeout_s=60.0, prefill_chunk=256)
+    params = SamplingParams(max_tokens=8)
+    target.start("r", list(range(6000)), params, 0)
+    target.verify("r", chain(0), None)  # the prompt's prefill, 24 chunks
+    target.verify("r", chain(0), None)
+    target.finish("r")
+    assert waited == [60.0 * 24, 60.0 * 24, 60.0, 60.0]
+    target.start("s", [1, 2, 3], params, 0)
+    target.finish("s")  # a request that ends before its first verify leaves nothing behind
+    assert target.prefill == {}
+
+
+def test_the_drafts_first_grow_has_the_prompts_deadline(waited):
+    handle = Handle()
+    draft = ActorDraft(handle, timeout_s=10.0, prefill_chunk=100)
+    draft.start("r", list(range(1000)), SamplingParams(max_tokens=8), 0)
+    assert draft.grow("r", chain(2)) == ("ref", "tree")
+    draft.grow("r", chain(2))
+    draft.finish("r")
+    assert waited == [100.0, 100.0, 10.0, 10.0]
+    draft.start("s", list(range(1000)), SamplingParams(max_tokens=8), 0)
+    draft.abandon("s")  # after a failure: not awaited, and the deadline is dropped
+    assert draft.prefill == {} and handle.sent[-1] == ("call", "finish")
