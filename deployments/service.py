@@ -289,6 +289,7 @@ class Runner:
 
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sequoia-request")
+        self.closing: set[asyncio.Task] = set()  # requests being freed after their caller went away
 
     async def stream(self, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams,
                      request_id: str) -> AsyncIterator[Chunk]:
@@ -303,6 +304,21 @@ class Runner:
                     return
                 yield chunk
         finally:
-            if pending is not None and not pending.done():
-                await asyncio.wait([pending])  # the step in flight finishes before the generator closes
-            await loop.run_in_executor(self.pool, gen.close)  # frees the request on every actor
+            # A task of its own: when the client disconnects, Starlette's StreamingResponse runs this under an
+            # anyio cancel scope that cancels every await here again, so awaiting the close directly never got to
+            # it (the request was freed only when garbage collection closed the generator, or its idle reaper).
+            # The task runs to the end whatever happens to this await; the set holds it until then.
+            closing = asyncio.ensure_future(self._close(loop, gen, pending))
+            self.closing.add(closing)
+            closing.add_done_callback(self._closed)
+            await asyncio.shield(closing)
+
+    def _closed(self, task: asyncio.Task) -> None:
+        self.closing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # retrieved here: the caller may be gone
+            logger.warning("freeing a request failed: %s: %s", type(task.exception()).__name__, task.exception())
+
+    async def _close(self, loop, gen: Iterator[Chunk], pending) -> None:
+        if pending is not None and not pending.done():
+            await asyncio.wait([pending])  # the step in flight finishes before the generator closes
+        await loop.run_in_executor(self.pool, gen.close)  # frees the request on every actor
