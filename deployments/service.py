@@ -64,6 +64,9 @@ class PlanProvider:
         self.seen: dict[str, str] = {}  # folder name -> the store's latest plan when last looked ("store:<path>")
         self.errors, self.last_error = 0, None
         self.warned: set[str] = set()  # stored plans measured under another serving configuration, logged once
+        # refresh (the ingress's loop) and adopt (the live re-plan's) run in threads of their own: one at a time,
+        # or a refresh that listed the store before a live plan was published swaps the older plan back in
+        self.updating = threading.Lock()
 
     def get(self, temperature: float, batch_size: int = 1) -> ActivePlan:
         """The plan for a batch of ``batch_size`` requests at ``temperature``: its bucket's (the largest
@@ -90,6 +93,10 @@ class PlanProvider:
         """Every bucket held: its own plan if the store has a new one (newer than the one last seen there, so
         a live plan that could not be published is not undone by the older one); a bucket > 1 still without
         one follows the batch-1 plan (refreshed first)."""
+        with self.updating:
+            self._refresh()
+
+    def _refresh(self) -> None:
         for name, (temperature, bucket) in sorted(self.keys.items(), key=lambda kv: kv[1][1]):
             current = self.plans[name]
             fresh = self._fetch(temperature, bucket)
@@ -121,6 +128,10 @@ class PlanProvider:
     def adopt(self, temperature: float, planned: dict[int, PlannedTree]) -> None:
         """Serve ``planned`` (a re-plan per batch bucket) from the next step on, publishing each to the store
         as a live plan; buckets that were following the batch-1 plan follow the new one."""
+        with self.updating:
+            self._adopt(temperature, planned)
+
+    def _adopt(self, temperature: float, planned: dict[int, PlannedTree]) -> None:
         for bucket, tree in sorted(planned.items()):
             name = plan_bucket(temperature, bucket)
             path = self._publish(tree, temperature, bucket)

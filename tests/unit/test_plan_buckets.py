@@ -141,3 +141,35 @@ def test_a_plan_measured_under_another_configuration_is_served_and_reported(stor
     assert warnings == ([f"the plan {path} for T=0.0 batch bucket 1 was measured with {why}: its tree was chosen for "
                          "other costs; profile again with this configuration (scripts/main.sh does, or "
                          "`sequoia-ray profile --dtype bfloat16`)"] if why else [])
+
+
+def test_a_refresh_beside_a_live_replan_does_not_swap_the_older_plan_back(store):
+    """The ingress's refresh loop and the live re-plan run in threads of their own. A refresh that has read the
+    store's latest plan (the profiled one) while a live plan is adopted and published must not then swap the
+    profiled plan back in (it did, until the next refresh: up to plan_refresh_s of the wrong plan)."""
+    import threading
+    import time
+
+    from sequoia_ray.tree.builtin import builtin_plan
+
+    publish(store, 8, 1)
+    plans = provider(store.uri)
+    assert plans.get(0.0).planned.plan.n == 8
+    fetch, replan = plans.store.fetch_plan, None
+
+    def fetch_while_replanning(key):
+        nonlocal replan
+        got = fetch(key)  # the profiled plan, the latest when read
+        if replan is None:
+            replan = threading.Thread(target=plans.adopt, args=(0.0, {1: builtin_plan(0.0, budget=4)}))
+            replan.start()
+            time.sleep(0.5)  # the re-plan's adopt and publish happen now, unless it waits for this refresh
+        return got
+
+    plans.store.fetch_plan = fetch_while_replanning
+    plans.refresh()
+    replan.join(timeout=10)
+    assert plans.get(0.0).planned.plan.n == 4 and plans.get(0.0).source.startswith("live:")
+    plans.store.fetch_plan = fetch
+    plans.refresh()  # the live plan is the store's latest now: kept
+    assert plans.get(0.0).planned.plan.n == 4
