@@ -42,7 +42,6 @@ import numpy as np
 import psutil
 import ray
 import requests
-import yaml
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,7 +49,7 @@ from common import print_table, write_json  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.config import ServeConfig  # noqa: E402
-from deployments.launch import app_args  # noqa: E402
+from deployments.launch import app_args, override  # noqa: E402
 from actors.quiet_ray import quiet_ray_environ  # noqa: E402
 from actors.target import free_port  # noqa: E402
 from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
@@ -404,14 +403,10 @@ def build_config(args, clients: int) -> dict:
         flags.update(dtype=args.dtype, draft_quantize=args.draft_quantize, tp_size=args.tp_size,
                      num_cpus=args.num_cpus)
     cfg.update({k: v for k, v in flags.items() if v is not None})
-    for item in args.set:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise SystemExit(f"load.py: --set {item!r}: give KEY=VALUE (e.g. --set prefill_chunk=64)")
-        try:
-            cfg[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise SystemExit(f"load.py: --set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})")
+    try:
+        cfg.update(override(item) for item in args.set)
+    except ValueError as exc:
+        raise SystemExit(f"load.py: {exc}") from None
     try:
         ServeConfig.model_validate(cfg)  # a bad --set fails here, naming the field, before Ray starts
     except ValueError as exc:

@@ -50,18 +50,22 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     except (TypeError, KeyError, IndexError, AttributeError):
         raise ValueError(f"config {str(config)!r} has no 'applications:' list with an application's 'args:' "
                          "(see deployments/config.yaml)") from None
-    for item in overrides:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"--set {item!r}: give KEY=VALUE (e.g. --set max_concurrent=4; KEY=null unsets it)")
-        try:
-            args[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
+    args.update(override(item) for item in overrides)
     store = args.get("plan_store")
     if store and "://" not in store:  # actors do not share the launcher's working directory
         args["plan_store"] = str(Path(store).expanduser().resolve())
     return args
+
+
+def override(item: str) -> tuple[str, object]:
+    """A ``--set KEY=VALUE`` as (KEY, VALUE read as YAML); a ValueError naming the item when it is not one."""
+    key, eq, value = item.partition("=")
+    if not eq or not key.strip():
+        raise ValueError(f"--set {item!r}: give KEY=VALUE (e.g. --set max_concurrent=4; KEY=null unsets it)")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
 
 
 def serving_hardware_id(cfg: ServeConfig) -> str:
