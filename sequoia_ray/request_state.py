@@ -85,3 +85,21 @@ def check_full_attention(model) -> None:
     if sliding:
         raise ValueError(f"{type(model).__name__} has sliding-window attention in layers {sliding}; tree decoding "
                          "here supports full-attention layers only (for Qwen2, set use_sliding_window false)")
+    rope = rope_type(model.config)
+    if rope in POSITION_DEPENDENT_ROPE:
+        raise ValueError(f"{type(model).__name__} uses rope_type {rope!r}, whose rotary frequencies depend on the "
+                         "largest position in each forward: a tree's deeper nodes, a batchmate or a cached prefix "
+                         "would change a token's K/V and the output would not be the target's. Use a model with a "
+                         "fixed rotary scaling (default, linear, yarn, llama3)")
+
+
+POSITION_DEPENDENT_ROPE = ("longrope", "dynamic")  # transformers' dynamic_rope_update: frequencies from max(position)
+
+
+def rope_type(config) -> str:
+    """The config's rotary scaling type ('default' when none): ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` (before)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = next(iter(params.values()))  # per layer type (full / sliding attention): one is enough here
+    return str(params.get("rope_type", params.get("type", "default"))) if isinstance(params, dict) else "default"
