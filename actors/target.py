@@ -28,6 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_environment(device, world: int) -> dict[str, str]:
+    """What transformers' TP loading must read in a rank on ``device``: ``LOCAL_RANK``, the index of the rank's
+    device in this process (Ray narrows ``CUDA_VISIBLE_DEVICES`` to the GPU it assigned, so 0), and, for a CPU
+    rank of a group, no visible GPU: transformers puts the shards on whatever accelerator torch detects, and
+    Ray 2.60 leaves every GPU of the node visible to an actor with ``num_gpus: 0`` (ray-project/ray#54868), so
+    the gloo ranks of a CPU target on a GPU node would all load onto cuda:0. One rank loads without TP, onto
+    ``device`` itself, and keeps the process's GPUs."""
+    env = {"LOCAL_RANK": str(device.index or 0)}
+    if world > 1 and device.type == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 class TargetRank(ModelActor):
     """One rank of the target group (a Ray actor). Its device: with nccl the GPU Ray assigned it (Ray sets
     ``CUDA_VISIBLE_DEVICES`` per actor, so ``LOCAL_RANK`` 0 = ``cuda:0`` here), with gloo the CPU."""
@@ -37,9 +50,13 @@ class TargetRank(ModelActor):
 
         from sequoia_ray.models.loading import resolve
 
-        os.environ["LOCAL_RANK"] = "0" if backend == "gloo" else str(rank % max(torch.cuda.device_count(), 1))
         device = assigned_device(spec.device)
         check_backend(backend, device.type, world)
+        os.environ.update(rank_environment(device, world))
+        if world > 1 and torch._C._get_accelerator().type != device.type:  # what transformers' TP loading reads
+            raise RuntimeError(f"rank {rank} runs on {device} but torch already sees a "
+                               f"{torch._C._get_accelerator().type} device (CUDA was initialised before the rank "
+                               "hid the GPUs); start the ranks in fresh processes")
         super().__init__(spec, device, fatal_errors=world > 1)  # a failed collective leaves the group unusable
         self.compute.run(resolve, spec.source, progress=False)  # fetch / write checkpoints before the group exists
         self.rank, self.world = rank, world

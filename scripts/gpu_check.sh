@@ -9,7 +9,8 @@
 #    (setup.sh is idempotent: it reinstalls only when the torch spec or pyproject.toml changed.)
 # 2. pytest -m gpu tests/gpu: the tiny pair on CUDA (greedy == target alone in fp32, same seed -> same tokens,
 #    model / KV cache / generators where they belong, a bf16 draft) and
-#    tests/gpu/test_tp_nccl.py (TP 2 over NCCL == TP 1; needs 2 GPUs).
+#    tests/gpu/test_tp_nccl.py (TP 2 over NCCL == TP 1; needs 2 GPUs), tests/gpu/test_tp_gloo_on_gpu_node.py
+#    (a CPU target's gloo ranks stay on the CPU of a GPU node).
 # 3. Greedy identity on the real pair (fp32, on the GPU): speculative output == the target alone.
 # 4. A speedup table on the real pair (bfloat16): benchmarks/e2e.py --device cuda. --quick shortens it.
 # Without a GPU it says so and stops (exit code 2) after step 1.
