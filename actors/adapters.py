@@ -31,52 +31,61 @@ def prefill_timeout(timeout_s: float, tokens: int, chunk: int | None) -> float:
     return timeout_s * max(1, math.ceil(tokens / (chunk or PREFILL_TOKENS_PER_TIMEOUT)))
 
 
+class PrefillDeadlines:
+    """Each started request's deadline for its first step — the call that prefills its prompt (at ``start``
+    unbatched, else at the first grow or verify) — then ``timeout_s`` for every later call."""
+
+    def __init__(self, timeout_s: float, chunk: int | None) -> None:
+        self.timeout_s, self.chunk = timeout_s, chunk
+        self.pending: dict[str, float] = {}  # request -> the deadline of its first step
+
+    def start(self, request_id: str, prompt: list[int]) -> float:
+        self.pending[request_id] = deadline = prefill_timeout(self.timeout_s, len(prompt), self.chunk)
+        return deadline
+
+    def step(self, request_id: str) -> float:
+        return self.pending.pop(request_id, self.timeout_s)
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+
 class TargetUnavailable(RuntimeError):
     """The target group failed or timed out on a call (a rank died or hung): the request cannot go on;
     the client may retry once the group has been replaced (HTTP 503)."""
 
 
 class ActorDraft:
-    """The Draft protocol over one DraftActor handle; a call slower than ``timeout_s`` fails (and the
-    engine goes on without the draft)."""
+    """The Draft protocol over one DraftActor handle; a call slower than its deadline fails (and the engine
+    goes on without the draft, after an ``abandon`` that frees the request once the actor gets to it)."""
 
     def __init__(self, actor, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None) -> None:
-        self.actor, self.timeout_s, self.prefill_chunk = actor, timeout_s, prefill_chunk
-        self.prefill: dict[str, float] = {}  # request -> the deadline of its first grow (its prompt's prefill)
+        self.actor, self.timeout_s = actor, timeout_s
+        self.deadlines = PrefillDeadlines(timeout_s, prefill_chunk)  # the draft prefills at the first grow
 
     def _call(self, method: str, request_id: str, *args, timeout_s: float | None = None):
-        try:
-            return ray.get(self.actor.call.remote(method, request_id, *args), timeout=timeout_s or self.timeout_s)
-        except GetTimeoutError:
-            self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
-            raise
+        return ray.get(self.actor.call.remote(method, request_id, *args), timeout=timeout_s or self.timeout_s)
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        deadline = prefill_timeout(self.timeout_s, len(prompt), self.prefill_chunk)
-        self.prefill[request_id] = deadline  # the draft prefills at the first grow (or here, unbatched)
-        self._call("start", request_id, prompt, params, seed, timeout_s=deadline)
+        self._call("start", request_id, prompt, params, seed, timeout_s=self.deadlines.start(request_id, prompt))
 
     def grow(self, request_id: str, plan: TreePlan, commits=(), rule: DynamicTrees | None = None) -> ray.ObjectRef:
         """The tree as a reference: the target's rank 0 fetches it from the draft actor directly."""
         done, tree = self.actor.grow.remote(request_id, plan, commits, rule)
-        try:  # raises the draft's failure; the tree itself stays remote
-            ray.get(done, timeout=self.prefill.pop(request_id, self.timeout_s))
-        except GetTimeoutError:
-            self.actor.call.remote("finish", request_id)  # queued behind the stuck call; not awaited
-            raise
+        ray.get(done, timeout=self.deadlines.step(request_id))  # raises the draft's failure; the tree stays remote
         return tree
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int], at: int | None = None) -> None:
         self._call("commit", request_id, path, new_tokens, at)
 
     def finish(self, request_id: str) -> None:
-        self.prefill.pop(request_id, None)
+        self.deadlines.forget(request_id)
         self._call("finish", request_id)
 
     def abandon(self, request_id: str) -> None:
         """A finish not awaited: after a failed call the engine frees the request here without waiting on an
-        actor that may be stuck (the finish runs when it gets to it)."""
-        self.prefill.pop(request_id, None)
+        actor that may be stuck (the finish queues behind the stuck call and runs when the actor gets to it)."""
+        self.deadlines.forget(request_id)
         self.actor.call.remote("finish", request_id)
 
 
@@ -87,8 +96,8 @@ class RanksTarget:
     ``TargetUnavailable``; the request is then over (its state goes with the group, which is replaced)."""
 
     def __init__(self, ranks: list, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None) -> None:
-        self.ranks, self.timeout_s, self.prefill_chunk = ranks, timeout_s, prefill_chunk
-        self.prefill: dict[str, float] = {}  # request -> the deadline of its first verify (its prompt's prefill)
+        self.ranks, self.timeout_s = ranks, timeout_s
+        self.deadlines = PrefillDeadlines(timeout_s, prefill_chunk)  # the target prefills at the first verify
         self.failed = False
 
     def _call(self, method: str, *args, timeout_s: float | None = None):
@@ -101,16 +110,14 @@ class RanksTarget:
                                     f"{first_line}") from exc
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
-        deadline = prefill_timeout(self.timeout_s, len(prompt), self.prefill_chunk)
-        self.prefill[request_id] = deadline  # the target prefills at the first verify (or here, unbatched)
-        self._call("start", request_id, prompt, params, seed, timeout_s=deadline)
+        self._call("start", request_id, prompt, params, seed, timeout_s=self.deadlines.start(request_id, prompt))
 
     def verify(self, request_id: str, plan: TreePlan, draft: DraftTree | ray.ObjectRef) -> Verdict:
-        deadline = self.prefill.pop(request_id, self.timeout_s)
+        deadline = self.deadlines.step(request_id)
         return self._call("verify", request_id, plan, draft, timeout_s=deadline)  # Ray resolves a reference at rank 0
 
     def finish(self, request_id: str) -> None:
-        self.prefill.pop(request_id, None)
+        self.deadlines.forget(request_id)
         if self.failed:  # do not wait on a failed group: tell it without awaiting the answer
             self.ranks[0].call.remote("finish", request_id)
             return

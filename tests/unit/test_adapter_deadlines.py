@@ -53,7 +53,7 @@ def test_the_targets_first_verify_has_the_prompts_deadline_and_the_next_one_step
     assert waited == [60.0 * 24, 60.0 * 24, 60.0, 60.0]
     target.start("s", [1, 2, 3], params, 0)
     target.finish("s")  # a request that ends before its first verify leaves nothing behind
-    assert target.prefill == {}
+    assert target.deadlines.pending == {}
 
 
 def test_the_drafts_first_grow_has_the_prompts_deadline(waited):
@@ -66,4 +66,22 @@ def test_the_drafts_first_grow_has_the_prompts_deadline(waited):
     assert waited == [100.0, 100.0, 10.0, 10.0]
     draft.start("s", list(range(1000)), SamplingParams(max_tokens=8), 0)
     draft.abandon("s")  # after a failure: not awaited, and the deadline is dropped
-    assert draft.prefill == {} and handle.sent[-1] == ("call", "finish")
+    assert draft.deadlines.pending == {} and handle.sent[-1] == ("call", "finish")
+
+
+def test_a_grow_that_times_out_frees_the_request_with_one_finish(monkeypatch):
+    """The engine goes on without the draft and sends it one finish, not awaited (the adapter used to send its
+    own on a timeout, and the engine a second)."""
+    from ray.exceptions import GetTimeoutError
+
+    from sequoia_ray.engine import _DraftLink
+
+    def get(ref, timeout=None):
+        if ref == ("ref", "grow"):
+            raise GetTimeoutError("no answer")
+
+    monkeypatch.setattr(adapters.ray, "get", get)
+    handle = Handle()
+    link = _DraftLink(ActorDraft(handle, timeout_s=10.0), "r", ([1, 2, 3], SamplingParams(max_tokens=8), 0))
+    assert link.call("grow", chain(2)) is None and not link.alive
+    assert handle.sent == [("call", "start"), ("grow", "grow"), ("call", "finish")]
