@@ -67,7 +67,7 @@ from sequoia_ray.sampling import (
     expected_draw_probability,
     probabilities_of,
     target_probs,
-    truncate,
+    truncate_rows,
 )
 from sequoia_ray.tree.plan import TreePlan
 
@@ -367,10 +367,11 @@ class DraftWorker(RequestTable):
         """Token ids of positions ``drawn`` in the logits ``_forward`` gave."""
         return drawn if self.kept is None else self.kept[drawn]
 
-    def _dist(self, logits: torch.Tensor, params: SamplingParams) -> SparseDist:  # logits: [K]
-        """D at a node: the sampling distribution of ``logits``, truncated to its top ``support`` tokens."""
-        dist = truncate(target_probs(logits, params.temperature, params.top_p), self.support)
-        return SparseDist(self._ids(dist.tokens), dist.probs)
+    def _dists(self, logits: torch.Tensor, params: SamplingParams) -> list[SparseDist]:  # logits: [L, K]
+        """D at each of L nodes: the sampling distribution of its logits, truncated to its top ``support``
+        tokens (one host read for all L)."""
+        dists = truncate_rows(target_probs(logits, params.temperature, params.top_p), self.support)
+        return [SparseDist(self._ids(d.tokens), d.probs) for d in dists]
 
     def _next_level(self, g: _Growth, logits: torch.Tensor) -> Segment | None:
         """Draw the children of ``g.inner``; the segment forwarding the next inner level (None: the tree is done)."""
@@ -400,14 +401,16 @@ class DraftWorker(RequestTable):
         return DraftTree(g.tokens[:n], g.dists, TreePlan(tuple(g.parents)), beside).to("cpu")
 
     def _draw_children(self, req: _Request, plan: TreePlan, nodes, logits, tokens, dists) -> None:
-        for row, node in enumerate(nodes):
+        rows = [row for row, node in enumerate(nodes) if plan.children[node]]
+        if not req.params.greedy and rows:
+            index = torch.tensor(rows, device=logits.device)
+            dists.update(zip([nodes[r] for r in rows], self._dists(logits[index], req.params)))
+        for row in rows:
+            node = nodes[row]
             kids = plan.children[node]
-            if not kids:
-                continue
             if req.params.greedy:
                 drawn = self._ids(torch.topk(logits[row], len(kids)).indices)
             else:
-                dists[node] = self._dist(logits[row], req.params)
                 drawn = draw_without_replacement(dists[node], len(kids), self.vocab, req.generator)
             tokens[torch.tensor(kids, device=tokens.device)] = drawn
 
@@ -415,6 +418,8 @@ class DraftWorker(RequestTable):
     def _grow_level(self, g: _Growth, logits: torch.Tensor) -> list[int]:  # logits: [len(g.inner), K]
         """Draw each inner node's planned children, keep the prefix worth its cost; the next level's inner nodes."""
         wanted = [self._wanted(g, node) for node in g.inner]
+        if not g.req.params.greedy:  # every node's D at once (one host read)
+            g.dists.update(zip(g.inner, self._dists(logits[: len(g.inner)], g.req.params)))
         drawn = [self._draw_dynamic(g, node, logits[row], k) for (row, node), (k, _) in zip(enumerate(g.inner), wanted)]
         host = torch.cat([torch.stack(d[1:]) for d in drawn], dim=1).tolist() if drawn else [[], []]  # one sync
         new, at = [], 0
@@ -442,7 +447,7 @@ class DraftWorker(RequestTable):
             top = torch.topk(logits, k).indices
             value = torch.softmax(logits.float(), dim=-1)[top].double()  # the draft's confidence at T = 1
             return self._ids(top), value, value
-        g.dists[node] = dist = self._dist(logits, req.params)
+        dist = g.dists[node]  # drawn for the whole level by ``_grow_level``
         tokens = draw_without_replacement(dist, k, self.vocab, req.generator)
         return tokens, probabilities_of(dist, tokens), expected_draw_probability(dist, tokens)
 
@@ -495,10 +500,7 @@ class DraftWorker(RequestTable):
     def _keep_path(req: _Request, path: list[int]) -> None:
         req.grown = False
         kept = [req.forwarded[node] for node in path if node in req.forwarded]  # a prefix of the path
-        device = req.session.device
-        slots = torch.cat([torch.arange(req.base, device=device),
-                           req.base + torch.tensor(kept, dtype=torch.long, device=device)])
-        req.session.keep(slots)
+        req.session.keep([*range(req.base), *(req.base + slot for slot in kept)])
         req.cached = req.base + len(kept)
 
 

@@ -60,10 +60,16 @@ class SparseDist:
 
 def truncate(probs: torch.Tensor, k: int) -> SparseDist:
     """The top-k of ``probs`` [V], renormalised: the exact D a draft samples from and the verifier uses."""
-    values, tokens = torch.topk(probs, min(k, probs.shape[-1]))
-    keep = values > 0
-    values, tokens = values[keep], tokens[keep]
-    return SparseDist(tokens=tokens, probs=values / values.sum())
+    (dist,) = truncate_rows(probs[None], k)
+    return dist
+
+
+def truncate_rows(probs: torch.Tensor, k: int) -> list[SparseDist]:
+    """``truncate`` of every row of ``probs`` [L, V], with one host read for all of them (the size of each
+    row's support; on an accelerator each read is a sync): a level of a tree at once."""
+    values, tokens = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)  # [L, k], each row descending
+    support = (values > 0).sum(dim=-1).tolist()  # the positive values are a prefix of each row
+    return [SparseDist(tokens=t[:m], probs=v[:m] / v[:m].sum()) for t, v, m in zip(tokens, values, support)]
 
 
 def draw_without_replacement(dist: SparseDist, k: int, vocab: int, generator: torch.Generator) -> torch.Tensor:

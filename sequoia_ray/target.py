@@ -159,7 +159,6 @@ class TargetWorker(RequestTable):
         return _Prepared(req, plan, draft, segment, len(pending), base, cached)
 
     def _walk(self, p: _Prepared, logits: torch.Tensor) -> Verdict | Exception:  # logits: [n, V]
-        device = self.device
         try:
             verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
             # other requests' prompt tokens forwarded since this request's last verdict: in this forward, or
@@ -168,8 +167,7 @@ class TargetWorker(RequestTable):
             beside = self.prefilled - p.req.prefill_mark - p.pending + p.draft.prefill_beside
             verdict = replace(verdict, prefill_beside=beside)
             p.req.prefill_mark = self.prefilled
-            path = torch.tensor(verdict.path, dtype=torch.long, device=device)
-            p.req.session.keep(torch.cat([torch.arange(p.base, device=device), p.base + path]))
+            p.req.session.keep([*range(p.base), *(p.base + node for node in verdict.path)])
         except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
             p.req.session.truncate(p.base)  # drop the tree's K/V: the cache holds committed tokens only
             return exc

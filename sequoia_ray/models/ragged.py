@@ -194,9 +194,9 @@ def run(model, segments: list[Segment], stores: list[KVStore], device) -> list[t
     groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     rows, start = [], 0
     for s, store in zip(segments, stores):
-        seen = s.visible()  # [q, past + q] bool
         mask = None
-        if not bool(seen.all()):  # a tree, or causal new tokens: the request's own additive mask, once per forward
+        if not s.sees_all:  # a tree, or causal new tokens: the request's own additive mask, once per forward
+            seen = s.visible()  # [q, past + q] bool
             mask = torch.zeros(1, 1, *seen.shape, dtype=dtype, device=device).masked_fill_(~seen, blocked)
             # [1, 1, groups * q, past + q]: the rows of every query head sharing a K/V head, as attention packs them
             mask = mask.repeat(1, 1, groups, 1)

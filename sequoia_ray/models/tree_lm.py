@@ -85,7 +85,8 @@ class KVSession:
         assert allowed.shape == (q, past + q - start), f"allowed {tuple(allowed.shape)} != {(q, past + q - start)}"
         for name, t in (("tokens", tokens), ("positions", positions), ("allowed", allowed)):
             assert t.device == device, f"{name} on {t.device}, model on {device}: build it with device=session.device"
-        assert bool(allowed[:, past - start :].diagonal().all()), "every token must attend to itself"
+        if device.type == "cpu":  # free here; on an accelerator the read would sync every forward
+            assert bool(allowed[:, past - start :].diagonal().all()), "every token must attend to itself"
         dtype = self.model.dtype
         mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=device)
         mask[0, 0, :, start:].masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -110,23 +111,29 @@ class KVSession:
             logits = torch.where(logits == float("-inf"), logits, torch.tanh(logits / cap) * cap)
         return logits.float()
 
-    def keep(self, slots: torch.Tensor) -> None:  # slots: [m] int64, increasing, into the current cache
-        """Compact the cache to ``slots`` (in order), dropping every other slot."""
-        assert slots.ndim == 1 and (slots.numel() < 2 or bool((slots[1:] > slots[:-1]).all()))
-        if slots.numel() == self.length and bool((slots == torch.arange(self.length, device=slots.device)).all()):
-            return
-        from sequoia_ray.models.kv_store import store_of
+    def keep(self, slots) -> None:  # slots: [m] ints, increasing, into the current cache (host sequence or tensor)
+        """Compact the cache to ``slots`` (in order), dropping every other slot. The slots are checked and
+        compared on the host (the callers build them there): on an accelerator, each read of a device tensor
+        would be a sync."""
+        from sequoia_ray.models.kv_store import first_moved, store_of
 
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else slots
+        first = first_moved(slots)
+        tail = slots[first:]  # the slots that move: after the first one, each past the one before
+        assert all(a < b for a, b in zip(tail, tail[1:])) and (not tail or tail[-1] < self.length), "bad slots"
+        if first == len(slots) == self.length:
+            return  # every slot, in place
         store = store_of(self.cache)
         if store is not None:
             store.keep(slots)
             return
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", False):
                 continue
             assert not layer.is_sliding, "KV compaction supports full-attention layers only"
-            layer.keys = layer.keys.index_select(-2, slots)
-            layer.values = layer.values.index_select(-2, slots)
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
 
     def truncate(self, length: int) -> None:
         """Drop every slot at or after ``length``."""
@@ -138,6 +145,6 @@ class KVSession:
         if store is not None:
             store.truncate(length)
         else:
-            self.keep(torch.arange(min(length, self.length), device=self.device))
+            self.keep(range(min(length, self.length)))
 
 

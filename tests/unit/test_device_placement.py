@@ -12,10 +12,12 @@ forward, transformers') and
 - records a violation when (a) a tensor factory (``tensor``, ``arange``, ``zeros``, ``ones``, ``full``,
   ``empty``, ``rand``, ``randn``, ``randint``, ``randperm``, ``linspace``, ``eye``) is called from
   ``sequoia_ray`` code without naming a device (it would silently land on the host); (b) any op mixes a
-  tagged ("device") tensor with an untagged (host) tensor of one element or more — a 0-dim host scalar is
-  legal on CUDA and is allowed; (c) a sampling op gets a generator created for another device than the op's;
+  tagged ("device") tensor with an untagged (host) tensor — a 0-dim host scalar is legal on CUDA and is
+  allowed, a 0-dim device tensor next to a host one is not; (c) a sampling op gets a generator created for another device than the op's;
 - counts the host reads of device tensors (``int(t)``, ``bool(t)``, ``.item()``, ``.tolist()``, ``.cpu()``,
-  ``.to("cpu")`` ...): each is a host sync on an accelerator, so the verify walk may do only one.
+  ``.to("cpu")`` ..., and the ops whose output size is read from the data: ``nonzero``, ``masked_select``,
+  ``unique``, ``t[mask]``): each is a host sync on an accelerator, so the verify walk may do only one and a
+  batched step none in its forwards and KV compaction.
 Generators are not tensors: ``torch.Generator`` is replaced during a test by a subclass that remembers the
 device it was asked for (and is a CPU generator underneath).
 
@@ -48,6 +50,7 @@ FACTORIES = {"tensor", "as_tensor", "arange", "zeros", "ones", "full", "empty", 
              "randperm", "linspace", "eye"}
 TO_HOST = {"cpu", "numpy"}
 HOST_READS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"}
+SIZE_READS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}  # output size from the data
 _DEVICE_GETTER = torch._C.TensorBase.device.__get__
 _REAL_GENERATOR = torch.Generator
 
@@ -85,6 +88,14 @@ class ClaimedGenerator(_REAL_GENERATOR):
 
     def __init__(self, device=None) -> None:
         pass
+
+
+def _masks(name: str, args) -> bool:
+    """``t[mask]`` / ``t[mask] = v`` with a boolean mask: the result's size is the mask's count, read on the host."""
+    if name not in ("__getitem__", "__setitem__") or len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
 
 
 def _caller() -> str | None:
@@ -131,7 +142,7 @@ class ClaimedAccelerator(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         inputs_tagged = any(isinstance(x, torch.Tensor) and _tagged(x) for x in leaves)
         to_host = names_host or name in TO_HOST
-        if inputs_tagged and (to_host or name in HOST_READS):
+        if inputs_tagged and (to_host or name in HOST_READS or name in SIZE_READS or _masks(name, args)):
             self.host_reads.append(f"{_core_frame()}: {name}")
         if redirected or (inputs_tagged and not to_host):
             _tag(out)
@@ -144,7 +155,7 @@ class ClaimedAccelerator(TorchFunctionMode):
         caller = _caller()
         if name in FACTORIES and kwargs.get("device") is None and caller and caller.startswith("sequoia_ray"):
             self.violations.append(f"{caller}: torch.{name} without device= (lands on the host)")
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and (x.dim() > 0 or _tagged(x))]  # host scalars pass
         if name not in ("to", "copy_") and any(map(_tagged, tensors)) and not all(map(_tagged, tensors)):
             self.violations.append(f"{_core_frame()}: {name} mixes device and host tensors (called at {caller})")
         gen = kwargs.get("generator")
@@ -185,6 +196,22 @@ def test_harness_flags_a_host_tensor_next_to_a_device_weight(pair, mode):
     assert target.device == CLAIMED
     torch.nn.functional.embedding(torch.tensor([1, 2], device="cpu"), target.get_input_embeddings().weight)
     assert any("mixes device and host" in v for v in mode.violations)
+
+
+def test_harness_allows_a_host_scalar_but_not_a_device_scalar_beside_a_host_tensor(mode):
+    x = torch.ones(3, device=CLAIMED)
+    x * torch.tensor(2.0)  # a 0-dim host tensor: legal on CUDA
+    assert not mode.violations
+    torch.ones(3) * x.sum()  # a 0-dim device tensor with a host vector: CUDA refuses it
+    assert any("mixes device and host" in v for v in mode.violations)
+
+
+def test_harness_counts_reads_of_a_size_from_the_device(mode):
+    x = torch.arange(6, device=CLAIMED)
+    x[x > 2]
+    x.nonzero()
+    x[1:3]  # a slice reads nothing
+    assert [r.split(": ")[-1] for r in mode.host_reads] == ["__getitem__", "nonzero"]
 
 
 def test_harness_flags_a_core_factory_without_a_device(mode):
@@ -302,3 +329,74 @@ def test_hardware_timing_synchronises_the_device(pair, mode, monkeypatch):
     assert set(times) == {1, 2}
     assert len(synced) >= 4 and set(synced) == {CLAIMED}, "every clock read waits for the device"
     _clean(mode)
+
+
+# ---- the batched step (what serving runs): several requests in one forward per level ------------------
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [3, 1, 4, 1, 5, 9, 2, 6, 7, 7], [8, 2]]
+
+
+def _serve(tw: TargetWorker, dw: DraftWorker, prompts: list[list[int]], plan, params: list[SamplingParams]):
+    """Decode ``prompts`` as serving's batchers do: every round one ``grow_batch`` over the requests that need a
+    tree and one ``verify_batch`` over those that hold one; a request still prefilling (``NOT_YET``) comes back
+    the next round beside the others' decoding."""
+    from sequoia_ray.batching import NOT_YET
+
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+        tw.start(rid, prompt, p, seed=2 * i)
+        dw.start(rid, prompt, p, seed=2 * i + 1)
+    out = {rid: [] for rid in ids}
+    commits, length, trees = {rid: [] for rid in ids}, {rid: len(pr) for rid, pr in zip(ids, prompts)}, {}
+    while live := [r for r, p in zip(ids, params) if len(out[r]) < p.max_tokens]:
+        growing = [r for r in live if r not in trees]
+        for r, tree in zip(growing, dw.grow_batch([(r, plan, commits[r]) for r in growing])):
+            assert not isinstance(tree, Exception), tree
+            commits[r] = []  # applied (also by a prefill chunk's call)
+            if tree != NOT_YET:
+                trees[r] = tree
+        holding = [r for r in live if r in trees]
+        for r, verdict in zip(holding, tw.verify_batch([(r, plan, trees[r]) for r in holding])):
+            assert not isinstance(verdict, Exception), verdict
+            if verdict != NOT_YET:
+                del trees[r]
+                commits[r] = [(verdict.path, verdict.tokens, length[r])]
+                length[r] += len(verdict.tokens)
+                out[r] += verdict.tokens
+    for rid in ids:
+        tw.finish(rid)
+        dw.finish(rid)
+    return [out[r][:p.max_tokens] for r, p in zip(ids, params)]
+
+
+def _batched(pair, layout: str, dynamic: bool):
+    """Three requests, one greedy and two sampled: ragged prompts (the longest prefilled in chunks of 4 beside
+    the others' decoding, two sharing a cached prefix block of 8), a tree per request, adaptive or not."""
+    from sequoia_ray.draft import DynamicTrees
+    from sequoia_ray.prefix_cache import PrefixCache
+
+    target, draft = pair
+    rule = DynamicTrees(threshold=0.05, extend=2) if dynamic else None
+    tw = TargetWorker(target, layout=layout, prefill_chunk=4, prefix_cache=PrefixCache(block=8, max_tokens=64))
+    dw = DraftWorker(draft, layout=layout, prefill_chunk=4, dynamic=rule,
+                     prefix_cache=PrefixCache(block=8, max_tokens=64))
+    params = [SamplingParams(max_tokens=10, temperature=t) for t in (0.0, 0.8, 0.8)]
+    _serve(tw, dw, PROMPTS[:1], specinfer(2, 2), params[:1])  # fills the prefix caches
+    outputs = _serve(tw, dw, PROMPTS, specinfer(3, 3), params)
+    assert tw.prefix_cache.reused == dw.prefix_cache.reused == 24  # the first prompt 2 blocks of 8, the second 1
+    return outputs
+
+
+@pytest.mark.parametrize("layout", ["flat", "padded", "ragged"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_batched_steps_stay_on_the_model_device(pair, monkeypatch, layout, dynamic):
+    host = _batched(pair, layout, dynamic)
+    monkeypatch.setattr(torch, "Generator", ClaimedGenerator)
+    with ClaimedAccelerator() as mode:
+        claimed = _batched(pair, layout, dynamic)
+    _clean(mode)
+    # Host reads (a sync each on an accelerator): none in the forwards, masks or KV compaction; the sampled
+    # requests' supports at most once per tree level (specinfer(3, 3): 3 levels with children, 13 such nodes).
+    assert not [r for r in mode.host_reads if r.startswith("sequoia_ray.models")], mode.host_reads
+    trees = sum(r.startswith("sequoia_ray.draft") and r.endswith("(to): to") for r in mode.host_reads)
+    assert 0 < sum("(truncate_rows)" in r for r in mode.host_reads) <= 3 * trees
+    assert claimed == host and all(len(out) == 10 for out in host)  # the redirect changes nothing but placement

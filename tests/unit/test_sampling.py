@@ -289,3 +289,20 @@ def test_sample_has_the_law_of_p():
         assert abs(got - x) < 5 * math.sqrt(x * (1 - x) / n), (i, got, x)
     a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     assert [sample(p, a) for _ in range(20)] == [sample(p, b) for _ in range(20)]
+
+
+def test_truncating_rows_at_once_equals_row_by_row():
+    """``truncate_rows`` (one host read for a tree level) gives each row the D of truncating it alone — its
+    top k with the zeros dropped, renormalised — and ``truncate`` the same: rows with fewer positive tokens than
+    k (zeros in the tail), a one-hot row, and a full row."""
+    from sequoia_ray.sampling import truncate, truncate_rows
+
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.stack([random_dist(gen, 20, zeros=z) for z in (0, 5, 17)] + [torch.eye(20, dtype=torch.float64)[3]])
+    for k in (1, 4, 8, 20):
+        for row, got in zip(rows, truncate_rows(rows, k), strict=True):
+            values, tokens = torch.topk(row, k)
+            keep = values > 0
+            assert torch.equal(got.tokens, tokens[keep]) and torch.equal(got.probs, values[keep] / values[keep].sum())
+            alone = truncate(row, k)
+            assert torch.equal(alone.tokens, got.tokens) and torch.equal(alone.probs, got.probs)
