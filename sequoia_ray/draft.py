@@ -60,7 +60,7 @@ from sequoia_ray.config import SamplingParams
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.models.draft_vocab import kept_logits
 from sequoia_ray.prefix_cache import PrefixCache
-from sequoia_ray.request_state import RequestState, RequestTable
+from sequoia_ray.request_state import RequestState, RequestTable, check_prefill_chunk
 from sequoia_ray.sampling import (
     SparseDist,
     draw_without_replacement,
@@ -235,7 +235,7 @@ class DraftWorker(RequestTable):
         super().__init__(model, prefix_cache)
         self.support, self.layout = support, layout
         self.dynamic = dynamic  # None: every tree is its plan (see the module docstring)
-        self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)  # None: the whole prompt at once
         self.vocab = model.config.vocab_size
         self.embedded = model.get_input_embeddings().num_embeddings  # token ids it can read
         self.kept: torch.Tensor | None = None  # [K] the ids the head's logits stand for (None: every id)
@@ -273,12 +273,19 @@ class DraftWorker(RequestTable):
         """``calls``: ``(request_id, plan[, commits[, rule]])``. Every call's tree (host tensors), the exception
         that ended it, or ``NOT_YET`` (a chunk of its prompt was prefilled; call again). A forward that fails as a
         whole is retried request by request (each regrows from its committed tokens; commits apply once)."""
+        # The sampled requests' generators as they were: a retry alone draws what the batch would have (the same
+        # seed gives the same tree at batch 1 and in a batch, even after a failed batch had drawn some levels).
+        drawing = [req for req in map(self.requests.get, dict.fromkeys(c[0] for c in calls))
+                   if req is not None and not req.params.greedy]
+        states = [(req.generator, req.generator.get_state()) for req in drawing] if len(calls) > 1 else []
         try:
             return self._grow_batch(calls)
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
             if len(calls) == 1:
                 return [exc]
             logger.exception("a batched grow of %d requests failed; retrying them one by one", len(calls))
+            for generator, state in states:
+                generator.set_state(state)
             return [self.grow_batch([call])[0] for call in calls]
 
     def _grow_batch(self, calls: list[tuple]) -> list[DraftTree | Exception | str]:
@@ -338,6 +345,8 @@ class DraftWorker(RequestTable):
 
     def _new_growth(self, req: _Request, plan: TreePlan, rule: DynamicTrees | None) -> _Growth:
         """Static (``rule`` None): the plan's tree. Dynamic: the root alone, room for ``plan.n + extend`` nodes."""
+        if rule is not None and plan.n == 1 and not rule.extend:  # a root alone that may not grow: nothing to adapt
+            rule = None
         cap = plan.n + (rule.extend if rule is not None else 0)
         tokens = torch.zeros(cap, dtype=torch.long, device=self.device)
         tokens[0] = req.committed[-1]

@@ -21,6 +21,13 @@ if TYPE_CHECKING:
     from sequoia_ray.prefix_cache import PrefixCache
 
 
+def check_prefill_chunk(chunk: int | None) -> int | None:
+    """A worker's ``prefill_chunk``: tokens of a prompt forwarded per step (None: the whole prompt at once)."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"prefill_chunk {chunk} must be >= 1 (or None: the whole prompt in one step)")
+    return chunk
+
+
 @dataclass
 class RequestState:
     session: KVSession

@@ -73,7 +73,8 @@ class RequestTrees:
 
     def level(self, accepted: float, trials: float) -> int:
         """The grid step of p̂[1] (an int: q = level * grid) for ``accepted`` of ``trials`` rank-1 trials."""
-        q = (self.prior_weight * self.p[0] + accepted) / (self.prior_weight + trials)
+        weight = self.prior_weight + trials
+        q = (self.prior_weight * self.p[0] + accepted) / weight if weight else self.p[0]  # nothing seen: the prior
         return min(self._top, max(0, int(round(q / self.grid))))
 
     def tree(self, level: int, batch: int) -> TreePlan:

@@ -32,7 +32,7 @@ from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.prefix_cache import PrefixCache
-from sequoia_ray.request_state import RequestState, RequestTable
+from sequoia_ray.request_state import RequestState, RequestTable, check_prefill_chunk
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict, verify_tree
 
@@ -64,7 +64,7 @@ class TargetWorker(RequestTable):
                  retry_alone: bool = True, prefix_cache: PrefixCache | None = None) -> None:
         super().__init__(model, prefix_cache)
         self.layout = layout
-        self.prefill_chunk = prefill_chunk  # longest prefill forwarded in one step (None: the whole prompt)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)  # None: the whole prompt at once
         # A failed batched forward is retried request by request, unless this is one rank of a tensor-parallel
         # group: its peers are still inside the batched forward's collectives, so it must fail the batch.
         self.retry_alone = retry_alone
@@ -115,6 +115,13 @@ class TargetWorker(RequestTable):
         try:
             with self.forward_clock.timing():
                 hidden = hidden_many(self.model, [p.segment for p in prepared.values()], self.layout)
+                trees = {i: h[p.pending :] for (i, p), h in zip(prepared.items(), hidden) if p.draft is not None}
+                # One LM-head call for every tree row of the batch: the head is memory-bound, so rows cost about
+                # what one row does, and a call per request would re-read the vocab x hidden weights each time.
+                # Inside the try: a head that fails (out of memory on a large batch's [sum n, V] logits) fails
+                # the forward, which is rolled back and retried request by request like the decoder's.
+                rows = list(trees.values())
+                logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows)) if trees else None
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
             for p in prepared.values():
                 p.req.session.truncate(p.cached)  # a solo forward may have written some layers' K/V
@@ -124,15 +131,9 @@ class TargetWorker(RequestTable):
                 return {i: exc for i in prepared}
             logger.exception("a batched verify of %d requests failed; retrying them one by one", len(prepared))
             return {i: out for i, p in prepared.items() for out in self._verify_prepared({i: p}).values()}
-        trees = {i: h[p.pending :] for (i, p), h in zip(prepared.items(), hidden) if p.draft is not None}
         out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
         self.prefilled += sum(p.pending for p in prepared.values())
-        if trees:
-            # One LM-head call for every tree row of the batch: the head is memory-bound, so rows cost about
-            # what one row does, and a call per request would re-read the vocab x hidden weights each time.
-            rows = list(trees.values())
-            with self.forward_clock.timing():
-                logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows))  # [sum n, V]
+        if trees:  # logits: [sum n, V]
             for (i, _), node_logits in zip(trees.items(), logits.split([r.shape[0] for r in rows])):
                 out[i] = self._walk(prepared[i], node_logits)
         return out

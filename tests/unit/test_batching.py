@@ -166,6 +166,51 @@ def test_a_forward_that_fails_as_a_whole_is_retried_request_by_request(models, m
     assert out == [ref_t.verify(str(r), PLAN, ref_d.grow(str(r), PLAN)) for r in range(3)]
 
 
+def test_a_batched_grow_that_fails_past_its_first_level_regrows_each_sampled_tree_as_alone(models, monkeypatch):
+    """The batch's second draft forward fails after the first level's children were drawn: each request regrows
+    alone from its generator as it was before the batch, so its tree is the one its seed gives alone."""
+    import sequoia_ray.draft as draft_module
+
+    target, draft = models
+    params = SamplingParams(max_tokens=50, temperature=1.0)
+    _, dw = _started(target, draft, 3, params)
+    _, ref = _started(target, draft, 3, params)
+    real, forwards = draft_module.hidden_many, []
+
+    def failing(model, segments, layout):
+        forwards.append(len(segments))
+        return 1 / 0 if len(forwards) == 2 else real(model, segments, layout)
+
+    monkeypatch.setattr(draft_module, "hidden_many", failing)
+    trees = dw.grow_batch([(str(r), PLAN) for r in range(3)])
+    assert forwards[:2] == [3, 3]  # the roots' forward, then the failed level
+    for r, tree in enumerate(trees):
+        alone = ref.grow(str(r), PLAN)
+        assert torch.equal(tree.tokens, alone.tokens)
+        assert all(torch.equal(tree.dists[k].tokens, alone.dists[k].tokens) for k in alone.dists)
+
+
+def test_a_head_that_fails_on_the_batch_is_retried_request_by_request(models, monkeypatch):
+    """The LM-head call on the batch's tree rows fails (e.g. out of memory on [sum n, V] logits): like a failed
+    decoder forward, every session is rolled back and each request verified alone, with the same verdicts."""
+    from sequoia_ray.models.tree_lm import KVSession
+
+    target, draft = models
+    tw, dw = _started(target, draft, 3)
+    ref_t, ref_d = _started(target, draft, 3)
+    trees = dw.grow_batch([(str(r), PLAN) for r in range(3)])
+    want = [ref_t.verify(str(r), PLAN, ref_d.grow(str(r), PLAN)) for r in range(3)]
+    real = KVSession.head
+    monkeypatch.setattr(KVSession, "head", lambda self, rows: real(self, rows) if rows.shape[0] == PLAN.n else 1 / 0)
+    assert tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)]) == want
+
+
+@pytest.mark.parametrize("kind", [TargetWorker, DraftWorker])
+def test_a_prefill_chunk_below_one_is_refused(models, kind):
+    with pytest.raises(ValueError, match="prefill_chunk 0 must be >= 1"):  # it would forward empty chunks for ever
+        kind(models[0], prefill_chunk=0)
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 4])
 def test_a_long_prompt_prefilled_in_chunks_gives_the_same_tokens(models, chunk):
     target, draft = models

@@ -118,6 +118,20 @@ def test_a_high_threshold_keeps_the_root_alone_and_the_target_still_verifies(mod
     assert dw.requests["r"].cached == 3  # prompt's tokens; the root [3] is re-forwarded with the next token
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("extend", [0, 2])
+def test_a_root_only_plan_grows_the_root_alone_unless_it_may_extend(models, temperature, extend):
+    """A request's last token plans the root alone (``first_levels(plan, 1)``): without extension levels that
+    is the tree; with them the root may grow a confident path."""
+    target, draft = models
+    dw = DraftWorker(draft, dynamic=DynamicTrees(threshold=0.01, extend=extend, extend_threshold=0.0))
+    dw.start("r", [1, 2, 3], SamplingParams(max_tokens=10, temperature=temperature), 1)
+    tree = dw.grow("r", TreePlan((-1,)))
+    grown = tree.plan or TreePlan((-1,))
+    assert tree.tokens.shape == (grown.n,) and int(tree.tokens[0]) == 3
+    assert grown.n == 1 + extend and grown.num_levels == 1 + extend  # every extension is worth its 0
+
+
 def test_thresholds_from_the_cost_model_and_bad_values():
     rule = DynamicTrees.from_cost_model(expected_tokens=3.0, step_cost=2.0, token_cost=0.02, level_cost=0.5, extend=2)
     assert rule.threshold == pytest.approx(0.03) and rule.extend_bound == pytest.approx(0.78) and rule.extend == 2

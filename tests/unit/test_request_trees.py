@@ -49,6 +49,9 @@ def test_the_estimate_starts_at_the_served_p1_and_follows_the_request():
     assert family.level(0, 40) == 1  # 2.8 / 44 = 0.064 -> 0.05
     with pytest.raises(ValueError, match="grid"):
         trees(grid=0.0)
+    unweighted = trees(grid=0.05, prior_weight=0, min_trials=0)  # the request's own counts only
+    assert unweighted.level(0, 0) * 0.05 == pytest.approx(0.7)  # none yet: the served p[1]
+    assert unweighted.level(3, 10) * 0.05 == pytest.approx(0.3)
 
 
 def feed(policy, rank: int, steps: int) -> None:
