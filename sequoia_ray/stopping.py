@@ -56,10 +56,10 @@ class StopChecker:
 
     def _delta(self, final: bool) -> str:
         end = len(self.text)
-        if not final:
-            end -= self.holdback
+        if not final:  # an incomplete character first, then what could begin a stop string before it
             while end > self.sent and self.text[end - 1] == "\ufffd":
                 end -= 1
+            end -= self.holdback
         if end <= self.sent:
             return ""
         out, self.sent = self.text[self.sent : end], end

@@ -10,11 +10,11 @@ from sequoia_ray.stopping import StopChecker
 class PieceTokenizer:
     """Token i decodes to PIECES[i]; a piece may be half a character (shown as U+FFFD until completed)."""
 
-    PIECES = {1: "x", 2: "ab", 3: "fo", 4: "o", 5: "bar", 6: "\xc3", 7: "\xa9", 8: " done", 9: "é"}
+    PIECES = {1: "x", 2: "ab", 3: "fo", 4: "o", 5: "bar", 6: "\xc3", 7: "\xa9", 8: " done", 9: "é", 10: " \xc3"}
 
     def decode(self, ids, skip_special_tokens=True):
         raw = "".join(self.PIECES[i] for i in ids)
-        out = raw.encode("latin-1", errors="surrogateescape") if any(i in (6, 7) for i in ids) else None
+        out = raw.encode("latin-1", errors="surrogateescape") if any(i in (6, 7, 10) for i in ids) else None
         return raw if out is None else out.decode("utf-8", errors="replace")
 
 
@@ -52,6 +52,16 @@ def test_a_stop_string_completed_by_the_second_half_of_a_character():
     ids, text, reason = run(("é",), [1, 6, 7, 8])
     assert (text, reason) == ("x", "stop")
     assert ids == [1, 6, 7]
+
+
+def test_a_held_back_tail_does_not_count_an_incomplete_character():
+    # " \xc3": a space, then half of "é" (U+FFFD until "\xa9" completes it). The half character is held back
+    # and so is the space, which may begin the stop string " é" (it does): before, the space was sent.
+    checker = StopChecker(PieceTokenizer(), (" é",), frozenset())
+    assert checker.feed([1], 100) == ([1], "", None)
+    assert checker.feed([10], 100) == ([10], "x", None)
+    assert checker.feed([7], 100) == ([7], "", "stop") and checker.text == "x"
+    assert run((" é",), [1, 10, 7, 8]) == ([1, 10, 7], "x", "stop")
 
 
 def test_eos_and_max_tokens():
