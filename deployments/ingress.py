@@ -90,10 +90,35 @@ async def _parse(request: Request, model, max_bytes: int):
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
         raise api.APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested thousands deep: no field of ours nests beyond a few levels
+        raise api.APIError(400, "the request body nests too deeply", code="invalid_json") from None
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise api.validation_error(exc) from None
+
+
+def _fit_context(prompt: list[int], params: SamplingParams, context: int | None, req, chat: bool) -> SamplingParams:
+    """``params`` whose length fits the model's context: a default length (the client sent none) is cut to what
+    the context holds after the prompt, as OpenAI's and vLLM's are; a length the client sent that does not fit,
+    or a prompt that leaves no room, is a 400 naming the field to change."""
+    if context is None or len(prompt) + params.max_tokens <= context:
+        return params
+    field, room = "messages" if chat else "prompt", context - len(prompt)
+    if not req.length_sent and room > 0:
+        return params.model_copy(update={"max_tokens": room})
+    if req.length_sent:
+        message = (f"{field} of {len(prompt)} tokens + {req.length_param} {params.max_tokens} exceeds the model's "
+                   f"context of {context} tokens; shorten the {field} or lower {req.length_param}")
+    else:
+        message = f"{field} of {len(prompt)} tokens leaves no room in the model's context of {context} tokens"
+    raise api.APIError(400, message, param=req.length_param if req.length_sent else field,
+                       code="context_length_exceeded")
+
+
+def _no_model(asked: str, served: str) -> api.APIError:
+    return api.APIError(404, f"model {asked!r} does not exist; this server serves {served!r}", type="not_found_error",
+                        param="model", code="model_not_found")
 
 
 def pair_refusal(target: dict, draft: dict) -> str | None:
@@ -207,6 +232,14 @@ class OpenAIIngress:
         return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "sequoia-ray",
                                             "metadata": meta}]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> dict:
+        """OpenAI's "retrieve model": the served model (a model id may hold "/"), else a 404."""
+        self._authorize(request)
+        if model_id != self.cfg.model_name:
+            raise _no_model(model_id, self.cfg.model_name)
+        return {"id": model_id, "object": "model", "owned_by": "sequoia-ray"}
+
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._counted("completions", request, api.CompletionRequest, chat=False)
@@ -222,6 +255,9 @@ class OpenAIIngress:
             return await self._serve(await _parse(request, model, self.cfg.max_body_bytes), chat=chat)
         except api.APIError as exc:
             status = str(exc.status)
+            raise
+        except Exception:  # becomes the 500 of ``_unexpected``
+            status = "500"
             raise
         finally:
             self.metrics.requests.inc(tags={"route": route, "status": status})
@@ -242,7 +278,7 @@ class OpenAIIngress:
     async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
         text, ids, last = [], 0, None
-        async for chunk in self._chunks(prompt, params, rid, req.speculative):
+        async for chunk in self._chunks(prompt, params, rid, req, chat):
             text.append(chunk.text)
             ids += len(chunk.token_ids)
             last = chunk
@@ -255,7 +291,7 @@ class OpenAIIngress:
         req, chat = _as_request(request)
         prompt, params = self._prepare(req, chat)
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
-        async for event in self._events(self._chunks(prompt, params, rid, req.speculative), req, rid, chat,
+        async for event in self._events(self._chunks(prompt, params, rid, req, chat), req, rid, chat,
                                         len(prompt)):
             yield event
 
@@ -265,27 +301,32 @@ class OpenAIIngress:
         if not req.stream:
             return await self._complete(req, prompt, params, chat)
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
-        chunks = self._chunks(prompt, params, rid, req.speculative)
+        chunks = self._chunks(prompt, params, rid, req, chat)
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
         events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
         return StreamingResponse(_sse(events), media_type="text/event-stream")
 
     def _prepare(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
         if req.model != self.cfg.model_name:
-            raise api.APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                    f"{self.cfg.model_name!r}", type="not_found_error", param="model",
-                               code="model_not_found")
+            raise _no_model(req.model, self.cfg.model_name)
+        field = "messages" if chat else "prompt"
         try:
             params = req.sampling(min(256 if chat else 16, self.cfg.max_tokens_limit))
+        except ValidationError as exc:
+            raise api.validation_error(exc) from None
+        try:
             prompt = self._encode(req, chat)
-        except (ValueError, ValidationError) as exc:
-            raise api.validation_error(exc) if isinstance(exc, ValidationError) else api.APIError(400, str(exc))
         except TemplateError as exc:  # a chat template's own refusal ("roles must alternate", ...)
             raise api.APIError(400, f"the model's chat template refused these messages: {exc}", param="messages",
                                code="invalid_messages") from None
+        except (TypeError, UnicodeError) as exc:  # a lone surrogate ("\ud800"): JSON allows it, UTF-8 does not
+            raise api.APIError(400, f"{field} holds text that is not valid Unicode ({type(exc).__name__}); send UTF-8 "
+                               "text without unpaired surrogates", param=field, code="invalid_value") from None
+        except ValueError as exc:
+            raise api.APIError(400, str(exc), param=field, code="invalid_value") from None
         if len(prompt) > self.cfg.max_prompt_tokens:
-            raise api.APIError(400, f"prompt has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
-                               param="prompt", code="context_length_exceeded")
+            raise api.APIError(400, f"{field} has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
+                               param=field, code="context_length_exceeded")
         if params.max_tokens > self.cfg.max_tokens_limit:
             raise api.APIError(400, f"{req.length_param} {params.max_tokens} > limit {self.cfg.max_tokens_limit}",
                                param=req.length_param)
@@ -368,7 +409,7 @@ class OpenAIIngress:
                 logger.exception("live re-plan failed; keeping the current plans")
             self.metrics.live(self.live.live, replanned)
 
-    async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, speculate: bool = True):
+    async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, req, chat: bool):
         if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
                                     "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
@@ -383,7 +424,8 @@ class OpenAIIngress:
             family = await asyncio.to_thread(self.families.get, params.temperature) if self.families else None
             rules = self.rules.for_request(params.temperature, self.in_flight.batch) if self.rules else None
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,
-                                          speculate, family, rules)
+                                          req.speculative, family, rules)
+            params = _fit_context(prompt, params, decoder.max_context, req, chat)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
@@ -391,7 +433,8 @@ class OpenAIIngress:
                     self.metrics.finished(chunk.stats, first)
                 yield chunk
         except PromptError as exc:  # found by the engine before any token: still a proper 400
-            raise api.APIError(400, str(exc), param=exc.param, code=exc.code) from None
+            param = {"prompt": "messages" if chat else "prompt", "max_tokens": req.length_param}.get(exc.param)
+            raise api.APIError(400, str(exc), param=param or exc.param, code=exc.code) from None
         except TargetUnavailable as exc:
             logger.error("request %s failed: %s", rid, exc)
             raise _unavailable("the target model failed while generating (it is being restarted)") from None

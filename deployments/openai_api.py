@@ -39,13 +39,24 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     errors = exc.errors() if hasattr(exc, "errors") else []
     if not errors:
         return APIError(400, str(exc))
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+    first = max(errors, key=lambda e: len(_field_path(e)))  # the member of a union that got furthest
+    loc = _field_path(first)
     got = first.get("input")
     if not loc and "param" in first.get("ctx", {}):  # a whole-body check that names its field (``_unsupported``)
-        return APIError(400, first["msg"], param=first["ctx"]["param"], code="unsupported_parameter")
+        return APIError(400, first["msg"], param=first["ctx"]["param"],
+                        code=first["ctx"].get("code", "unsupported_parameter"))
     message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}" + (f" (got {got!r:.80})" if got is not None else "")
     return APIError(400, message, param=".".join(loc) or None, code="invalid_value")
+
+
+def _field_path(error: dict) -> list[str]:
+    """An error's location as the request's field names and indices: without FastAPI's "body" and pydantic's
+    union member tags (``prompt.str``, ``prompt.list[int].0``, ``function-before[...]``)."""
+    def tag(x) -> bool:
+        return isinstance(x, str) and (x in ("body", "str", "int", "float", "bool", "list", "dict", "none")
+                                       or any(c in x for c in "[]()-"))
+
+    return [str(x) for x in error.get("loc", ()) if not tag(x)]
 
 
 def _json_number(value):
@@ -54,18 +65,29 @@ def _json_number(value):
     return value
 
 
+SEED_MODULUS = 2**62  # SamplingParams' seeds: each request derives its draft's and its target's seed from it
 Int = Annotated[int, BeforeValidator(_json_number)]  # 5 and 5.0 (JSON Schema integers), not 5.5 or "5"
 Float = Annotated[float, BeforeValidator(_json_number)]
 
 # Fields (OpenAI's, and vLLM's extensions clients send to OpenAI-compatible servers) that change the output and
 # that this server does not implement: each is accepted only at a value that changes nothing.
 NO_OP_VALUES: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    # OpenAI (``logprobs: 0`` is not a no-op: a completion then returns each token's logprob)
+    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "auto", "none"),
     "function_call": (None, "none"), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "reasoning_effort": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    # vLLM's sampling and structured-output extensions
     "top_k": (None, 0, -1), "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
-    "use_beam_search": (None, False),
+    "use_beam_search": (None, False), "length_penalty": (None, 1), "stop_token_ids": (None, []),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    # vLLM's chat-template extensions (chat requests)
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,),
 }
 
 
@@ -84,13 +106,15 @@ class _Common(BaseModel):
     max_tokens: Int | None = Field(None, ge=1, description="Tokens to generate at most.")
     temperature: Float | None = Field(None, ge=0.0, le=2.0, description="Default (null) 1.0; 0 = greedy.")
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description="Default (null) 1.0.")
-    seed: Int | None = Field(None, ge=0, lt=2**62)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Any 64-bit integer (OpenAI's); the "
+                             "generators are seeded with it modulo 2**62.")
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: Int | None = Field(None, ge=1, le=1, description="Only n = 1 is supported.")
     speculative: StrictBool = Field(True, description="sequoia-ray extension: false = the target alone (for A/B).")
     ignore_eos: StrictBool = Field(False, description="vLLM's extension: keep generating past end-of-sequence.")
+    max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
 
     @field_validator("stop")
     @classmethod
@@ -104,21 +128,45 @@ class _Common(BaseModel):
         extra = self.model_extra or {}
         for name, no_op in NO_OP_VALUES.items():
             value = extra.get(name)
-            if not any(value == ok and type(value) is not bool or value is ok for ok in no_op):
+            if not any(value is ok or value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in no_op):
                 raise PydanticCustomError(
                     "unsupported", "'{param}' = {value} is not supported by this server; leave it out (or send "
                     "{no_op})", {"param": name, "value": f"{value!r:.60}", "no_op": f"{no_op[-1]!r}"})
         return self
 
+    @model_validator(mode="after")
+    def _one_length(self):
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise PydanticCustomError(
+                "conflict", "max_tokens {max_tokens} and max_completion_tokens {max_completion_tokens} differ; send "
+                "one of them", {"param": "max_completion_tokens", "max_tokens": self.max_tokens,
+                                "max_completion_tokens": self.max_completion_tokens})
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
     @property
     def length_param(self) -> str:
         """The field that set the length limit, for errors."""
-        return "max_tokens"
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
+    def length_sent(self) -> bool:
+        """Whether the client set a length limit (else the server's default, fitted to the context)."""
+        return self.max_tokens is not None
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("stream_options", "stream_options is only allowed with stream: true",
+                                      {"param": "stream_options", "code": "invalid_value"})
+        return self
 
     def sampling(self, default_max: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max,
                               temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=self.stop,
+                              top_p=1.0 if self.top_p is None else self.top_p,
+                              seed=None if self.seed is None else self.seed % SEED_MODULUS, stop=self.stop,
                               ignore_eos=self.ignore_eos)
 
     @property
@@ -127,8 +175,16 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _one_prompt(value):
+    if isinstance(value, list) and any(isinstance(x, list) for x in value):
+        raise ValueError("only one prompt per request is supported: an array of token arrays is a batch; send one "
+                         "request per prompt")
+    return value
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[Int] = Field(description="Text, a one-element list of text, or token ids.")
+    prompt: Annotated[str | list[str] | list[Int], BeforeValidator(_one_prompt)] = Field(
+        description="Text, a one-element list of text, or token ids.")
 
     @field_validator("prompt")
     @classmethod
@@ -147,6 +203,20 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value):
+        """A string, or text parts ``{"type": "text", "text": <string>}`` (no images, audio or files)."""
+        if value is None:
+            raise ValueError("must be a string or a list of text parts, not null")
+        for i, part in enumerate(value if isinstance(value, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"part {i} has type {kind!r}; only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} is a text part without a string 'text'")
+        return value
+
     def for_template(self) -> dict[str, str]:
         """The message as chat templates take it: OpenAI's "developer" role (its newer name for "system") is
         "system", which templates know; a template without a "developer" branch would drop the text."""
@@ -155,32 +225,11 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part["text"] for part in self.content)  # text parts only (``_text_only``)
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
-
-    @model_validator(mode="after")
-    def _one_length(self):
-        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
-            raise PydanticCustomError(
-                "conflict", "max_tokens {max_tokens} and max_completion_tokens {max_completion_tokens} differ; send "
-                "one of them", {"param": "max_completion_tokens", "max_tokens": self.max_tokens,
-                                "max_completion_tokens": self.max_completion_tokens})
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return self
-
-    @property
-    def length_param(self) -> str:
-        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
 def completion_id(kind: str) -> str:

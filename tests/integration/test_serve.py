@@ -123,7 +123,7 @@ def test_openai_client(server):
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "stop": 5}, 400, "stop"),
-        ({"prompt": "x", "seed": -1}, 400, "seed"),
+        ({"prompt": "x", "seed": 2**63}, 400, "seed"),  # any 64-bit integer is a seed
         ({"prompt": ["a", "b"]}, 400, "prompt"),
         ({"prompt": {"text": "x"}}, 400, "prompt"),
         ({"prompt": "x", "model": None}, 400, "model"),

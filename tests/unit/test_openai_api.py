@@ -33,6 +33,11 @@ def api_error(body: dict, model=api.CompletionRequest) -> api.APIError:
     ("logprobs", True), ("top_logprobs", 2), ("best_of", 2), ("echo", True), ("suffix", "end"),
     ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 3), ("use_beam_search", True),
     ("best_of", True),  # not read as 1
+    ("logprobs", 0),  # a completion then returns each token's logprob
+    ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"}),
+    ("stop_token_ids", [5]), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+    ("add_generation_prompt", False), ("chat_template", "{{ x }}"), ("reasoning_effort", "high"),
+    ("modalities", ["text", "audio"]), ("bad_words", ["x"]), ("length_penalty", 0.5),
 ])
 def test_a_field_that_would_change_the_output_is_refused_by_name(name, value):
     err = api_error({**COMPLETION, name: value})
@@ -197,3 +202,118 @@ def test_a_malformed_config_file_names_itself(tmp_path: Path):
     with pytest.raises(ValueError, match="applications"):
         app_args(bad, [])
     assert app_args(DEFAULT_CONFIG, ["max_concurrent=4", "draft=null"])["draft"] is None
+
+
+# ---- review findings (session 52): each a 500, a param of null or a silently different answer before ------------
+@pytest.mark.parametrize("body,param,fragment", [
+    ({"prompt": [[1, 2]]}, "prompt", "one prompt per request"),  # a batch of token arrays; was "prompt.str"
+    ({"prompt": "x", "stop": ["a", None]}, "stop.1", "valid string"),  # was "stop.str"
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+    ({"prompt": "x", "seed": 2**63}, "seed", "9223372036854775807"),
+])
+def test_bad_fields_are_named_as_the_client_sent_them(body, param, fragment):
+    err = api_error({"model": "m", **body})
+    assert (err.status, err.param) == (400, param) and fragment in err.message
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (None, "not null"), ([{"type": "image_url", "image_url": {"url": "x"}}], "type 'image_url'"),
+    ([{"type": "text"}], "without a string 'text'"), (["hi"], "type 'str'"),
+])
+def test_chat_content_other_than_text_names_the_message(content, fragment):
+    err = api_error({"model": "m", "messages": [{"role": "user", "content": content}]}, api.ChatCompletionRequest)
+    assert err.param == "messages.0.content" and fragment in err.message
+
+
+def test_any_64_bit_seed_is_accepted_and_the_same_seed_gives_the_same_params():
+    for seed in (-1, 2**63 - 1, -(2**63)):
+        params = api.CompletionRequest.model_validate({**COMPLETION, "seed": seed}).sampling(16)
+        assert 0 <= params.seed < 2**62 and params.seed == seed % 2**62
+
+
+def test_max_completion_tokens_also_sets_a_completions_length():
+    req = api.CompletionRequest.model_validate({**COMPLETION, "max_completion_tokens": 5})
+    assert req.sampling(16).max_tokens == 5 and req.length_param == "max_completion_tokens" and req.length_sent
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_text_that_is_not_unicode_or_ids_outside_the_vocabulary_name_the_field(chat):
+    replica = ingress()
+    field = "messages" if chat else "prompt"
+    body = {"messages": [{"role": "user", "content": "hi \udc00"}]} if chat else {"prompt": "\ud800"}
+    model = api.ChatCompletionRequest if chat else api.CompletionRequest
+    with pytest.raises(api.APIError) as info:  # a lone surrogate: valid JSON, the tokenizer raised a TypeError
+        replica._prepare(model.model_validate({"model": "m", **body}), chat=chat)
+    assert (info.value.status, info.value.param) == (400, field) and "Unicode" in info.value.message
+    if not chat:
+        with pytest.raises(api.APIError) as info:
+            replica._prepare(api.CompletionRequest.model_validate({"model": "m", "prompt": [5, -1]}), chat=False)
+        assert (info.value.status, info.value.param) == (400, "prompt") and "token ids" in info.value.message
+
+
+def test_a_chat_prompt_over_the_limit_names_the_messages():
+    with pytest.raises(api.APIError) as info:
+        prepare(ingress(max_prompt_tokens=3), [{"role": "user", "content": "a b c d e f"}])
+    assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+
+
+@pytest.mark.parametrize("body,context,expect", [
+    ({}, 100, 16),  # the default fits: kept
+    ({}, 20, 10),  # the default is cut to what the context holds after the 10-token prompt
+    ({}, 10, ("prompt", "leaves no room")),  # nothing left: the prompt is what to change
+    ({"max_tokens": 50}, 40, ("max_tokens", "max_tokens 50 exceeds")),  # a length the client sent is never cut
+    ({"max_completion_tokens": 50}, 40, ("max_completion_tokens", "max_completion_tokens 50 exceeds")),
+])
+def test_a_default_length_fits_the_context_and_a_sent_one_is_refused_by_name(body, context, expect):
+    from deployments.ingress import _fit_context
+
+    req = api.CompletionRequest.model_validate({**COMPLETION, **body})
+    params, prompt = req.sampling(16), list(range(10))
+    if isinstance(expect, int):
+        assert _fit_context(prompt, params, context, req, chat=False).max_tokens == expect
+        return
+    with pytest.raises(api.APIError) as info:
+        _fit_context(prompt, params, context, req, chat=False)
+    assert (info.value.status, info.value.param, info.value.code) == (400, expect[0], "context_length_exceeded")
+    assert expect[1] in info.value.message
+
+
+class _Request:
+    def __init__(self, body: bytes) -> None:
+        self.headers, self._body = {}, body
+
+    async def body(self) -> bytes:
+        return self._body
+
+
+def test_a_body_nested_too_deeply_is_a_400_not_a_500():
+    from deployments.ingress import _parse
+
+    body = b'{"model": "m", "prompt": "x", "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(api.APIError) as info:
+        asyncio.run(_parse(_Request(body), api.CompletionRequest, 1_000_000))
+    assert (info.value.status, info.value.code) == (400, "invalid_json")
+
+
+def test_an_internal_error_is_counted_as_a_500():
+    replica, counted = ingress(), []
+    replica.expected_auth = None
+    replica.metrics = SimpleNamespace(requests=SimpleNamespace(inc=lambda tags: counted.append(tags["status"])))
+
+    async def broken(req, chat):
+        raise RuntimeError("a bug")
+
+    replica._serve = broken
+    with pytest.raises(RuntimeError):
+        asyncio.run(replica._counted("completions", _Request(b'{"model": "m", "prompt": "x"}'),
+                                     api.CompletionRequest, chat=False))
+    assert counted == ["500"]
+
+
+def test_retrieve_model_answers_for_the_served_model_only():
+    replica = ingress()
+    replica.expected_auth = None
+    assert asyncio.run(replica.model("m", _Request(b"")))["id"] == "m"
+    with pytest.raises(api.APIError) as info:
+        asyncio.run(replica.model("org/other", _Request(b"")))
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
