@@ -52,6 +52,8 @@ def app_args(config: Path, overrides: list[str]) -> dict:
                          "(see deployments/config.yaml)") from None
     args.update(override(item) for item in overrides)
     store = args.get("plan_store")
+    if store is not None and not isinstance(store, str):
+        raise ValueError(f"plan_store {store!r} must be a path or a URI (a string), e.g. plan_store=./plans")
     if store and "://" not in store:  # actors do not share the launcher's working directory
         args["plan_store"] = str(Path(store).expanduser().resolve())
     return args

@@ -17,21 +17,32 @@ class Prompt:
 def load_prompts(path: str | Path) -> list[Prompt]:
     path = Path(path)
     try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except OSError as exc:
         raise FileNotFoundError(f"prompt file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     if path.suffix != ".jsonl":
         return [Prompt(line) for line in lines]
     out = []
     for i, line in enumerate(lines, start=1):
         try:
-            obj = json.loads(line)
-            out.append(Prompt(str(obj["prompt"]), bool(obj.get("chat", False)), str(obj.get("kind", "text"))))
+            out.append(_prompt(json.loads(line)))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' string ({exc})") from None
+            raise ValueError(f"{path}:{i}: expected a JSON object with a non-empty 'prompt' string, and 'chat' a "
+                             f"boolean and 'kind' a string if given ({exc})") from None
     if not out:
         raise ValueError(f"{path} holds no prompts")
     return out
+
+
+def _prompt(obj: dict) -> Prompt:
+    text, chat, kind = obj["prompt"], obj.get("chat", False), obj.get("kind", "text")
+    if not isinstance(text, str) or not text:  # null or a list would be read as its repr, "false" as True
+        raise TypeError(f"prompt {text!r:.40}")
+    if not isinstance(chat, bool) or not isinstance(kind, str):
+        raise TypeError(f"chat {chat!r:.20}, kind {kind!r:.20}")
+    return Prompt(text, chat, kind)
 
 
 def interleave_kinds(prompts: list[Prompt]) -> list[Prompt]:

@@ -193,6 +193,11 @@ def test_a_malformed_override_names_itself(overrides, message):
         app_args(DEFAULT_CONFIG, overrides)
 
 
+def test_a_plan_store_that_is_not_a_string_is_refused():
+    with pytest.raises(ValueError, match="plan_store 5 must be a path or a URI"):
+        app_args(DEFAULT_CONFIG, ["plan_store=5"])
+
+
 def test_a_malformed_config_file_names_itself(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("applications: [\n")

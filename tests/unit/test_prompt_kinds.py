@@ -1,12 +1,15 @@
-"""The profiler's prompts mix their kinds from the first one on (``prompts.interleave_kinds``)."""
+"""Prompt files: the profiler's prompts mix their kinds from the first one on (``prompts.interleave_kinds``), and
+a line that is not a prompt is an error naming it."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from sequoia_ray import profiling
 from sequoia_ray.config import ProfileJobConfig
-from sequoia_ray.prompts import Prompt, interleave_kinds
+from sequoia_ray.prompts import Prompt, interleave_kinds, load_prompts
 
 
 def test_kinds_taken_in_turn_each_in_its_own_order():
@@ -33,3 +36,21 @@ def test_max_prompts_keeps_both_kinds_of_a_sorted_file(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     kept = profiling.profile_prompts(ProfileJobConfig(storage="unused", prompts=str(path), max_prompts=4))
     assert [p.text for p in kept] == ["code 0", "prose 0", "code 1", "prose 1"]
+
+
+@pytest.mark.parametrize("line", ['{"prompt": null}', '{"prompt": ["a"]}', '{"prompt": ""}', '{"text": "a"}',
+                                  '{"prompt": "a", "chat": "false"}', '{"prompt": "a", "kind": 3}', "[1]"])
+def test_a_prompt_line_that_is_not_a_prompt_names_its_line(tmp_path, line):
+    """null, a list or "" were read as the text 'None', "['a']" or nothing, and "false" as chat True."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:2: expected a JSON object with a non-empty 'prompt' string"):
+        load_prompts(path)
+
+
+def test_a_prompt_file_not_in_utf8_names_itself(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match="p.txt is not UTF-8"):
+        load_prompts(path)
+
