@@ -82,10 +82,11 @@ async def _parse(request: Request, model, max_bytes: int):
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise api.APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}",
                            code="request_too_large")
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise api.APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {max_bytes}",
-                           code="request_too_large")
+    raw = bytearray()
+    async for part in request.stream():  # a chunked body declares no length: stop reading at the limit
+        raw += part
+        if len(raw) > max_bytes:
+            raise api.APIError(413, f"request body exceeds the limit of {max_bytes} bytes", code="request_too_large")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
@@ -273,7 +274,7 @@ class OpenAIIngress:
     # ---- Python handle API ------------------------------------------------------------------------
     async def generate(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest) -> dict:
         req, chat = _as_request(request)
-        return await self._complete(req, *self._prepare(req, chat), chat)
+        return await self._complete(req, *await self._prepared(req, chat), chat)
 
     async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
@@ -289,7 +290,7 @@ class OpenAIIngress:
     async def generate_stream(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest
                               ) -> AsyncIterator[dict]:
         req, chat = _as_request(request)
-        prompt, params = self._prepare(req, chat)
+        prompt, params = await self._prepared(req, chat)
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
         async for event in self._events(self._chunks(prompt, params, rid, req, chat), req, rid, chat,
                                         len(prompt)):
@@ -297,7 +298,7 @@ class OpenAIIngress:
 
     # ---- internals --------------------------------------------------------------------------------
     async def _serve(self, req, chat: bool):
-        prompt, params = self._prepare(req, chat)
+        prompt, params = await self._prepared(req, chat)
         if not req.stream:
             return await self._complete(req, prompt, params, chat)
         rid = api.completion_id("chatcmpl" if chat else "cmpl")
@@ -305,6 +306,11 @@ class OpenAIIngress:
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
         events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
         return StreamingResponse(_sse(events), media_type="text/event-stream")
+
+    async def _prepared(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
+        """``_prepare`` off the event loop: rendering a chat template and tokenising up to ``max_body_bytes`` of
+        text takes tens of milliseconds that every other stream of this replica would wait."""
+        return await asyncio.to_thread(self._prepare, req, chat)
 
     def _prepare(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
         if req.model != self.cfg.model_name:

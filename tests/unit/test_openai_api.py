@@ -284,11 +284,27 @@ def test_a_default_length_fits_the_context_and_a_sent_one_is_refused_by_name(bod
 
 
 class _Request:
-    def __init__(self, body: bytes) -> None:
-        self.headers, self._body = {}, body
+    """A request whose body arrives in ``parts`` (chunked: no Content-Length); ``read`` counts the parts taken."""
 
-    async def body(self) -> bytes:
-        return self._body
+    def __init__(self, body: bytes, parts: int = 1) -> None:
+        size = -(-len(body) // parts) or 1
+        self.headers, self.parts, self.read = {}, [body[i : i + size] for i in range(0, len(body), size)], 0
+
+    async def stream(self):
+        for part in self.parts:
+            self.read += 1
+            yield part
+
+
+def test_a_chunked_body_is_read_only_up_to_the_limit():
+    from deployments.ingress import _parse
+
+    request = _Request(b'{"model": "m", "prompt": "' + b"x" * 10_000 + b'"}', parts=100)
+    with pytest.raises(api.APIError) as info:
+        asyncio.run(_parse(request, api.CompletionRequest, 2_000))
+    assert (info.value.status, info.value.code) == (413, "request_too_large") and request.read <= 21
+    small = _Request(b'{"model": "m", "prompt": "hi"}', parts=3)
+    assert asyncio.run(_parse(small, api.CompletionRequest, 2_000)).prompt == "hi"
 
 
 def test_a_body_nested_too_deeply_is_a_400_not_a_500():
