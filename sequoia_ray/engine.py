@@ -268,7 +268,8 @@ class SpeculativeDecoder:
         last_token, length = prompt[-1], len(prompt)
         commits: list[tuple[list[int], list[int], int]] = []  # verdicts the draft has not been sent yet
         stats = Stats()
-        stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset())
+        stop = StopChecker(self.tokenizer, params.stop, self.eos_ids if not params.ignore_eos else frozenset(),
+                           prefix=tuple(prompt))
         rules = _Rules(self.dynamic, self.unpruned_every)
         start = last = time.perf_counter()
         while True:

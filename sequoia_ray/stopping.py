@@ -9,11 +9,21 @@ from __future__ import annotations
 import os
 
 
+PREFIX_TOKENS = 4  # prompt tokens decoded before the output (vLLM's incremental detokenizer reads 5)
+
+
 class StopChecker:
-    def __init__(self, tokenizer, stop: tuple[str, ...], eos_ids: frozenset[int]) -> None:
+    """``prefix``: the prompt's last tokens. The output is decoded after them and their text cut off: a
+    SentencePiece tokenizer (Llama, Mistral) drops the leading space of the first token it decodes, so the
+    output decoded alone would begin "Paris" where the model wrote " Paris"."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], eos_ids: frozenset[int], prefix: tuple[int, ...] = ()
+                 ) -> None:
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode text; load the model with its tokenizer")
         self.tokenizer, self.stop, self.eos_ids = tokenizer, stop, eos_ids
+        self.prefix = list(prefix[-PREFIX_TOKENS:]) if tokenizer is not None else []
+        self.prefix_text = tokenizer.decode(self.prefix, skip_special_tokens=True) if self.prefix else ""
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of text already emitted
@@ -44,7 +54,7 @@ class StopChecker:
     def _decode_and_find_stop(self) -> bool:
         if self.tokenizer is None:
             return False
-        old, self.text = self.text, self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        old, self.text = self.text, self._decode()
         # Text up to ``same`` held no stop string before; a new one ends after it. Decoding usually only appends,
         # but a token may also complete a character or change spacing before the old end.
         same = len(old) if self.text.startswith(old) else len(os.path.commonprefix([old, self.text]))
@@ -53,6 +63,14 @@ class StopChecker:
             self.text = self.text[:min(found)]
             return True
         return False
+
+    def _decode(self) -> str:
+        """The output's text, as it reads after the prompt."""
+        if self.prefix:
+            text = self.tokenizer.decode(self.prefix + self.ids, skip_special_tokens=True)
+            if text.startswith(self.prefix_text):  # else the output changed the prompt's last character: alone
+                return text[len(self.prefix_text):]
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
     def _delta(self, final: bool) -> str:
         end = len(self.text)

@@ -68,3 +68,25 @@ def test_eos_and_max_tokens():
     assert run((), [1, 5, 1], eos={5}) == ([1], "x", "stop")
     assert run((), [1, 5, 1], max_tokens=2) == ([1, 5], "xbar", "length")
     assert run(("zzz",), [1, 5, 8], max_tokens=3) == ([1, 5, 8], "xbar done", "length")
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama's, Mistral's): its decoder drops the first token's leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "▁The", "▁capital", "▁is", "▁Paris", "▁nice", "."]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_the_output_keeps_the_leading_space_a_sentencepiece_decoder_drops():
+    tok = metaspace_tokenizer()
+    prompt, output = [1, 2, 3], [4, 5, 6]  # "The capital is" -> " Paris nice."
+    assert tok.decode(output) == "Paris nice."  # decoded alone: the space is lost
+    checker = StopChecker(tok, (" nice",), frozenset(), prefix=tuple(prompt))
+    text = "".join(checker.feed([t], 100)[1] for t in output[:2])
+    assert text == " Paris" and checker.text == " Paris"  # then " nice" stops it
+    whole = StopChecker(tok, (), frozenset(), prefix=tuple(prompt))
+    assert "".join(whole.feed([t], 100)[1] for t in output) + whole._delta(final=True) == " Paris nice."
