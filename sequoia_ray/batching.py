@@ -229,6 +229,8 @@ class Batcher:
                                              min(c.arrived for c in batch)))
 
     def _back(self, c: _Call) -> bool:
+        if c.future.done() and c.future.exception(timeout=0) is not None:  # ended (finished, failed): not back
+            return False
         try:
             return bool(self.comes_back(c.method, c.args))
         except Exception:  # noqa: BLE001 - a guess about the next call never fails the loop: do not wait

@@ -24,6 +24,7 @@ import torch
 
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree, DynamicTrees
+from sequoia_ray.request_errors import UnknownRequest
 from sequoia_ray.stopping import StopChecker
 from sequoia_ray.tree.plan import TreePlan, first_levels
 from sequoia_ray.verify import Verdict
@@ -129,11 +130,18 @@ class _DraftLink:
     arrives with (see ``batching.Batcher._expect``). Lazily, its ``start`` reached the draft in the same burst as
     their ``grow`` calls, often after their forward had begun, and its first tree took a draft forward of its
     own: through Serve at 8 clients, 22 of 149 draft forwards, ~140 ms each, the target waiting for them.
-    A request whose steps all run the target alone then costs the draft a ``start`` and a ``finish``."""
+    A request whose steps all run the target alone then costs the draft a ``start`` and a ``finish``.
+
+    A draft may forget a request it has not seen for ``idle_timeout_s``: the steps the target runs alone (a
+    long probe of the target alone, a slow prefill) do not call it. A ``grow`` that finds the request unknown
+    starts it again, from every token the request has committed, and grows once more; the request goes on
+    speculating (its later trees are drawn from a fresh generator: any trees are exact, the verifier decides)."""
 
     def __init__(self, draft: Draft | None, request_id: str, opening: tuple, *, early: bool = False) -> None:
         self.draft, self.request_id, self.failures = draft, request_id, 0
         self.opening, self.started = opening, False  # the draft's start arguments: (prompt, params, seed)
+        self.tokens = list(opening[0])  # the request's tokens the draft has been sent (prompt, then commits)
+        self.restarts = 0  # starts again after the draft forgot the request
         self.starting: Future | None = None  # the early start, running
         if early and draft is not None:
             self.started = True
@@ -162,7 +170,7 @@ class _DraftLink:
 
     def _call(self, method: str, *args):
         try:
-            return getattr(self.draft, method)(self.request_id, *args)
+            return self._attempt(method, *args)
         except Exception as exc:  # noqa: BLE001 - any draft failure degrades to target-only decoding
             logger.warning("draft %s failed for request %s (%s: %s); continuing with the target alone",
                            method, self.request_id, type(exc).__name__, exc)
@@ -170,6 +178,30 @@ class _DraftLink:
             if method != "finish":  # the draft may still hold the request (a grow that failed after its start)
                 self._release(draft)
             return None
+
+    def _attempt(self, method: str, *args):
+        try:
+            out = getattr(self.draft, method)(self.request_id, *args)
+        except UnknownRequest:
+            if method != "grow":
+                raise
+            commits = args[1] if len(args) > 1 else ()  # the grow's verdicts: all the tokens since the last grow
+            logger.info("the draft forgot request %s (idle); starting it again from its %d tokens",
+                        self.request_id, len(self.tokens) + sum(len(tokens) for _, tokens, _ in commits))
+            self.restarts += 1
+            self.draft.start(self.request_id, self._with(commits), *self.opening[1:])
+            out = getattr(self.draft, method)(self.request_id, *args)  # its commits are already in the start
+        if method == "grow":
+            self.tokens = self._with(args[1] if len(args) > 1 else ())
+        return out
+
+    def _with(self, commits) -> list[int]:
+        """The request's tokens once ``commits`` ((path, tokens, at) verdicts) are applied."""
+        tokens = list(self.tokens)
+        for _, new, at in commits:
+            if at == len(tokens):  # else applied already (a grow sent again)
+                tokens += new
+        return tokens
 
     def _release(self, draft: Draft) -> None:
         try:
@@ -259,6 +291,9 @@ class SpeculativeDecoder:
             policy.finish()
             try:
                 self.target.finish(rid)
+            except Exception as exc:  # noqa: BLE001 - the request is over: its output sent, or its error raising
+                logger.warning("target finish failed for request %s (%s: %s); its state is freed when the target "
+                               "reaps it or is replaced", rid, type(exc).__name__, exc)
             finally:
                 if draft is not None:
                     draft.finish()  # even when the target has failed (if it was started)

@@ -693,6 +693,38 @@ def test_a_request_that_stops_calling_is_waited_for_once_only():
     assert elapsed < 12 * 0.02 + 4 * 1.0, elapsed  # waiting at every forward would take 10 x 1 s or more
 
 
+def test_a_call_that_failed_is_not_waited_for():
+    """A caller timed out and abandoned its request (its finish queued behind its own verify, still waiting):
+    the verify then fails (unknown request) and the request will not come back. The next forward must not wait
+    ``wait_s`` for it (it did: every call of a forward was taken as coming back, failed ones too)."""
+    gate, known, root = threading.Event(), {"x", "y"}, SimpleNamespace(n=1)  # root-only verifies come back
+
+    def run_batch(method, calls):
+        gate.wait(5)
+        return [c[0] if c[0] in known else KeyError(f"unknown {c[0]}") for c in calls]
+
+    def run_one(method, request_id, *args):
+        known.discard(request_id)
+
+    batcher = Batcher(run_batch, run_one, lambda method, rid, args: 1, BatchLimits(wait_s=2.0))
+    with ThreadPoolExecutor(3) as pool:
+        held = pool.submit(batcher.call, "verify", "y", root)  # forward 1, held
+        time.sleep(0.1)
+        stale = pool.submit(batcher.call, "verify", "x", root)  # x's verify queues; its caller gives up
+        time.sleep(0.1)
+        pool.submit(batcher.call, "finish", "x")
+        time.sleep(0.1)
+        gate.set()
+        held.result(5)
+        with pytest.raises(KeyError):
+            stale.result(5)
+    assert "x" not in batcher.expected
+    start = time.monotonic()
+    batcher.call("verify", "y", root)
+    assert time.monotonic() - start < 1.0  # no 2 s wait for x
+    batcher.close()
+
+
 def test_a_trees_prefill_beside_counts_the_drafts_catch_up(models):
     """A request's steps: 2 trees, 6 steps of the target alone, 2 trees (plan depth 3). The first tree's step
     forwards the prompt in the draft and the first tree after the target alone forwards the 6 tokens the draft

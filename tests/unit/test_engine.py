@@ -480,3 +480,38 @@ def test_the_first_step_alone_prefills_with_the_target_only_and_the_draft_joins_
     assert [t for c in chunks for t in c.token_ids] == target_greedy(target, [5, 3, 8, 1], 16)
     assert draft.calls == ["start"] + ["grow"] * (stats.steps - 1) + ["finish"]
     assert stats.accepted_hist.total() - stats.accepted_hist[0] > 0
+
+
+class ForgetsOnThirdGrow(CallLog):
+    """A draft whose idle reaper freed the request just before its third grow (a long run of target-alone steps)."""
+
+    def grow(self, request_id, *args):
+        if self.calls.count("grow") == 2:
+            DraftWorker.finish(self, request_id)
+        return super().grow(request_id, *args)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_that_forgot_the_request_is_started_again_and_speculates_on(models, temperature):
+    target, good, _ = models
+    draft = ForgetsOnThirdGrow(good)
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=3)
+    got = SpeculativeDecoder(TargetWorker(target), draft, PLANS["binary3"]).generate([5, 3, 8, 1], params)
+    assert got.stats.draft_failures == 0 and draft.calls.count("start") == 2  # started again, from every token
+    assert draft.calls[:5] == ["start", "grow", "grow", "grow", "start"] and draft.calls.count("grow") > 5
+    if not temperature:
+        assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 24)
+
+
+class FinishFails(TargetWorker):
+    def finish(self, request_id):
+        super().finish(request_id)
+        raise RuntimeError("the group was replaced")
+
+
+def test_a_target_finish_that_fails_after_the_last_token_does_not_fail_the_request(models, caplog):
+    target, good, _ = models
+    got = SpeculativeDecoder(FinishFails(target), DraftWorker(good), PLANS["binary3"]).generate(
+        [5, 3, 8, 1], SamplingParams(max_tokens=8))
+    assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 8) and got.finish_reason == "length"
+    assert "target finish failed" in caplog.text
