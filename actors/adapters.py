@@ -46,6 +46,10 @@ class PrefillDeadlines:
     def step(self, request_id: str) -> float:
         return self.pending.pop(request_id, self.timeout_s)
 
+    def catch_up(self, tokens: int) -> float:
+        """The deadline of a call that forwards ``tokens`` the actor has not seen, beyond the tree."""
+        return prefill_timeout(self.timeout_s, tokens, self.chunk)
+
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
 
@@ -72,7 +76,9 @@ class ActorDraft:
     def grow(self, request_id: str, plan: TreePlan, commits=(), rule: DynamicTrees | None = None) -> ray.ObjectRef:
         """The tree as a reference: the target's rank 0 fetches it from the draft actor directly."""
         done, tree = self.actor.grow.remote(request_id, plan, commits, rule)
-        ray.get(done, timeout=self.deadlines.step(request_id))  # raises the draft's failure; the tree stays remote
+        # the tokens the draft catches up on (steps the target ran alone) are prefilled like a prompt's
+        deadline = max(self.deadlines.step(request_id), self.deadlines.catch_up(sum(len(t) for _, t, _ in commits)))
+        ray.get(done, timeout=deadline)  # raises the draft's failure; the tree itself stays remote
         return tree
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int], at: int | None = None) -> None:

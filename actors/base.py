@@ -169,7 +169,11 @@ class ModelActor:
 
     @ray.method(concurrency_group="health")
     def health(self) -> dict:
-        return self.tracker.health()
+        """The tracker's state; an actor whose batcher thread has died is broken (every call would fail)."""
+        state = self.tracker.health()
+        if self.batcher is not None and not self.batcher.closed and not self.batcher.thread.is_alive():
+            state["broken"] = state["broken"] or "its batcher thread has died"
+        return state
 
 
 def _steps_a_tree(method: str, call: tuple) -> bool:

@@ -39,3 +39,22 @@ def test_actors_load_their_linears_and_decode_the_targets_greedy_tokens(linears,
     prompt = [5, 17, 33, 8]
     expected = reference.generate(prompt, SamplingParams(max_tokens=16)).token_ids
     assert spec.generate(prompt, SamplingParams(max_tokens=16)).token_ids == expected
+
+
+def test_an_actor_whose_batcher_thread_died_reports_itself_broken():
+    """Every call to such an actor fails ("this actor must be replaced"); its health check must say so, or Serve
+    never replaces it."""
+    import threading
+
+    from actors.health import raise_if_unhealthy
+
+    draft = DraftActor(ModelActorSpec("tiny-draft"))
+    assert draft.health()["broken"] is None
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    gone.join()
+    live, draft.batcher.thread = draft.batcher.thread, gone
+    with pytest.raises(RuntimeError, match="batcher thread has died"):
+        raise_if_unhealthy([draft.health()], 60.0, "draft actor")
+    draft.batcher.thread = live
+    draft.batcher.close()

@@ -69,6 +69,15 @@ def test_the_drafts_first_grow_has_the_prompts_deadline(waited):
     assert draft.deadlines.pending == {} and handle.sent[-1] == ("call", "finish")
 
 
+def test_a_grow_that_catches_up_on_many_tokens_has_their_prefills_deadline(waited):
+    """Steps the target ran alone leave the draft tokens to forward before its tree (in chunks, like a prompt)."""
+    draft = ActorDraft(Handle(), timeout_s=10.0, prefill_chunk=100)
+    draft.start("r", [1, 2], SamplingParams(max_tokens=8), 0)
+    draft.grow("r", chain(2), [([0], list(range(250)), 2), ([0], list(range(100)), 252)])  # 350 tokens: 4 chunks
+    draft.grow("r", chain(2), [([0, 1], [5, 6], 352)])
+    assert waited == [10.0, 40.0, 10.0]
+
+
 def test_a_grow_that_times_out_frees_the_request_with_one_finish(monkeypatch):
     """The engine goes on without the draft and sends it one finish, not awaited (the adapter used to send its
     own on a timeout, and the engine a second)."""
