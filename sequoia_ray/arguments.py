@@ -10,6 +10,7 @@ give is ``None`` here and the model fills it in.
 from __future__ import annotations
 
 import argparse
+import re
 import math
 
 from pydantic import BaseModel
@@ -160,3 +161,13 @@ def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:
         fields["budgets"] = tuple(int(b) for b in budgets)
     return ProfileJobConfig(storage=args.storage, acceptance=_acceptance_files(args.acceptance),
                             smoke_test=args.smoke_test, **fields, **extra)
+
+
+URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # RFC 3986's scheme, then ':'
+
+
+def is_uri(location: str) -> bool:
+    """Whether a store ``location`` is a URI (``s3://b/p``, ``file:/abs/path``: pyarrow opens it) rather than a
+    local path (``plans``, ``/data/plans``). Looking for ``://`` took ``file:/abs/path`` for a relative path and
+    made a folder ``file:`` in the working directory."""
+    return URI_SCHEME.match(location) is not None

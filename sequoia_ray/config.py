@@ -115,7 +115,18 @@ class ProfileJobConfig(BaseModel):
 
         if not value or min(value) < 1 or max(value) > MAX_PLAN_NODES:
             raise ValueError(f"budgets {value} must be tree sizes from 1 to {MAX_PLAN_NODES}")
+        if max(value) < 2:  # the overhead is measured on a tree (profiling._probe): there would be none
+            raise ValueError(f"budgets {value} hold no tree with a draft token (n >= 2), so every plan would be the "
+                             "target alone; add sizes >= 2 (e.g. 2,4,8,16), or serve without a draft")
         return tuple(sorted(set(value) | {1}))
+
+    @field_validator("max_depth")
+    @classmethod
+    def _max_depth(cls, value):
+        if value < 2:  # as for budgets: a tree of 1 level is the root alone
+            raise ValueError(f"max_depth {value} leaves no level for a draft token (levels count the root), so every "
+                             "plan would be the target alone; give max_depth >= 2, or serve without a draft")
+        return value
 
     @field_validator("temperatures")
     @classmethod

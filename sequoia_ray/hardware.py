@@ -164,9 +164,14 @@ class HardwareProfile:
         """Draft forwards for ``plan`` (in each of ``batch`` requests) in target steps: one per level, over
         that level's inner nodes; the first level also over the ``carried`` tokens a request brings from its
         last tree (``tree.plan.carried_leaf``: an accepted leaf, whose K/V the draft never made)."""
-        inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
-        widths = [i + carried * (k == 0 and i > 0) for k, i in enumerate(inner)]  # a root-only tree: no draft
-        return sum(self.level_cost(batch, batch * w) for w in widths if w)
+        return sum(self.level_cost(batch, batch * w) for w in draft_widths(plan, carried))
+
+    def can_cost(self, plan: TreePlan, batch: int = 1, carried: float = 0.0) -> bool:
+        """Whether ``step_cost`` can price ``plan`` for ``batch`` requests: its target forward within the
+        profiled tokens and every draft level within the profiled widths. ``max_tokens(1)`` bounds the tree by t
+        alone, and a tree of 256 nodes may have a level 66 nodes wide where c was profiled up to 64."""
+        widest = max(draft_widths(plan, carried), default=0.0)
+        return batch * plan.n <= self.max_tokens(batch) and batch * widest <= self.max_width(batch)
 
     def step_cost(self, plan: TreePlan, batch: int = 1, overhead: StepOverhead = NO_OVERHEAD,
                   carried: float = 0.0) -> float:
@@ -182,6 +187,13 @@ class HardwareProfile:
             return max(self.t)
         rows = [(self.t, self.batch_t.get(batch, {})), (self.c, self.batch_c.get(batch, {}))]
         return min(max(max(one), max(row, default=0)) for one, row in rows)
+
+    def max_width(self, batch: int) -> int:
+        """The widest draft level in total (over ``batch`` requests) ``level_cost`` can price: c's largest width,
+        or beyond it the batch's own ``batch_c`` row's largest (``_batched`` extrapolates only within c)."""
+        if batch == 1 or not self.batch_c:
+            return max(self.c)
+        return max(max(self.c), max(self.batch_c.get(batch, {}), default=0))
 
     def buckets(self) -> tuple[int, ...]:
         """The batch buckets this profile can plan for (all of them, extrapolated, without batch tables)."""
@@ -277,6 +289,14 @@ def _interpolate(table: dict[int, float], x: int, name: str) -> float:
     return float(np.interp(x, keys, [table[k] for k in keys]))
 
 
+def draft_widths(plan: TreePlan, carried: float = 0.0) -> list[float]:
+    """Per draft forward of one request's step on ``plan``, its width: a level's inner nodes, the first level's
+    plus the ``carried`` tokens (see ``HardwareProfile.draft_cost``); levels without inner nodes make no forward
+    (a root-only tree: none)."""
+    inner = [sum(1 for node in level if plan.children[node]) for level in plan.levels]
+    return [i + carried * (k == 0) for k, i in enumerate(inner) if i]
+
+
 @dataclass(frozen=True)
 class Choice:
     n: int
@@ -299,7 +319,8 @@ def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS, ba
     """The (n, d) maximising the batch's throughput B·G(n, d) / step(B, n, d) for ``batch`` requests per step,
     the root-only tree (the target alone) included, and every candidate evaluated; every step pays
     ``overhead``. The predicted speedup is over that root-only tree at the same batch size; at batch 1 without
-    overhead it is G(n, d) / (t(n) + draft cost)."""
+    overhead it is G(n, d) / (t(n) + draft cost). A tree the profile cannot price (a draft level wider than c
+    was profiled at, ``can_cost``) is no candidate, as a budget beyond the profiled t is none."""
     candidates = []
     max_n = min(table.max_nodes, profile.max_tokens(batch) // batch)
     if max_n < 1:
@@ -310,6 +331,8 @@ def choose(table: DPTable, profile: HardwareProfile, budgets=DEFAULT_BUDGETS, ba
         for d in range(1, table.max_depth + 1):
             plan = table.tree(n, d)
             carried = carried_leaf(plan, table.acceptance)
+            if not profile.can_cost(plan, batch, carried):
+                continue  # a draft level wider than profiled: pricing it would extrapolate c
             cost = profile.step_cost(plan, batch, overhead, carried)
             value = table.value(n, d)
             candidates.append(Choice(n, d, value, value * alone / cost, plan, batch, cost, carried))
@@ -620,6 +643,7 @@ def accelerator_name(device: torch.device) -> str | None:
 
 _UPPER_WORD = re.compile(r"[A-Z]+")
 _MODEL_TOKEN = re.compile(r"[A-Z0-9]*[0-9][A-Z0-9]*")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what plan_store._safe refuses in a hardware id
 
 
 def gpu_type(device_name: str) -> str:
@@ -627,7 +651,9 @@ def gpu_type(device_name: str) -> str:
     after the vendor word, the all-capital words and the model number that follow, hyphen-joined, cut at the
     first other character (``NVIDIA A100-SXM4-80GB`` -> ``A100``, ``Tesla V100-SXM2-16GB`` -> ``V100``,
     ``NVIDIA RTX PRO 6000 Blackwell`` -> ``RTX-PRO-6000``); a name without such a model number (``NVIDIA GeForce
-    RTX 4090``) is the name without ``NVIDIA``, hyphen-joined. A100 40 GB and 80 GB share ``A100``, as in Ray."""
+    RTX 4090``) is the name without ``NVIDIA``, hyphen-joined. A100 40 GB and 80 GB share ``A100``, as in Ray.
+    Characters a hardware id may not hold (the plan store's folder names) become ``-``: ``AMD Instinct
+    MI250X/MI250`` -> ``AMD-Instinct-MI250X-MI250``, where the ``/`` made ``PlanKey.folder`` refuse the id."""
     words = device_name.split()
     lead, rest = [], words[1:]
     while rest and _UPPER_WORD.fullmatch(rest[0]):
@@ -635,7 +661,8 @@ def gpu_type(device_name: str) -> str:
     model = _MODEL_TOKEN.match(rest[0]) if rest else None
     if model and len(name := "-".join([*lead, model.group()])) > 1:
         return name
-    return "-".join(words[1:] if words[:1] == ["NVIDIA"] else words) or "unknown-gpu"
+    name = _UNSAFE.sub("-", "-".join(words[1:] if words[:1] == ["NVIDIA"] else words))
+    return name if name.strip(".") else "unknown-gpu"  # "", "." and ".." name no folder
 
 
 def _cpu_model() -> str:

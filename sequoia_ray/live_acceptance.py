@@ -23,7 +23,8 @@ some rank with m[k] >= ``min_samples`` has the plan's p[k] outside the interval;
 
 Recent traffic: exponential decay. Every inner-node observation first multiplies all counts by
 2 ** (-1 / half_life), so an observation ``half_life`` observations old weighs 1/2, and the effective sample
-size m[k] tops out at about half_life / ln 2. ``samples`` (the raw count since the start) is reported beside
+size m[k] tops out at about half_life / ln 2. A rank no longer tried stops decaying at ``FROZEN`` effective
+trials, keeping its p̂. ``samples`` (the raw count since the start) is reported beside
 the effective counts. Thread-safe: many request threads feed one ``LiveAcceptance``.
 """
 
@@ -123,6 +124,13 @@ class Snapshot:
         return bool(np.any(out & (self.tried >= self.settings.min_samples)))
 
 
+# A rank's counts stop decaying once its effective trials fall below this. Halved forever (a rank the plan no
+# longer tries), they would sink into the subnormals (< 2.2e-308), where a[k] / m[k] loses its digits (1.0 for
+# a p̂ of 0.2) and then becomes 0 / 0. Frozen here, p̂ keeps the value decay leaves it (decay scales a[k] and
+# m[k] alike); a count this small weighs nothing beside one new trial.
+FROZEN = 1e-200
+
+
 class _Counts:
     def __init__(self, settings: LiveSettings) -> None:
         self.settings, self.samples = settings, 0
@@ -135,8 +143,9 @@ class _Counts:
             grow = children - len(self.tried)
             self.tried, self.accepted = np.pad(self.tried, (0, grow)), np.pad(self.accepted, (0, grow))
             self.settled = np.pad(self.settled, (0, grow))
-        self.tried *= self.keep
-        self.accepted *= self.keep
+        fading = self.tried >= FROZEN  # [W] bool; below it a rank's counts stop decaying
+        np.multiply(self.tried, self.keep, out=self.tried, where=fading)
+        np.multiply(self.accepted, self.keep, out=self.accepted, where=fading)
         self.tried[:children] += 1.0
         if rank:
             self.accepted[rank - 1] += 1.0
@@ -217,12 +226,21 @@ def measured_alone(planned: PlannedTree) -> bool:
 
 def check(live: LiveAcceptance, temperature: float, current: dict[int, PlannedTree],
           profile: HardwareProfile | None, max_depth: int) -> dict[int, PlannedTree] | None:
-    """The re-planned buckets when the served plan's vector (the smallest bucket's, root row) has left the
-    live estimate's bound at ``temperature``, else None."""
+    """The re-planned buckets when the served plan's vector (``compared_vector``, root row) has left the live
+    estimate's bound at ``temperature``, else None (also when the re-plan changes no bucket)."""
     snap = live.snapshot(temperature)
     if snap is None or not current:
         return None
-    prior = current[min(current)].acceptance.row(0)
+    prior = compared_vector(current).row(0)
     if not snap.departs(prior):
         return None
-    return replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth)
+    return replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth) or None
+
+
+def compared_vector(current: dict[int, PlannedTree]) -> AcceptanceVector:
+    """The vector ``check`` holds against the live estimate: the smallest bucket's that a re-plan rewrites.
+    A bucket served by the target alone by measurement (``measured_alone``) keeps its plan and its old vector
+    through every re-plan; compared with it, the estimate would stay outside the bound and every check would
+    re-plan and publish again on the same counts. When every bucket is such, the smallest one's."""
+    rewritten = [b for b, planned in current.items() if not measured_alone(planned)]
+    return current[min(rewritten or current)].acceptance

@@ -15,7 +15,8 @@ bucket the plan was chosen for (``sequoia_ray.hardware.BATCH_BUCKETS``). Bucket 
 before buckets existed, so a store written then reads as bucket 1, and a reader of then never sees the
 other buckets' files (they sit in sibling folders, outside the bucket-1 folder it lists). Publishing never overwrites: each
 publish writes a new uniquely named file (to a temporary name first, then moved into place), so
-concurrent publishers cannot corrupt each other and the latest plan is the last name in sort order.
+concurrent publishers cannot corrupt each other and the latest plan is the last name in sort order. A name's
+stamp is never before the folder's newest (``_new_name``), so a clock stepped back does not hide a publish.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from sequoia_ray.arguments import is_uri
 from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
@@ -65,9 +67,31 @@ def _safe(part: str, what: str) -> str:
     return part
 
 
-def _new_name() -> str:
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    return f"{stamp}-{uuid.uuid4().hex[:8]}.json"
+STAMP = "%Y%m%dT%H%M%S%fZ"  # a file name's UTC time, to the microsecond: names sort in time order
+
+
+def _new_name(newest: str | None = None) -> str:
+    """A new file's name: ``<UTC stamp>-<random>.json``, its stamp now or, when ``newest`` (the folder's latest
+    file) is stamped at or after now, 1 µs after it. Readers take the last name in sort order as the latest, so a
+    publish from a clock stepped back (NTP) or behind another host's must still sort last: with the wall clock
+    alone it sorted before the newer-stamped plan, which went on being served, and a provider that had already
+    loaded it swapped back. The format is unchanged, so readers of before sort the names alike."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    last = _stamp_of(newest)
+    if last is not None and last >= now:
+        now = last + _dt.timedelta(microseconds=1)
+    return f"{now.strftime(STAMP)}-{uuid.uuid4().hex[:8]}.json"
+
+
+def _stamp_of(path: str | None) -> _dt.datetime | None:
+    """The UTC time in a stamped file name (``_new_name``), None for another name."""
+    stamp = (path or "").rsplit("/", 1)[-1].split("-", 1)[0]
+    try:
+        return _dt.datetime.strptime(stamp, STAMP).replace(tzinfo=_dt.timezone.utc)
+    except ValueError:
+        return None
+
+
 
 
 def plan_bucket(temperature: float, batch: int = 1) -> str:
@@ -97,7 +121,7 @@ class PlanStore:
     def __init__(self, uri: str) -> None:
         self.uri = uri
         try:
-            if "://" in uri:
+            if is_uri(uri):
                 self.fs, root = pafs.FileSystem.from_uri(uri)
             else:
                 self.fs, root = pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
@@ -165,7 +189,8 @@ class PlanStore:
 
     # ---- the filesystem --------------------------------------------------------------------------
     def _publish(self, folder: str, text: str) -> str:
-        final = f"{self.root}/{folder}/{_new_name()}"
+        stamped = self._stamped(folder)
+        final = f"{self.root}/{folder}/{_new_name(stamped[-1] if stamped else None)}"
         tmp = f"{self.root}/{folder}/.tmp-{uuid.uuid4().hex}"
         try:
             self.fs.create_dir(f"{self.root}/{folder}", recursive=True)
@@ -181,7 +206,7 @@ class PlanStore:
         by hand, written by a newer schema during an upgrade) is logged once per store and path and skipped, so it
         does not hide the good plan before it; at most ``FALLBACK_FILES`` older ones are tried, then the newest's
         StoreError is raised."""
-        names = sorted(p for p in self._files(folder) if p.rsplit("/", 1)[-1][:1].isdigit() and p.endswith(".json"))
+        names = self._stamped(folder)
         if not names:
             raise PlanNotFound(missing)
         first = None
@@ -195,6 +220,10 @@ class PlanStore:
                     self._skipped.add(path)
                     logger.error("plan store: skipping %s, which does not read: %s", self._display(path), exc)
         raise first
+
+    def _stamped(self, folder: str) -> list[str]:
+        """The published files of ``folder`` (stamped names, not a publish's temporary file), oldest first."""
+        return sorted(p for p in self._files(folder) if p.rsplit("/", 1)[-1][:1].isdigit() and p.endswith(".json"))
 
     def _files(self, folder: str) -> list[str]:
         selector = pafs.FileSelector(f"{self.root}/{folder}", recursive=True, allow_not_found=True)

@@ -26,6 +26,7 @@ for any tree. So the output is the target's (greedy) or has the target's law (sa
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 
@@ -40,12 +41,16 @@ from sequoia_ray.verify import Verdict
 
 
 def tilt(p: tuple[float, ...], q: float) -> AcceptanceVector:
-    """``p`` with p[1] moved to ``q``: the other ranks and the reject mass scaled by (1 - q) / (1 - p[1])."""
+    """``p`` with p[1] moved to ``q``: the other ranks and the reject mass scaled by (1 - q) / (1 - p[1]). A
+    vector whose sum is above 1 by round-off (``AcceptanceVector`` allows 1e-6) is scaled by (1 - q) / sum(p[2:])
+    instead, so the tilted one sums to 1: scaled by 1 / (1 - p[1]), p = (0.95, 0.0500001) tilted to 0.2 summed
+    to 1.0000016 and was refused."""
     if not 0.0 <= q < 1.0:
         raise ValueError(f"q {q} must be in [0, 1)")
     rest = 1.0 - p[0]
-    others = tuple(x * (1.0 - q) / rest for x in p[1:]) if rest > 0 else (0.0,) * (len(p) - 1)
-    return AcceptanceVector.from_p((q, *others), max(0.0, 1.0 - q - sum(others)))
+    scale = (1.0 - q) / max(rest, math.fsum(p[1:])) if rest > 0 else 0.0  # after rank 1: its law, mass 1 - q
+    others = tuple(x * scale for x in p[1:])
+    return AcceptanceVector.from_p((q, *others), max(0.0, 1.0 - q - math.fsum(others)))
 
 
 class RequestTrees:

@@ -28,13 +28,11 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-from sequoia_ray.arguments import EXIT_BAD_INPUT, Parser, add_job_args, job_config, one_line  # noqa: E402
+from sequoia_ray.arguments import EXIT_BAD_INPUT, Parser, add_job_args, is_uri, job_config, one_line  # noqa: E402
 from sequoia_ray.config import ProfileJobConfig  # noqa: E402
 
 ACCEL_PREFIX = "accelerator_type:"
 CPU = "cpu"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="tuning/profile.py", description=__doc__.splitlines()[0])
     add_job_args(p)
@@ -55,13 +53,30 @@ def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, float]:
 def absolute_paths(cfg: ProfileJobConfig) -> ProfileJobConfig:
     """``cfg`` with its local paths (store, prompts, acceptance files) absolute: Tune runs each trial in a
     directory of its own, where a relative path would name another file (or publish plans into the trial's
-    directory while the driver reports them under the path given)."""
-    def local(path: str) -> str:
-        return path if "://" in path else str(Path(path).expanduser().resolve())
-
+    directory while the driver reports them under the path given). Acceptance values are checked here too
+    (``acceptance_value``)."""
     return cfg.model_copy(update={
-        "storage": join_uri(cfg.storage), "prompts": cfg.prompts and local(cfg.prompts),
-        "acceptance": {t: local(p) for t, p in cfg.acceptance.items()}})
+        "storage": join_uri(cfg.storage), "prompts": cfg.prompts and _local(cfg.prompts),
+        "acceptance": {t: acceptance_value(t, v) for t, v in cfg.acceptance.items()}})
+
+
+def acceptance_value(temperature: float, text: str) -> str:
+    """An ``--acceptance`` value as the trials read it (``AcceptanceVector.parse``): a list of numbers as given
+    (made a path, ``0.8,0.1`` became ``/cwd/0.8,0.1``, which no trial could read), a file's path absolute. Read
+    here once, so a bad value fails the command (a ValueError naming it) instead of every trial, after loading
+    its models."""
+    from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector, is_number_list
+
+    value = text if is_number_list(text) else _local(text)
+    try:
+        AcceptanceVector.parse(value)
+    except AcceptanceError as exc:
+        raise ValueError(f"--acceptance {temperature}={text}: {exc}") from None
+    return value
+
+
+def _local(path: str) -> str:
+    return path if is_uri(path) else str(Path(path).expanduser().resolve())
 
 
 def discover_hardware(resources: dict[str, float]) -> list[str]:
@@ -82,7 +97,7 @@ def trial_bundles(hw: str, tp_size: int, cpus: float) -> list[dict[str, float]]:
 def join_uri(uri: str, *parts: str) -> str:
     base, _, query = uri.partition("?")
     path = "/".join([base.rstrip("/"), *parts])
-    if "://" not in path:
+    if not is_uri(path):
         path = str(Path(path).expanduser().resolve())
     return f"{path}?{query}" if query else path
 

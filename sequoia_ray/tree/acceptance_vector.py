@@ -107,6 +107,11 @@ class AcceptanceVector:
         return cls.from_dict(obj, source=str(path))
 
 
+def is_number_list(text: str) -> bool:
+    """Whether ``parse`` reads ``text`` as a comma-separated list of numbers (not as a file path)."""
+    return _numbers(text) is not None
+
+
 def _numbers(text: str) -> list[float] | None:
     """The numbers of a comma-separated list, or None when ``text`` is not one."""
     parts = [x for x in text.split(",") if x.strip()]

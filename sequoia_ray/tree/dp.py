@@ -27,8 +27,10 @@ recomputes each child's argmax over all s <= m from the stored T rows, so it nev
 Each block of rows is a view of T_{b+1} (no copy), reduced along whichever axis is longer.
 
 Depth-indexed p (one row per parent depth, the last row repeating): V depends on (min(j, L - 1), r), so
-the table costs L times the flat one. ``max_depth=None`` means unbounded: levels are added until V stops
-changing (a tree of n nodes never needs more than n levels).
+the table costs L times the flat one. Ranks past N - 1 and rows past D - 1 are never used by a tree of N
+nodes and D levels and are dropped first (``_usable``), so a vector's width and rows cost at most that.
+``max_depth=None`` means unbounded: levels are added until V stops changing (a tree of n nodes never needs
+more than n levels).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class DPTable:
     unbounded: bool
     G: np.ndarray  # [max_nodes + 1, max_depth + 1] float64; G[n, d]; row 0 and column 0 are 0
     _levels: dict[tuple[int, int], _Level] = field(repr=False)
+    _used: AcceptanceVector = field(repr=False)  # ``acceptance`` cut to what the table's trees can use (``_usable``)
 
     def value(self, n: int, d: int | None = None) -> float:
         n, d = self._check(n, d)
@@ -90,7 +93,7 @@ class DPTable:
             return children
         suffix = self._levels[(self._row(j), r)].suffix
         child = self._levels[(self._row(j + 1), r - 1)].value
-        p = self.acceptance.row(j)
+        p = self._used.row(j)
         left = n - 1
         for b in range(1, len(p) + 1):
             if left <= 0 or suffix[b - 1, left] <= 0.0:
@@ -101,7 +104,7 @@ class DPTable:
         return children
 
     def _row(self, j: int) -> int:
-        return min(j, len(self.acceptance.rows) - 1)
+        return min(j, len(self._used.rows) - 1)
 
     def _check(self, n: int, d: int | None) -> tuple[int, int]:
         d = self.max_depth if d is None else d
@@ -134,20 +137,33 @@ def solve(acceptance: AcceptanceVector, max_nodes: int, max_depth: int | None = 
         raise DPError(f"max_nodes = {max_nodes!r} must be an integer >= 1")
     if max_depth is not None and (not isinstance(max_depth, int) or max_depth < 1):
         raise DPError(f"max_depth = {max_depth!r} must be an integer >= 1 or None (unbounded)")
-    n_rows = len(acceptance.rows)
-    bounds = [_rank_bounds(np.asarray(acceptance.rows[j]), max_nodes) for j in range(n_rows)]
-    limit = max_nodes if max_depth is None else max_depth
+    limit = max_nodes if max_depth is None else max_depth  # a tree of n nodes has at most n levels
+    used = _usable(acceptance, max_nodes, limit)
+    n_rows = len(used.rows)
+    bounds = [_rank_bounds(np.asarray(used.rows[j]), max_nodes) for j in range(n_rows)]
     levels: dict[tuple[int, int], _Level] = {}
     columns = [np.zeros(max_nodes + 1)]
     for r in range(1, limit + 1):
         for j in reversed(range(n_rows)):
             child = levels[(min(j + 1, n_rows - 1), r - 1)].value if r > 1 else None
-            levels[(j, r)] = _level(np.asarray(acceptance.rows[j]), child, bounds[j], max_nodes)
+            levels[(j, r)] = _level(np.asarray(used.rows[j]), child, bounds[j], max_nodes)
         columns.append(levels[(0, r)].value)
         if max_depth is None and r > 1 and _converged(levels, r, n_rows):
             break
     G = np.stack(columns, axis=1)
-    return DPTable(acceptance, max_nodes, G.shape[1] - 1, max_depth is None, G, levels)
+    return DPTable(acceptance, max_nodes, G.shape[1] - 1, max_depth is None, G, levels, used)
+
+
+def _usable(acceptance: AcceptanceVector, max_nodes: int, max_levels: int) -> AcceptanceVector:
+    """``acceptance`` without what no tree of ``max_nodes`` nodes and ``max_levels`` levels can use: ranks past
+    max_nodes - 1 (a node has at most that many children) and rows past max_levels - 1 (row j is for the
+    children of depth-j nodes, and nodes at depth max_levels - 1 are leaves). Exact, and it bounds the table:
+    every level holds [W + 1, N] floats per row, so a plan file's vector 6,000 wide took 2 s and 141 MB at
+    N = 256. The reject mass is not used by the DP."""
+    width, rows = max(1, max_nodes - 1), max(1, max_levels - 1)
+    if acceptance.width <= width and len(acceptance.rows) <= rows:
+        return acceptance
+    return AcceptanceVector.from_rows([row[:width] for row in acceptance.rows[:rows]])
 
 
 def _converged(levels: dict[tuple[int, int], _Level], r: int, n_rows: int) -> bool:

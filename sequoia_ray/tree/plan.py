@@ -164,7 +164,7 @@ def from_nested(tree: list) -> TreePlan:
 
 def chain(length: int) -> TreePlan:
     """Root plus a chain of ``length`` draft tokens (classic speculative decoding)."""
-    _check_positive(length=length + 1)
+    _check_at_least(0, length=length)  # chain(0): the root alone
     return from_child_counts(lambda d, r: 1, max_levels=length + 1)
 
 
@@ -176,14 +176,20 @@ def specinfer(k: int, length: int) -> TreePlan:
 
 def k_ary(k: int, levels_below_root: int) -> TreePlan:
     """Full k-ary tree with ``levels_below_root`` levels under the root."""
-    _check_positive(k=k, levels_below_root=levels_below_root + 1)
+    _check_positive(k=k)
+    _check_at_least(0, levels_below_root=levels_below_root)  # 0: the root alone
     return from_child_counts(lambda d, r: k, max_levels=levels_below_root + 1)
 
 
 def _check_positive(**values: int) -> None:
+    _check_at_least(1, **values)
+
+
+def _check_at_least(least: int, **values: int) -> None:
+    """PlanError naming the argument as passed (not a derived count) when it is below ``least``."""
     for name, v in values.items():
-        if v < 1:
-            raise PlanError(f"{name} = {v} must be >= 1")
+        if v < least:
+            raise PlanError(f"{name} = {v} must be >= {least}")
 
 
 @lru_cache(maxsize=256)

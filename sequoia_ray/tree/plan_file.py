@@ -131,6 +131,7 @@ def _parse(obj: Any, source: str) -> PlannedTree:
         plan = TreePlan(tuple(_int_list(parents)))
     except (PlanError, TypeError) as exc:
         raise bad("parents", str(exc)) from None
+    _check_acceptance_size(obj.get("acceptance"), bad)
     try:
         acceptance = AcceptanceVector.from_dict(obj.get("acceptance"), source="acceptance")
     except AcceptanceError as exc:
@@ -146,6 +147,21 @@ def _parse(obj: Any, source: str) -> PlannedTree:
     if abs(actual - value) > F_TOLERANCE * max(1.0, actual):
         raise bad("expected_tokens", f"{value!r} but the tree is worth {actual!r} under its acceptance vector")
     return PlannedTree(plan, acceptance, budget, max_depth, float(value), _provenance(obj.get("provenance"), bad))
+
+
+def _check_acceptance_size(acceptance: Any, bad) -> None:
+    """At most MAX_PLAN_NODES ranks and MAX_PLAN_DEPTH rows: no plan can use more (a node has fewer children than
+    a plan has nodes; row j is for the children of depth-j nodes), and serving runs the DP and the live estimate
+    on a stored file's vector, whose cost grows with both (6,000 ranks at 256 nodes: 2 s, 141 MB)."""
+    p = acceptance.get("p") if isinstance(acceptance, dict) else None
+    if not isinstance(p, list):
+        return  # AcceptanceVector.from_dict names what is wrong
+    rows = p if p and isinstance(p[0], list) else [p]
+    width = max(len(row) if isinstance(row, list) else 0 for row in rows) if rows else 0
+    if len(rows) > MAX_PLAN_DEPTH or width > MAX_PLAN_NODES:
+        raise bad("acceptance", f"{len(rows)} rows of up to {width} ranks; a plan uses at most {MAX_PLAN_DEPTH} rows "
+                                f"of {MAX_PLAN_NODES} ranks: cut the vector (the ranks and rows past those are "
+                                "never used)")
 
 
 def _int_list(x: Any) -> list[int]:

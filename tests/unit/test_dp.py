@@ -249,3 +249,37 @@ def test_budget_of_hundreds_matches_full_range(shape: str):
     table = solve(acceptance, 600, 5)
     np.testing.assert_allclose(table.G, solve_full_range(acceptance, 600, 5), rtol=0, atol=1e-12)
     assert expected_tokens(table.tree(600, 5), acceptance) == pytest.approx(table.value(600, 5), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ranks_and_rows_no_tree_can_use_change_nothing(seed: int):
+    """The DP drops ranks past max_nodes - 1 and rows past max_depth - 1 before it runs: exact, checked against
+    brute force on a vector wider than any tree of MAX_NODES nodes with more rows than MAX_NODES levels use."""
+    rng = np.random.default_rng(300 + seed)
+    rows = [list(rng.dirichlet(np.ones(13))[:12]) for _ in range(6)]
+    acceptance = AcceptanceVector.from_rows(rows)
+    for depth in (1, 3, MAX_NODES):
+        table = solve(acceptance, MAX_NODES, depth)
+        assert table.acceptance == acceptance  # callers still get the vector they gave
+        for n, d in itertools.product(range(1, MAX_NODES + 1), range(1, depth + 1)):
+            best = brute_force(acceptance, n, d)
+            assert table.value(n, d) == pytest.approx(best, abs=1e-12), (depth, n, d)
+            assert expected_tokens(table.tree(n, d), acceptance) == pytest.approx(best, abs=1e-12)
+    unbounded = solve(acceptance, MAX_NODES, None)
+    assert unbounded.value(MAX_NODES) == pytest.approx(brute_force(acceptance, MAX_NODES, MAX_NODES), abs=1e-12)
+
+
+def test_a_very_wide_vector_costs_what_the_budget_can_use():
+    """A plan file's vector 6,000 ranks wide: the table held [6001, N] floats per level (2 s, 141 MB at N = 256).
+    Cut to the N - 1 ranks a tree can use, it costs what a vector N - 1 wide costs, and gives the same table."""
+    import tracemalloc
+
+    wide = AcceptanceVector.from_p([0.6, 0.2] + [1e-5] * 5_998)
+    cut = AcceptanceVector.from_p([0.6, 0.2] + [1e-5] * 61)
+    tracemalloc.start()
+    table = solve(wide, 64, 6)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MB"  # the uncut table: ~28 MB
+    np.testing.assert_array_equal(table.G, solve(cut, 64, 6).G)
+    assert table.tree(64, 6) == solve(cut, 64, 6).tree(64, 6)

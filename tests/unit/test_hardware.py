@@ -313,3 +313,36 @@ def test_the_carried_leaf_can_make_the_target_alone_the_choice():
     assert chain_one.predicted_speedup == pytest.approx(1.5 / 1.65)
     assert (best.n, best.predicted_speedup) == (1, 1.0)
     assert prof.draft_cost(chain(0), carried=0.9) == 0.0  # the root-only tree runs no draft, whatever it is given
+
+
+def test_a_tree_with_a_level_wider_than_the_profiled_draft_is_no_candidate():
+    """t profiled to 256 nodes, c only to 64 wide: at batch 1 some trees of 256 nodes for this vector have levels
+    66 wide. choose raised ProfileError ("c(w) at 66.0 > profiled max 64") and so crashed serving's per-request
+    trees, the live re-plan and the trials; now such a tree is no candidate, as a budget beyond t is none."""
+    from sequoia_ray.hardware import DEFAULT_BUDGETS, DRAFT_WIDTHS, choose_buckets
+
+    def widest(choice) -> float:  # the widest draft forward of the step, the carried leaf included
+        inner = [sum(1 for node in level if choice.plan.children[node]) for level in choice.plan.levels]
+        return max([i + choice.carried * (k == 0) for k, i in enumerate(inner) if i], default=0.0)
+
+    prof = HardwareProfile("test-hw", {n: 1.0 for n in DEFAULT_BUDGETS}, {w: 0.01 for w in DRAFT_WIDTHS}, 0.1, 256,
+                           "float32")
+    table = solve(AcceptanceVector.from_p([0.5, 0.3, 0.2]), 256, 12)
+    best, candidates = choose(table, prof)
+    assert all(widest(c) <= 64 for c in candidates)
+    assert len(candidates) < len(DEFAULT_BUDGETS) * 12  # some wide trees were left out ...
+    assert any(c.n == 256 for c in candidates)  # ... but not every tree of the largest budget
+    assert best.predicted_speedup == max(c.predicted_speedup for c in candidates) > 1
+    assert set(choose_buckets(table, prof)) == set(prof.buckets())
+
+
+@pytest.mark.parametrize("name, expected", [("AMD Instinct MI250X/MI250", "AMD-Instinct-MI250X-MI250"),
+                                            ("Some GPU (rev 2)", "Some-GPU--rev-2-"), ("NVIDIA ..", "unknown-gpu")])
+def test_a_gpu_name_with_characters_no_folder_holds_is_sanitised(name, expected):
+    """A device name with '/' (an AMD Instinct) became a hardware id the plan store refuses, so serving could
+    neither find nor publish its plans; the characters outside [A-Za-z0-9._-] become '-'."""
+    from sequoia_ray.hardware import gpu_type
+    from sequoia_ray.plan_store import PlanKey
+
+    assert gpu_type(name) == expected
+    assert PlanKey(hardware_id(gpu_type(name), 2), "d", "t", 0.0).folder().startswith(f"plans/{expected}-tp2/")

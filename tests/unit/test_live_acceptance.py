@@ -216,3 +216,42 @@ def test_with_a_profile_the_budget_and_depth_converge_too():
     worth = expected_tokens(got.plan, AcceptanceVector.from_p(P_TRUE))
     assert worth == pytest.approx(table.value(best.n, best.d), rel=0.005)
     assert got.provenance.predicted_speedup == pytest.approx(best.predicted_speedup, rel=0.05)
+
+
+def test_a_bucket_measured_to_serve_the_target_alone_does_not_re_plan_every_check():
+    """Bucket 1 serves the target alone by measurement, so a re-plan keeps its plan and its old vector. The check
+    compared the estimate with that vector, which never moves: every check re-planned and published again on the
+    same counts. It compares with the smallest re-planned bucket's vector, so the re-plan settles."""
+    from sequoia_ray.tree.plan import chain
+    from sequoia_ray.tree.planning import plan_for
+
+    old = AcceptanceVector.from_p([0.3, 0.1])
+    tried = [{"n": 1, "d": 1, "measured_speedup": 1.0}, {"n": 4, "d": 3, "measured_speedup": 0.9}]
+    alone = PlannedTree(chain(0), old, 1, 1, 1.0, Provenance(candidates=tried))
+    current = {1: alone, 2: plan_for(old, 8, 4)[0]}
+    live = LiveAcceptance(LiveSettings(min_samples=50, half_life=1e6))
+    live.observe(0.0, [(2, 1)] * 800 + [(2, 2)] * 100 + [(2, 0)] * 100)  # p ~ (0.8, 0.1): far from `old`
+    profile = profile_of(0.01, 0.05)
+    fresh = check(live, 0.0, current, profile, 6)
+    assert fresh is not None and 1 not in fresh and 2 in fresh
+    current.update(fresh)
+    assert check(live, 0.0, current, profile, 6) is None  # the same counts: no second re-plan
+    assert current[1] is alone
+    one_bucket = HardwareProfile("test-hw", {1: 1.0}, {1: 0.05}, 0.1, 128, "float32")  # plans for batch 1 only
+    assert check(live, 0.0, {1: alone}, one_bucket, 6) is None  # a re-plan would rewrite nothing
+
+
+def test_a_rank_no_longer_tried_keeps_its_estimate_however_long_it_decays():
+    """Wide trees settle ranks 2 and 3, then the plan becomes a chain and never tries them again. Their counts
+    were halved forever: in the subnormals a[k] / m[k] came out 1.0 (p̂ 0.2 before), then 0 / 0. They stop
+    decaying at FROZEN now, and p̂ stays what the wide trees measured."""
+    rng, live = np.random.default_rng(0), LiveAcceptance(LiveSettings(min_samples=4, half_life=8.0))
+    live.observe(0.0, [(3, draw(rng, (0.5, 0.2, 0.1), 3)) for _ in range(200)])
+    wide = live.snapshot(0.0).p_hat()
+    assert np.all(wide > 0)
+    for fed in (8 * 1_000, 8 * 1_040, 8 * 1_100):  # 1,040 half-lives: 2 ** -1040, a subnormal; 1,100: zero
+        live.observe(0.0, [(1, 1)] * (fed - live.snapshot(0.0).samples + 200))
+        snap = live.snapshot(0.0)
+        assert snap.p_hat()[1:] == pytest.approx(wide[1:], rel=1e-9) and np.all(snap.tried[1:] > 0), fed
+        assert snap.tried[1] > 1e-300  # far from the subnormals
+        assert snap.estimate((0.5, 0.2, 0.1)).rows[0][1:] == pytest.approx(tuple(wide[1:] * snap.scale()))

@@ -158,3 +158,32 @@ def test_the_carried_leaf_is_the_chance_the_accepted_path_ends_at_a_leaf():
     # reach is what expected_tokens sums: G = 1 + 0.8 + 0.64 for the chain of 2
     assert reach(chain(2), p).tolist() == pytest.approx([1.0, 0.8, 0.64])
     assert expected_tokens(chain(2), p) == pytest.approx(2.44)
+
+
+@pytest.mark.parametrize("p, what", [([0.5] + [0.0] * 1_024, "1 rows of up to 1025 ranks"),
+                                     ([[0.5]] * 129, "129 rows of up to 1 ranks")])
+def test_a_plan_file_with_a_vector_wider_or_deeper_than_any_plan_is_refused(tmp_path, p, what):
+    """Serving runs the DP on a stored file's vector, whose cost grows with its width and rows; no plan uses more
+    than MAX_PLAN_NODES ranks or MAX_PLAN_DEPTH rows, so a file with more is refused, naming the field."""
+    obj = planned().to_dict()
+    obj["acceptance"] = {"p": p}
+    obj["expected_tokens"] = expected_tokens(planned().plan, AcceptanceVector.from_dict(obj["acceptance"]))
+    file = tmp_path / "wide.json"
+    file.write_text(json.dumps(obj))
+    with pytest.raises(PlanFormatError, match=f"{file}: field 'acceptance': {what}; a plan uses at most 128 rows"):
+        PlannedTree.load(file)
+    obj["acceptance"] = {"p": p[:1024] if not isinstance(p[0], list) else p[:128]}
+    obj["expected_tokens"] = expected_tokens(planned().plan, AcceptanceVector.from_dict(obj["acceptance"]))
+    assert PlannedTree.loads(json.dumps(obj)).acceptance.width <= 1024  # the most a plan can use: loads
+
+
+@pytest.mark.parametrize("build, message", [(lambda: chain(-1), "length = -1 must be >= 0"),
+                                            (lambda: k_ary(2, -1), "levels_below_root = -1 must be >= 0"),
+                                            (lambda: k_ary(0, 2), "k = 0 must be >= 1"),
+                                            (lambda: specinfer(2, 0), "length = 0 must be >= 1")])
+def test_a_bad_builder_argument_is_named_as_passed(build, message):
+    """chain(-1) said "length = 0 must be >= 1" (the level count it derives): the value named was not the one
+    passed, and 0 is allowed (the root alone)."""
+    with pytest.raises(PlanError, match=f"^{message}$"):
+        build()
+    assert chain(0).n == 1 and k_ary(3, 0).n == 1

@@ -213,3 +213,45 @@ def test_a_store_of_before_reads_as_bucket_one(tmp_path):
 def test_a_batch_that_is_no_bucket_is_rejected(batch, fix):
     with pytest.raises(ValueError, match=f"batch {batch} is not a batch bucket.*{fix}"):
         PlanKey(KEY.hardware, KEY.draft, KEY.target, 0.6, batch)
+
+
+def test_a_clock_stepped_back_does_not_hide_a_newer_publish(store, monkeypatch):
+    """The latest plan is the last name in sort order, and names were the wall clock's time: a publish after an
+    NTP step back (or from a host whose clock is behind) sorted before the plan it replaced, which went on being
+    served. A new name is never before the folder's newest; the format stays the one readers of before sort."""
+    import datetime as real
+
+    import sequoia_ray.plan_store as plan_store
+
+    class Clock(real.datetime):
+        at = real.datetime(2025, 1, 1, 12, 0, 0, tzinfo=real.timezone.utc)
+
+        @classmethod
+        def now(cls, tz=None):
+            return cls.at
+
+    monkeypatch.setattr(plan_store, "_dt", type("Module", (), {"datetime": Clock, "timezone": real.timezone,
+                                                                "timedelta": real.timedelta}))
+    first = store.publish_plan(planned(16), KEY)
+    Clock.at -= real.timedelta(seconds=5)  # the clock steps back 5 s
+    second = store.publish_plan(planned(4), KEY)
+    third = store.publish_plan(planned(8), KEY)  # and again at the same instant
+    got, path = store.fetch_plan(KEY)
+    assert (path, got.budget) == (third, 8) and sorted([third, second, first]) == [first, second, third]
+    names = [p.rsplit("/", 1)[-1] for p in (first, second, third)]
+    assert names[0].startswith("20250101T120000000000Z-") and names[1].startswith("20250101T120000000001Z-")
+    Clock.at += real.timedelta(seconds=10)  # a clock ahead of every name: its own time again
+    assert store.publish_plan(planned(6), KEY).rsplit("/", 1)[-1].startswith("20250101T120005000000Z-")
+
+
+def test_a_file_uri_without_slashes_is_a_uri_and_a_bare_name_a_local_path(tmp_path, monkeypatch):
+    """Only '://' was taken for a URI: ``file:/abs/path`` became the relative folder ``file:/abs/path`` of the
+    working directory, and the plans went there. A scheme (``^[A-Za-z][A-Za-z0-9+.-]*:``) makes a URI now;
+    ``plans`` stays a local path under the working directory."""
+    monkeypatch.chdir(tmp_path)
+    store = PlanStore(f"file:{tmp_path}/by-uri")
+    assert store.root == f"{tmp_path}/by-uri"
+    path = store.publish_plan(planned(8), KEY)
+    assert path.startswith(f"{tmp_path}/by-uri/plans/") and not (tmp_path / "file:").exists()
+    assert PlanStore(f"file://{tmp_path}/by-uri").fetch_plan(KEY)[1] == path
+    assert PlanStore("plans").root == str(tmp_path / "plans")

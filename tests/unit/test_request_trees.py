@@ -126,3 +126,13 @@ def test_above_max_batch_every_request_gets_the_buckets_plan():
             assert (policy.plan(base) is not base) == mine, (max_batch, batch)
     with pytest.raises(ValueError, match="max_batch 0"):
         trees(max_batch=0)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.2, 0.9])
+def test_tilt_of_a_vector_summing_just_above_one(q):
+    """A vector may sum to 1 + 1e-6 (round-off in a file); tilted by 1 / (1 - p[1]) the excess grew with
+    (1 - q) / (1 - p[1]) and the tilted vector (sum 1.0000016) was refused. It sums to 1 now, rank 1 at q."""
+    served = AcceptanceVector.from_dict({"p": [0.95, 0.0500001]})
+    v = tilt(served.row(0), q)
+    assert v.rows[0][0] == q and sum(v.rows[0]) <= 1.0 + 1e-12
+    assert v.rows[0][1] == pytest.approx(1 - q) and v.reject[0] == pytest.approx(0.0, abs=1e-12)
