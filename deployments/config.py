@@ -185,10 +185,31 @@ class ServeConfig(BaseModel):
             raise ValueError(f"draft_quantize {self.draft_quantize!r} runs on the CPU only; drop it and use "
                              "dtype bfloat16 or float16 for a GPU draft (or set device: cpu)")
         check_backend(self.tp_backend, self.device_type, self.tp_size)
+        if self.tp_backend == "nccl" and self.tp_size > 1 and (self.num_gpus < 1 or self.num_gpus != int(self.num_gpus)):
+            raise ValueError(f"num_gpus {self.num_gpus}: nccl ranks need one whole GPU each (two ranks on one GPU "
+                             "fail to form the group); set num_gpus: 1")
         if self.layers == "traced" and self.tp_size > 1:
             raise ValueError(f"layers 'traced' cannot apply to a target sharded over tp_size {self.tp_size} "
                              "(its shards keep transformers' hooks); use layers auto or eager")
         return self
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _autoscaling(cls, v):
+        """Serve's own check of the dict (a typo such as ``max_replica`` would be dropped: no scaling at all)."""
+        if v is None:
+            return v
+        from ray.serve.config import AutoscalingConfig
+
+        known = set(AutoscalingConfig.model_fields)
+        unknown = sorted(set(v) - known)
+        if unknown:
+            raise ValueError(f"autoscaling has unknown keys {unknown}; Serve's are {sorted(known)}")
+        try:
+            AutoscalingConfig(**{k: x for k, x in v.items() if k != "policy"})
+        except Exception as exc:  # noqa: BLE001 - Serve's pydantic error, shown as ours
+            raise ValueError(f"autoscaling {v}: {' '.join(str(exc).split())[:300]}") from None
+        return v
 
     @model_validator(mode="after")
     def _prefix(self):
@@ -233,7 +254,8 @@ class ServeConfig(BaseModel):
         its ``sequoia_ray.hardware.cpu_name()``; this machine's when None) with the target's threads."""
         from sequoia_ray.hardware import hardware_id
 
-        return self.hardware_id or hardware_id(self.accelerator_type or accelerator, self.tp_size, threads, cpu)
+        gpu = self.accelerator_type if self.device_type == "cuda" else None  # CPU actors on a GPU node: the CPU's
+        return self.hardware_id or hardware_id(gpu or accelerator, self.tp_size, threads, cpu)
 
     def resources(self) -> ActorResources:
         return ActorResources(self.num_cpus, self.num_gpus, self.accelerator_type)

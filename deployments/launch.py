@@ -22,6 +22,8 @@ service afterwards; otherwise it keeps serving until Ctrl-C, printing the URL to
 
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import json
 import time
@@ -30,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from deployments.config import ServeConfig
-from sequoia_ray.arguments import Parser, nonneg_float
+from sequoia_ray.arguments import Parser, is_uri, nonneg_float
 from sequoia_ray.config import ProfileJobConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
@@ -54,7 +56,7 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     store = args.get("plan_store")
     if store is not None and not isinstance(store, str):
         raise ValueError(f"plan_store {store!r} must be a path or a URI (a string), e.g. plan_store=./plans")
-    if store and "://" not in store:  # actors do not share the launcher's working directory
+    if store and not is_uri(store):  # actors do not share the launcher's working directory
         args["plan_store"] = str(Path(store).expanduser().resolve())
     return args
 
@@ -70,21 +72,29 @@ def override(item: str) -> tuple[str, object]:
         raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
 
 
+def port_number(text: str) -> int:
+    """``--port``: a TCP port, checked before Ray starts (99999 failed inside Serve's proxy with a traceback)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535)")
+    return int(text)
+
+
 def serving_hardware_id(cfg: ServeConfig) -> str:
     """The hardware id the app's ``TargetDeployment`` looks plans up by: the same method on the same inputs
     (the target actor sets torch to ``actor_spec("target").threads`` and reports that, and the name of the
-    GPU it runs on — here the one this process would resolve ``device`` to)."""
+    GPU it runs on — here the one this process would resolve the actors' device to: ``device_type``, the CPU for
+    ``device: auto`` without ``num_gpus``, whatever GPUs this process sees)."""
     from sequoia_ray.devices import resolve_device
     from sequoia_ray.hardware import accelerator_name
 
-    return cfg.plan_hardware_id(cfg.actor_spec("target").threads, accelerator_name(resolve_device(cfg.device)))
+    return cfg.plan_hardware_id(cfg.actor_spec("target").threads, accelerator_name(resolve_device(cfg.device_type)))
 
 
 def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None) -> str | None:
     """Why the launcher must not profile this machine for ``cfg`` (None: it may)."""
     reasons = [(not seconds, "profiling is off (--no-profile or --profile-seconds 0)"),
                (not cfg.plan_store, "no plan store is configured"),
-               ("://" in (cfg.plan_store or ""), f"the plan store {cfg.plan_store} is remote: run tuning/profile.py"),
+               (is_uri(cfg.plan_store or ""), f"the plan store {cfg.plan_store} is remote: run tuning/profile.py"),
                (cfg.draft is None, "no draft model: the target alone needs no plan"),
                (address not in (None, "local"), f"the actors run on the cluster at {address}, not on this machine"),
                (cfg.tp_size > 1, f"tp_size {cfg.tp_size}: profile the TP group with tuning/profile.py")]
@@ -156,7 +166,7 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
         return "present"
     job = ProfileJobConfig(storage=cfg.plan_store, draft=cfg.draft, target=cfg.target, temperatures=missing,
                            dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, linears=cfg.linears, layers=cfg.layers,
-                           draft_vocab=cfg.draft_vocab, device=cfg.device)
+                           draft_vocab=cfg.draft_vocab, device=cfg.device_type)  # where the actors will run
     serving = Serving(threads=cfg.actor_spec("target").threads, time_budget_s=float(seconds), calls=_call_probe())
     print(f"plans: none for {hardware} at T={', '.join(map(str, missing))}; profiling this machine "
           f"(at most {seconds:.0f}s, --no-profile skips) ...", flush=True)
@@ -167,8 +177,22 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
     except Exception as exc:  # noqa: BLE001 - a plan is an optimisation: any failure serves the built-in one
         print(f"plans: profiling failed, serving the built-in plan: {type(exc).__name__}: {exc}", flush=True)
         return "builtin"
+    finally:
+        release_accelerator(job.device)
     print(f"plans: profiled in {clock() - start_t:.0f}s (loading the models included) and published:\n{format_results(results)}", flush=True)
     return "profiled"
+
+
+def release_accelerator(device: str) -> None:
+    """After profiling on a GPU in this (the driver's) process: its models are gone, but torch's caching allocator
+    keeps their memory; hand it back before the served actors load the same models on the same GPU."""
+    if device == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _call_probe():
@@ -258,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="sequoia-ray serve", description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a Serve config YAML (first application)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an app arg")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start local Ray)")
     p.add_argument("--demo", action="store_true", help="send a demo request and print answer and speedup")
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
@@ -286,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     if opts.exit:
         from ray import serve
 
-        serve.shutdown()
+        if opts.address in (None, "local"):
+            serve.shutdown()  # the Serve instance this command started
+        else:
+            serve.delete("sequoia")  # only this app: the cluster's other Serve apps go on
         return 0
     print(f"try: curl {url}/v1/completions -H 'content-type: application/json' "
           f"-d '{json.dumps({'model': cfg.model_name, 'prompt': 'def add(a, b):', 'max_tokens': 32})}'")

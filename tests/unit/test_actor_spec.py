@@ -138,3 +138,29 @@ def test_actor_log_lines_reach_stderr(capfd):
     finally:
         log.handlers[:], _ = before
         log.setLevel(before[1])
+
+
+def test_cpu_actors_pinned_to_a_gpu_type_file_plans_under_the_cpu():
+    """``accelerator_type`` may place CPU actors on a GPU type's nodes; their plans are the CPU's (the GPU's would
+    be timed on another device)."""
+    from sequoia_ray.hardware import hardware_id
+
+    assert ServeConfig(accelerator_type="A100").plan_hardware_id(2) == hardware_id(None, 1, 2)
+    assert ServeConfig(accelerator_type="A100", num_gpus=1, draft_quantize=None).plan_hardware_id(2) == "A100"
+
+
+@pytest.mark.parametrize("autoscaling,message", [
+    ({"max_replica": 4}, "unknown keys \\['max_replica'\\]"),  # a typo: Serve would drop it and never scale
+    ({"min_replicas": 5, "max_replicas": 2}, "must be greater than or equal to min_replicas"),
+    ({"min_replicas": "x"}, "min_replicas"),
+])
+def test_an_autoscaling_config_serve_would_refuse_or_misread_is_refused(autoscaling, message):
+    with pytest.raises(ValidationError, match=message):
+        ServeConfig(autoscaling=autoscaling)
+    assert ServeConfig(autoscaling={"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4}).autoscaling
+
+
+def test_nccl_ranks_need_a_whole_gpu_each():
+    with pytest.raises(ValidationError, match="one whole GPU each"):
+        ServeConfig(tp_size=2, tp_backend="nccl", num_gpus=0.5, draft_quantize=None)
+    assert ServeConfig(tp_size=2, tp_backend="nccl", num_gpus=1, draft_quantize=None).tp_size == 2

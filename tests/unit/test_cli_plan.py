@@ -88,7 +88,7 @@ def test_plan_imports_neither_torch_transformers_nor_ray(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--set", "tp_size=2", "--set", "tp_backend=nccl"], "set tp_backend: gloo"),
     (["--set", "device=tpu"], "device"),
-    (["--port", "x"], "invalid int value"),
+    (["--port", "x"], "is not a TCP port"),
     (["--profile-seconds", "-5"], "must be >= 0"),
 ])
 def test_serve_rejects_a_bad_config_in_one_line_before_starting_ray(args, needle, capsys):

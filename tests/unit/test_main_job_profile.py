@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from deployments.config import ServeConfig
+from deployments import launch
 from deployments.launch import SERVED_TEMPERATURES, ensure_plans, missing_temperatures, serving_hardware_id
 from deployments.service import PlanProvider
 from sequoia_ray import profiling
@@ -290,6 +291,26 @@ def test_hardware_id_is_the_target_deployments(tmp_path):
     assert serving_hardware_id(cfg) == hardware_id(None, 1, 2)
     assert serving_hardware_id(_cfg(tmp_path, threads=None, num_cpus=1)) == hardware_id(None, 1, 1)
     assert serving_hardware_id(_cfg(tmp_path, hardware_id="pinned")) == "pinned"
+
+
+def test_the_launcher_files_plans_under_the_actors_device_not_its_own(tmp_path, monkeypatch):
+    """On a GPU host with num_gpus 0 the actors run on the CPU: the launcher must look plans up (and profile)
+    there, not on the GPU it sees itself (it profiled on the GPU and filed the plans under its id)."""
+    import torch
+
+    import sequoia_ray.devices as devices
+    import sequoia_ray.hardware as hw
+
+    asked = []
+    monkeypatch.setattr(devices, "resolve_device", lambda spec: asked.append(spec) or torch.device(
+        "cuda" if spec in ("auto", "cuda") else "cpu"))  # a launcher that sees a GPU
+    monkeypatch.setattr(hw, "accelerator_name", lambda device: "L4" if device.type == "cuda" else None)
+    cfg = _cfg(tmp_path, threads=2, num_cpus=1)
+    assert serving_hardware_id(cfg) == hardware_id(None, 1, 2) and asked == ["cpu"]
+    jobs, freed = [], []
+    monkeypatch.setattr(launch, "release_accelerator", freed.append)
+    ensure_plans(cfg, 60.0, run=lambda job, *args, **kw: jobs.append(job) or [])
+    assert jobs[0].device == "cpu" and freed == ["cpu"]
 
 
 def test_missing_plans_are_profiled_published_and_then_served(tmp_path, pair, capsys):
@@ -598,3 +619,22 @@ def test_unmeasured_picks_charge_the_served_calls_when_they_can_be_timed():
     assert all(p.overhead.calls == (0.0, 0.5) and p.measured is None for p in charged.values())
     assert all(charged[b].choice.predicted_speedup < free[b].choice.predicted_speedup for b in (1, 2, 4, 8))
     assert charged[8].choice.n == 1 and charged[4].choice.n > 1
+
+
+@pytest.mark.parametrize("field, value, message", [("max_depth", 1, "max_depth 1 leaves no level for a draft token"),
+                                                   ("budgets", (1,), r"budgets \(1,\) hold no tree with a draft")])
+def test_a_profile_job_with_no_room_for_a_tree_is_refused_up_front(field, value, message):
+    """max_depth = 1 or budgets = (1,) passed validation, and the job then died after profiling, in the overhead
+    probe (a DPError: no 2-node tree in the table). No plan of such a job could be more than the target alone, so
+    the config is refused, naming the field and the fix; the smallest room for a tree is accepted and probed."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        ProfileJobConfig(storage="/tmp/unused", **{field: value})
+    cfg = ProfileJobConfig(storage="/tmp/unused", budgets=(2,), max_depth=2)
+    assert cfg.budgets == (1, 2)
+    t = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.05, 16: 1.1}
+    prof = HardwareProfile("x", t, {w: 0.05 for w in t}, 0.1, 64, "float32")
+    table = solve(AcceptanceVector.from_p([0.8, 0.1]), max(cfg.budgets), cfg.max_depth)
+    plan, batches = profiling._probe(table, prof, profiling.choose(table, prof, cfg.budgets)[0])
+    assert plan.n == 2 and batches

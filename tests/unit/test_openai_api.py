@@ -193,6 +193,15 @@ def test_a_malformed_override_names_itself(overrides, message):
         app_args(DEFAULT_CONFIG, overrides)
 
 
+@pytest.mark.parametrize("port", ["99999", "0", "http"])
+def test_a_port_outside_tcps_range_is_a_usage_error_before_ray_starts(port, capsys):
+    from deployments.launch import main
+
+    with pytest.raises(SystemExit) as info:  # it reached Serve's proxy and died there with a traceback
+        main(["--port", port])
+    assert info.value.code == 2 and "is not a TCP port" in capsys.readouterr().err
+
+
 def test_a_plan_store_that_is_not_a_string_is_refused():
     with pytest.raises(ValueError, match="plan_store 5 must be a path or a URI"):
         app_args(DEFAULT_CONFIG, ["plan_store=5"])
