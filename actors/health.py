@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from sequoia_ray.request_errors import UnknownRequest
+from sequoia_ray.request_errors import UnknownRequest, poisons_device
 
 
 class CallTracker:
@@ -31,7 +31,7 @@ class CallTracker:
         except UnknownRequest:
             raise  # a finished or reaped request: the caller's problem, the actor is fine
         except Exception as exc:
-            if self.fatal_errors:
+            if self.fatal_errors or poisons_device(exc):  # a CUDA error fails every later call of this process
                 self.broken = f"{method} failed: {type(exc).__name__}: {exc}"
             raise
         finally:

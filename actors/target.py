@@ -74,7 +74,8 @@ class TargetRank(ModelActor):
             # wakes every 10 ms in the process that computes (~100 wake-ups/s; +2% on a forward, within noise)
             dist.init_process_group(backend, rank=self.rank, world_size=self.world,
                                     init_method=f"tcp://{master}:{port}",
-                                    timeout=timedelta(seconds=self.spec.collective_timeout_s))
+                                    timeout=timedelta(seconds=self.spec.collective_timeout_s),
+                                    device_id=self.device if backend == "nccl" else None)  # the rank's GPU, eagerly
         self.loaded = self.compute.run(self._load)
         check_sharded(self.loaded.model, self.world)
         return self.compute.run(TargetWorker, self.loaded.model, layout=self.spec.batch_layout,

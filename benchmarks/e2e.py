@@ -40,7 +40,7 @@ from common import print_table, write_json  # noqa: E402
 
 from sequoia_ray.arguments import FULL, vocab_size  # noqa: E402
 from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, ProfileJobConfig, SamplingParams  # noqa: E402
-from sequoia_ray.devices import DEVICE_CHOICES, synchronize  # noqa: E402
+from sequoia_ray.devices import DEVICE_CHOICES, resolve_device, synchronize  # noqa: E402
 from sequoia_ray.dynamic_rules import DynamicRules  # noqa: E402
 from sequoia_ray.hardware import HardwareProfile, accelerator_name, hardware_id  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
@@ -159,7 +159,8 @@ def ratios(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--draft-quantize", default="int8", choices=["none", "int8"], help="the serving default: int8")
+    ap.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8"],
+                    help="auto: int8 on the CPU (the serving default there), none on a GPU (int8 is CPU-only)")
     ap.add_argument("--draft-vocab", type=vocab_size, default=DEFAULT_DRAFT_VOCAB,
                     help="ids kept in the draft's LM head, or 'full' (the serving default: %(default)s); transformers' "
                          "assisted generation runs the same draft model, head included")
@@ -176,7 +177,11 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto = a GPU if torch sees one")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.draft_quantize == "auto":
+        args.draft_quantize = "int8" if resolve_device(args.device).type == "cpu" else "none"
     args.draft_quantize = None if args.draft_quantize == "none" else args.draft_quantize
+    if args.draft_quantize == "int8" and args.device == "auto":
+        args.device = "cpu"  # an int8 draft runs on the CPU only: the pair and the profile both run there
     args.draft_vocab = None if args.draft_vocab == FULL else args.draft_vocab
     args.grid_n, args.grid_d = ([int(x) for x in v.split(",")] for v in (args.grid_n, args.grid_d))
     temperatures = [float(x) for x in args.temperatures.split(",")]

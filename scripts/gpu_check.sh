@@ -56,7 +56,7 @@ echo "greedy identity: OK (64 tokens)"
 
 echo "== 4/4 speedup table on the real pair (bfloat16, cuda)"
 if [ "$QUICK" = 1 ]; then
-  "$PY" benchmarks/e2e.py --device cuda --dtype bfloat16 --limit 2 --max-tokens 32 --budgets 16 --temperatures 0
+  "$PY" benchmarks/e2e.py --device cuda --dtype bfloat16 --limit 2 --max-tokens 32 --temperatures 0
 else
   "$PY" benchmarks/e2e.py --device cuda --dtype bfloat16
 fi

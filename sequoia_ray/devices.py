@@ -41,6 +41,9 @@ def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), loc
 
     check_device(spec)
     available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if spec == "auto" and gpu_ids and not available:  # else the actor would hold its GPU and compute on the CPU
+        raise ValueError(f"Ray assigned GPU {list(gpu_ids)} but torch sees no CUDA device (a CPU build of torch: "
+                         "install a CUDA build, see scripts/gpu_check.sh; or set num_gpus: 0 / device: cpu)")
     if spec == "cpu" or (spec == "auto" and not available):
         return torch.device("cpu")
     if not available:

@@ -60,6 +60,7 @@ from sequoia_ray.config import SamplingParams
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.models.draft_vocab import kept_logits
 from sequoia_ray.prefix_cache import PrefixCache
+from sequoia_ray.request_errors import poisons_device
 from sequoia_ray.request_state import RequestState, RequestTable, check_prefill_chunk
 from sequoia_ray.sampling import (
     SparseDist,
@@ -281,6 +282,8 @@ class DraftWorker(RequestTable):
         try:
             return self._grow_batch(calls)
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
+            if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
+                raise
             if len(calls) == 1:
                 return [exc]
             logger.exception("a batched grow of %d requests failed; retrying them one by one", len(calls))
@@ -299,6 +302,8 @@ class DraftWorker(RequestTable):
                 rule = rest[1] if len(rest) > 1 else None
                 growing[i], segments[i] = self._start_growth(request_id, plan, rule)
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
+                    raise
                 results[i] = exc
         logits = self._forward(segments, last_only=True)  # [1, V] at each root
         for i in [i for i, g in growing.items() if g.prefill_only]:
@@ -310,6 +315,8 @@ class DraftWorker(RequestTable):
                 try:
                     segment = self._next_level(g, logits[i])
                 except Exception as exc:  # noqa: BLE001
+                    if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
+                        raise
                     results[i] = exc
                     del growing[i]
                     continue

@@ -24,7 +24,11 @@ class LocalPair:
              draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> LocalPair:
         """Both models on ``device`` (``auto | cpu | cuda``, see ``sequoia_ray.devices``); ``linears``: see
         ``sequoia_ray.models.packed_linear``; ``layers``: see ``sequoia_ray.models.traced_layers``;
-        ``draft_vocab``: see ``sequoia_ray.models.draft_vocab`` (None: the draft's full head)."""
+        ``draft_vocab``: see ``sequoia_ray.models.draft_vocab`` (None: the draft's full head). An int8 draft
+        runs on the CPU only, so ``auto`` with one is the CPU for both (the CPU comparisons of benchmarks/ on a
+        machine that also has a GPU); an explicit ``cuda`` with one stays an error."""
+        if draft_quantize == "int8" and device == "auto":
+            device = "cpu"
         t = load_model(target, dtype=dtype, progress=progress, device=device, linears=linears, layers=layers)
         d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device,
                        linears=linears, layers=layers, draft_vocab=draft_vocab) if draft else None

@@ -32,6 +32,7 @@ from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
 from sequoia_ray.models.batch_forward import Segment, hidden_many
 from sequoia_ray.prefix_cache import PrefixCache
+from sequoia_ray.request_errors import poisons_device
 from sequoia_ray.request_state import RequestState, RequestTable, check_prefill_chunk
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict, verify_tree
@@ -104,6 +105,8 @@ class TargetWorker(RequestTable):
             try:
                 prepared[i] = self._prepare(*call)
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
+                    raise
                 results[i] = exc
         for i, outcome in self._verify_prepared(prepared).items():
             results[i] = outcome
@@ -123,6 +126,8 @@ class TargetWorker(RequestTable):
                 rows = list(trees.values())
                 logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows)) if trees else None
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
+            if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
+                raise
             for p in prepared.values():
                 p.req.session.truncate(p.cached)  # a solo forward may have written some layers' K/V
             if not self.retry_alone:
@@ -170,6 +175,8 @@ class TargetWorker(RequestTable):
             p.req.prefill_mark = self.prefilled
             p.req.session.keep([*range(p.base), *(p.base + node for node in verdict.path)])
         except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+            if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
+                raise
             p.req.session.truncate(p.base)  # drop the tree's K/V: the cache holds committed tokens only
             return exc
         p.req.committed.extend(verdict.tokens)

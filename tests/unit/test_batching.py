@@ -205,6 +205,29 @@ def test_a_head_that_fails_on_the_batch_is_retried_request_by_request(models, mo
     assert tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)]) == want
 
 
+@pytest.mark.parametrize("where", ["forward", "walk"])
+def test_a_cuda_error_is_not_caught_per_request(models, monkeypatch, where):
+    """A CUDA error leaves the device unusable: retrying the batch's requests one by one, or failing one request
+    and going on, would fail every call after it. It leaves the batch (and ends the actor)."""
+    import sequoia_ray.draft as draft_module
+    import sequoia_ray.target as target_module
+
+    target, draft = models
+    tw, dw = _started(target, draft, 3)
+    trees = dw.grow_batch([(str(r), PLAN) for r in range(3)])
+    fault = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    def broken(*args, **kwargs):
+        raise fault
+
+    monkeypatch.setattr(target_module, "hidden_many" if where == "forward" else "verify_tree", broken)
+    with pytest.raises(torch.AcceleratorError):
+        tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)])
+    monkeypatch.setattr(draft_module, "hidden_many", broken)
+    with pytest.raises(torch.AcceleratorError):
+        dw.grow_batch([(str(r), PLAN) for r in range(3)])
+
+
 @pytest.mark.parametrize("kind", [TargetWorker, DraftWorker])
 def test_a_prefill_chunk_below_one_is_refused(models, kind):
     with pytest.raises(ValueError, match="prefill_chunk 0 must be >= 1"):  # it would forward empty chunks for ever

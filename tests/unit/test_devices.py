@@ -9,7 +9,15 @@ from sequoia_ray.devices import resolve_device
 def test_cpu_and_auto_without_an_accelerator_are_the_host():
     assert resolve_device("cpu", cuda_available=True) == torch.device("cpu")
     assert resolve_device("auto", cuda_available=False) == torch.device("cpu")
-    assert resolve_device("auto", gpu_ids=[3], cuda_available=False) == torch.device("cpu")
+
+
+
+def test_an_assigned_gpu_that_torch_cannot_see_is_an_error():
+    """Ray gave the actor a GPU, but torch is a CPU build: computing on the CPU would hold the GPU idle and file
+    plans under the CPU's id."""
+    with pytest.raises(ValueError, match=r"Ray assigned GPU \[3\] but torch sees no CUDA device"):
+        resolve_device("auto", gpu_ids=[3], cuda_available=False)
+    assert resolve_device("cpu", gpu_ids=[3], cuda_available=False) == torch.device("cpu")  # asked for: the CPU
 
 
 def test_auto_takes_the_assigned_gpu():
@@ -95,3 +103,17 @@ def test_a_tree_crosses_devices_in_one_transfer_per_field():
     assert len({d.tokens.untyped_storage().data_ptr() for d in moved.dists.values()}) == 1
     assert len({d.probs.untyped_storage().data_ptr() for d in moved.dists.values()}) == 1
     assert DraftTree(torch.arange(3), {}).to("cpu").dists == {}
+
+
+@pytest.mark.parametrize("quantize,device,expected", [("int8", "auto", "cpu"), (None, "auto", "auto"),
+                                                      ("int8", "cuda", "cuda")])
+def test_a_pair_with_an_int8_draft_on_device_auto_loads_on_the_cpu(monkeypatch, quantize, device, expected):
+    """int8 runs on the CPU only: on a machine with a GPU, ``auto`` put the int8 draft on it and failed (every
+    CPU benchmark of benchmarks/ that loads the served pair); an explicit cuda is still the loader's error."""
+    import sequoia_ray.local as local
+
+    asked = []
+    monkeypatch.setattr(local, "load_model", lambda source, **kw: asked.append(kw["device"]))
+    monkeypatch.setattr(local, "check_same_vocab", lambda t, d: None)
+    local.LocalPair.load("t", "d", draft_quantize=quantize, device=device, progress=False)
+    assert asked == [expected, expected]

@@ -125,3 +125,20 @@ def test_draft_errors_are_not_fatal():
         with tracker.running("grow"):
             raise ValueError("boom")
     assert tracker.health()["broken"] is None
+
+
+def test_a_cuda_error_breaks_even_an_actor_whose_errors_are_not_fatal():
+    """A CUDA error poisons the process's context: every later call would fail while a draft (or a single-rank
+    target) reported itself healthy, and Serve would never replace it."""
+    import torch
+
+    tracker = CallTracker(fatal_errors=False)
+    with pytest.raises(torch.OutOfMemoryError):  # out of memory is not one: a smaller batch may fit
+        with tracker.running("grow"):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    assert tracker.health()["broken"] is None
+    with pytest.raises(torch.AcceleratorError):
+        with tracker.running("grow"):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="draft actor 0 is broken: grow failed: AcceleratorError"):
+        raise_if_unhealthy([tracker.health()], 5.0, "draft actor")
