@@ -6,7 +6,8 @@
 # scripts/gpu_check.sh): SEQUOIA_TORCH="torch==X" and SEQUOIA_TORCH_PIP_ARGS="<pip options>". pip installs
 # without byte-compiling; one compileall on every core does it after (pip compiles on one: 152 -> 137 s here).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # absolute: $0 may be relative to the folder left below
+cd "$(dirname "$SELF")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${SEQUOIA_TORCH:-torch==2.13.0+cpu}
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -14,7 +15,7 @@ VENV=.venv
 STAMP=$VENV/.sequoia-ray-installed
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-want="$(cat pyproject.toml "$0" | sha256sum | cut -c1-16) $TORCH_SPEC"
+want="$(cat pyproject.toml "$SELF" | sha256sum | cut -c1-16) $TORCH_SPEC ${SEQUOIA_TORCH_PIP_ARGS:-}"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi

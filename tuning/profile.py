@@ -94,6 +94,16 @@ def trial_bundles(hw: str, tp_size: int, cpus: float) -> list[dict[str, float]]:
     return [dict(bundle) for _ in range(1 if tp_size == 1 else tp_size + 1)]
 
 
+def trial_resources(hw: str, tp_size: int, cpus: float):
+    """A trial's placement group: ``trial_bundles``, a TP group's all on the trial's node (``TargetGroup`` gives the
+    ranks the trial node's address as the group's master, which rank 0 must listen on; Tune's default PACK may
+    spread them, and a GPU trial whose tp equals a node's GPUs always spilled over), as Serve places a replica's."""
+    from ray import tune
+
+    return tune.PlacementGroupFactory(trial_bundles(hw, tp_size, cpus),
+                                      strategy="STRICT_PACK" if tp_size > 1 else "PACK")
+
+
 def join_uri(uri: str, *parts: str) -> str:
     base, _, query = uri.partition("?")
     path = "/".join([base.rstrip("/"), *parts])
@@ -139,7 +149,7 @@ def run(cfg: ProfileJobConfig, cpus: float) -> list[dict]:
     types = list(cfg.hardware) or discover_hardware(ray.cluster_resources())
     print(f"profiling hardware types: {types}", flush=True)
     resources = tune.with_resources(
-        trainable, lambda spec: tune.PlacementGroupFactory(trial_bundles(spec["hw"], cfg.tp_size, cpus)))
+        trainable, lambda spec: trial_resources(spec["hw"], cfg.tp_size, cpus))
     tuner = tune.Tuner(
         resources, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump(), "cpus": cpus},
         run_config=RunConfig(name="sequoia-profile", storage_path=join_uri(cfg.storage, "tune"), verbose=1))

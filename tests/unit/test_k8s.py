@@ -105,3 +105,16 @@ def test_images_and_ray_versions_are_consistent():
         imgs.update(images(cluster))
     assert versions == {version("ray")}, versions
     assert len(imgs) == 1, imgs
+
+
+def test_every_pod_that_may_run_a_replica_mounts_the_models_the_app_loads():
+    """The ingress asks for no CPU, so Serve may place it on any pod, the head included; it loads the target's
+    tokenizer from the app's model path at start, which failed on a pod without the volume."""
+    spec = load("rayservice.yaml")["spec"]
+    args = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["args"]
+    cluster = spec["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for pod in pods:
+        mounts = [m["mountPath"] for c in pod["template"]["spec"]["containers"] for m in c.get("volumeMounts", [])]
+        for path in (args["target"], args["draft"]):
+            assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), (pod.get("groupName", "head"), path)

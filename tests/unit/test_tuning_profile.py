@@ -32,3 +32,14 @@ def test_a_bad_acceptance_value_fails_the_command(tmp_path, monkeypatch, value, 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=rf"--acceptance 0.0={value}: .*{needle}"):
         parse_config(["--storage", str(tmp_path), "--acceptance", f"0={value}"])
+
+
+
+def test_a_tensor_parallel_trial_keeps_its_ranks_on_its_node():
+    """The ranks' group master is the trial's node address: a rank 0 placed on another node (Tune's default PACK
+    spreads a group that does not fit one node) could not listen there and the group never formed."""
+    from tuning.profile import trial_bundles, trial_resources
+
+    group = trial_resources("A100", 2, 4.0)
+    assert group.strategy == "STRICT_PACK" and group.bundles == trial_bundles("A100", 2, 4.0)
+    assert trial_resources("cpu", 1, 2.0).strategy == "PACK"
