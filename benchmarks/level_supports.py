@@ -57,14 +57,15 @@ def grow_once(worker: DraftWorker, prompts, params, plan, tag: str):
     return seconds, [t.tokens.tolist() for t in trees]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--top-p", type=float, default=0.95)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
     pair = LocalPair.tiny(device="cpu") if args.tiny else LocalPair.load(dtype="bfloat16", draft_quantize="int8",
                                                                           progress=False)
     worker, plan = DraftWorker(pair.draft.model), specinfer(4, 4)
@@ -72,22 +73,25 @@ def main() -> None:
     prompts = [pair.encode(p.text, chat=p.chat) for p in (texts * args.batch)[: args.batch]]
     params = SamplingParams(max_tokens=64, temperature=args.temperature, top_p=args.top_p)
     times, same = {"node": [], "level": []}, True
-    for r in range(args.rounds):
-        trees = {}
-        for way in ("node", "level") if r % 2 else ("level", "node"):
-            DraftWorker._dists = per_node if way == "node" else PER_LEVEL
-            seconds, trees[way] = grow_once(worker, prompts, params, plan, f"{way}{r}")
-            times[way].append(seconds)
-        same = same and trees["node"] == trees["level"]
-    DraftWorker._dists = PER_LEVEL
+    try:
+        for r in range(args.rounds):
+            trees = {}
+            for way in ("node", "level") if r % 2 else ("level", "node"):
+                DraftWorker._dists = per_node if way == "node" else PER_LEVEL
+                seconds, trees[way] = grow_once(worker, prompts, params, plan, f"{way}{r}")
+                times[way].append(seconds)
+            same = same and trees["node"] == trees["level"]
+    finally:
+        DraftWorker._dists = PER_LEVEL
     paired = sorted(b / a for a, b in zip(times["node"], times["level"]))
     row = {"batch": args.batch, "nodes": plan.n, "levels": plan.num_levels, "T": args.temperature,
            "node ms": 1e3 * statistics.median(times["node"]), "level ms": 1e3 * statistics.median(times["level"]),
            "level / node": statistics.median(paired), "q1": paired[len(paired) // 4],
            "q3": paired[(3 * len(paired)) // 4], "same trees": same}
     print_table([row], list(row))
-    write_json("level-supports", {"args": vars(args), "threads": torch.get_num_threads(), "row": row,
-                                  "seconds": times})
+    write_json("level-supports", {"args": {k: str(v) for k, v in vars(args).items()},
+                                  "threads": torch.get_num_threads(), "row": row, "seconds": times}, args.out)
+    return row
 
 
 if __name__ == "__main__":
