@@ -238,6 +238,9 @@ class HardwareProfile:
             if not table or any(not 1 <= k <= largest or not math.isfinite(v) or v <= 0 for k, v in table.items()):
                 raise ProfileError(f"{source}: field '{name}' must map sizes from 1 to {largest} to finite positive "
                                    "times")
+        if 1 not in t or 1 not in c:  # below its smallest size a table is read flat: t(1) = 1 defines every ratio
+            raise ProfileError(f"{source}: fields 't' and 'c' must hold size 1 (they hold {sorted(t)[:3]}..., "
+                               f"{sorted(c)[:3]}...); re-profile")
         if any(not 2 <= b <= top for b in (*batch_t, *batch_c)):
             raise ProfileError(f"{source}: fields 'batch_t'/'batch_c' hold batches from 2 to {top} (batch 1 is 't'/'c')")
         if not (math.isfinite(prof.target_step_s) and prof.target_step_s > 0) or prof.context < 1:

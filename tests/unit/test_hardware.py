@@ -71,6 +71,11 @@ def test_profile_round_trip_and_validation(tmp_path):
         HardwareProfile.load(path)
     with pytest.raises(ProfileError, match="profiled max 8"):
         prof.t_of(16)
+    for table in ("t", "c"):  # without size 1 a table reads flat below its smallest size: every ratio off
+        bad = prof.to_dict()
+        del bad[table]["1"]
+        with pytest.raises(ProfileError, match="must hold size 1"):
+            HardwareProfile.from_dict(bad)
 
 
 def test_time_forward_on_a_tiny_model_and_hardware_id():
