@@ -10,7 +10,7 @@ from __future__ import annotations
 import ray
 from ray.serve import Application
 
-from deployments.autoscaling import autoscaling_config
+from deployments.autoscaling import autoscaling_config, check_reachable, ingress_autoscaling_config
 from deployments.capacity import Demand, check_placeable, cluster_nodes
 from deployments.config import ServeConfig
 from deployments.ingress import OpenAIIngress
@@ -24,23 +24,40 @@ def build_app(args: dict) -> Application:
     if cfg.check_placement and ray.is_initialized():
         check_placeable(demands(cfg), cluster_nodes())
     config = cfg.model_dump()
-    strategy = _strategy(cfg)
+    draft = DraftDeployment.options(**model_options(cfg, 1)).bind(config) if cfg.draft else None
+    target = TargetDeployment.options(**model_options(cfg, cfg.tp_size)).bind(config)
+    return OpenAIIngress.options(**ingress_options(cfg)).bind(config, draft, target)
+
+
+def model_options(cfg: ServeConfig, actors: int) -> dict:
+    """A model deployment's options: its placement group of ``actors`` bundles, its scaling and health."""
     # Serve queues a replica's requests beyond max_ongoing_requests (default 5) out of our sight: the ingress
     # takes every request so max_concurrent (-> 429) is the limit and /health never waits behind generation;
     # the model deployments only hand out actor handles (actors() returns at once).
-    health = {"health_check_period_s": cfg.health_check_period_s,
-              "health_check_timeout_s": cfg.health_check_timeout_s, "max_ongoing_requests": 256,
-              "graceful_shutdown_timeout_s": cfg.drain_timeout_s}  # the time __del__ may drain held requests
-    scaling = ({"autoscaling_config": autoscaling_config(cfg.autoscaling)} if cfg.autoscaling
-               else {"num_replicas": cfg.num_replicas})
-    draft = None
-    if cfg.draft:
-        draft = DraftDeployment.options(placement_group_bundles=replica_bundles(cfg, 1),
-                                        placement_group_strategy=strategy, **scaling, **health).bind(config)
-    target = TargetDeployment.options(placement_group_bundles=replica_bundles(cfg, cfg.tp_size),
-                                      placement_group_strategy=strategy, **scaling, **health).bind(config)
-    return OpenAIIngress.options(num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_concurrent + 64
-                                 ).bind(config, draft, target)
+    return {"placement_group_bundles": replica_bundles(cfg, actors), "placement_group_strategy": _strategy(cfg),
+            "health_check_period_s": cfg.health_check_period_s,
+            "health_check_timeout_s": cfg.health_check_timeout_s, "max_ongoing_requests": 256,
+            "graceful_shutdown_timeout_s": cfg.drain_timeout_s,  # the time __del__ may drain held requests
+            **_scaling(cfg)}
+
+
+def ingress_options(cfg: ServeConfig) -> dict:
+    """The ingress's options. It runs every request's decoding loop, so a replica Serve stops (a redeploy, a
+    scale-down) gets the models' drain_timeout_s to finish its streams, not Serve's default 20 s; and it scales
+    with the model deployments, whose held requests it alone lets in (``ingress_autoscaling_config``)."""
+    scaling: dict = {"num_replicas": cfg.num_replicas}
+    if cfg.autoscaling:
+        ingress = ingress_autoscaling_config(cfg.autoscaling, cfg.max_concurrent)
+        check_reachable(cfg.autoscaling, ingress["max_replicas"], cfg.max_concurrent)  # a guard on the derivation
+        scaling = {"autoscaling_config": ingress}
+    return {"max_ongoing_requests": cfg.max_concurrent + 64, "graceful_shutdown_timeout_s": cfg.drain_timeout_s,
+            **scaling}
+
+
+def _scaling(cfg: ServeConfig) -> dict:
+    if cfg.autoscaling:
+        return {"autoscaling_config": autoscaling_config(cfg.autoscaling)}
+    return {"num_replicas": cfg.num_replicas}
 
 
 def _strategy(cfg: ServeConfig) -> str:

@@ -4,7 +4,9 @@ Serve keeps a replica whose resources no node has "waiting to be scheduled" with
 asking for more CPUs than the machine has (or a GPU type the cluster lacks) looks like a service that never
 answers. ``check_placeable`` compares what the app's replicas reserve (their placement-group bundles)
 with the nodes the cluster has *now*: every bundle must fit some node, a ``STRICT_PACK`` replica's bundles
-must fit one node together, and every replica's bundles must fit the cluster's total. On an autoscaling
+must fit one node together, every replica's bundles must fit the cluster's total, and all the replicas'
+placement groups must pack onto the nodes together (a node's room taken by one replica is not another's:
+three 2-GPU ``STRICT_PACK`` groups do not fit two 3-GPU nodes, though 6 GPUs do). On an autoscaling
 cluster whose nodes come later (KubeRay worker groups scaling from zero) the check is turned off in the
 config (``check_placement: false``).
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
+PACK_STEPS = 100_000  # placements the packing search may try; beyond, the application is taken as placeable
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ def check_placeable(demands: list[Demand], nodes: list[dict[str, float]]) -> Non
         if demand.strategy == "STRICT_PACK":
             _fits_a_node(demand, _total([demand.bundles]), nodes, f"its {len(demand.bundles)} bundles together")
     _fits_the_cluster(demands, _total([tuple(nodes)]))
+    _packs(demands, nodes)
 
 
 def _fits_a_node(demand: Demand, need: dict[str, float], nodes: list[dict[str, float]], what: str) -> None:
@@ -64,6 +69,69 @@ def _fits_the_cluster(demands: list[Demand], cluster: dict[str, float]) -> None:
             split = " + ".join(f"{name} {_fmt(p[resource])}" for name, p in parts.items() if p.get(resource))
             raise Unplaceable(f"the application needs {_fmt(amount)} {resource} in all ({split}) but the cluster has "
                               f"{_fmt(cluster.get(resource, 0.0))}; {_fix(resource)}")
+
+
+def _packs(demands: list[Demand], nodes: list[dict[str, float]]) -> None:
+    """Raise when the replicas' placement groups cannot all be placed on ``nodes`` at once. Each unit — a
+    ``STRICT_PACK`` group as one, a ``PACK`` group's bundles one by one (Ray may spread them) — takes its room on
+    one node, largest first (first-fit decreasing), backtracking when a unit finds no room: Ray places the groups
+    one by one, but a deploy is refused only when no placement exists at all."""
+    units = sorted(_units(demands), key=lambda unit: _share(unit[1], nodes), reverse=True)
+    free, budget = [dict(node) for node in nodes], [PACK_STEPS]
+    stuck = _place(units, 0, free, budget)
+    if stuck is not None:
+        name, need = stuck
+        raise Unplaceable(f"deployment {name} cannot place all its replicas: the cluster's nodes fit every replica "
+                          f"alone, but not all of the application's placement groups together (its {_fmt_need(need)} "
+                          f"find no node with room left once the others are placed); lower num_replicas (or "
+                          f"min_replicas), or add nodes")
+
+
+def _units(demands: list[Demand]) -> list[tuple[str, dict[str, float]]]:
+    """What must land on one node each: (deployment, resources) per STRICT_PACK group or per PACK bundle."""
+    out = []
+    for demand in demands:
+        for _ in range(demand.replicas):
+            if demand.strategy == "STRICT_PACK":
+                out.append((demand.deployment, _total([demand.bundles])))
+            else:
+                out.extend((demand.deployment, dict(bundle)) for bundle in demand.bundles)
+    return out
+
+
+def _share(need: dict[str, float], nodes: list[dict[str, float]]) -> float:
+    """A unit's size for the decreasing order: its largest share of the cluster's total of any resource."""
+    cluster = _total([tuple(nodes)])
+    return max((amount / cluster[r] for r, amount in need.items() if cluster.get(r)), default=0.0)
+
+
+def _place(units: list, i: int, free: list[dict[str, float]], budget: list[int]) -> tuple | None:
+    """Place ``units[i:]`` on the ``free`` room left (first fit, backtracking): None when they all fit (or the
+    search ran out of ``budget``), else a unit that found no room (the first fit's, for the message)."""
+    if i == len(units):
+        return None
+    stuck, tried = None, []  # a node with the same room left as one tried already would fail the same way
+    for node in free:
+        if not _covers(node, units[i][1]) or node in tried:
+            continue
+        tried.append(dict(node))
+        budget[0] -= 1
+        _take(node, units[i][1], -1.0)
+        deeper = _place(units, i + 1, free, budget) if budget[0] > 0 else None
+        _take(node, units[i][1], 1.0)
+        if deeper is None:
+            return None
+        stuck = stuck or deeper
+    return stuck or units[i]
+
+
+def _take(node: dict[str, float], need: dict[str, float], sign: float) -> None:
+    for resource, amount in need.items():
+        node[resource] = node.get(resource, 0.0) + sign * amount
+
+
+def _fmt_need(need: dict[str, float]) -> str:
+    return ", ".join(f"{_fmt(amount)} {resource}" for resource, amount in sorted(need.items()))
 
 
 def _covers(node: dict[str, float], need: dict[str, float]) -> bool:

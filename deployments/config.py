@@ -151,9 +151,10 @@ class ServeConfig(BaseModel):
                                         "collective waiting on a hung rank fails after this.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks the model deployments.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="A health check slower than this fails.")
-    num_replicas: int = Field(1, ge=1, description="Ingress/target replicas (fixed; see autoscaling).")
+    num_replicas: int = Field(1, ge=1, description="Ingress/draft/target replicas when autoscaling is off.")
     autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config for the draft and target "
-                                     "deployments; target_ongoing_requests counts requests held per replica.")
+                                     "deployments; target_ongoing_requests counts requests held per replica. The "
+                                     "ingress scales with them (deployments.autoscaling.ingress_autoscaling_config).")
     drain_timeout_s: float = Field(300.0, gt=0, description="How long a model replica being removed (scaling "
                                    "down, a redeploy) waits for the requests its actors hold to finish before "
                                    "Serve stops it (its graceful_shutdown_timeout_s).")

@@ -425,8 +425,8 @@ class OpenAIIngress:
         try:
             plans = await self._plans()
             active = await asyncio.to_thread(plans.get, params.temperature, self.active)  # a first fetch may be slow
-            self.metrics.plan.set(active.planned.plan.n, tags={"hardware": plans.hardware, "source": active.source,
-                                                               "bucket": f"{params.temperature:.1f}"})
+            self.metrics.plan.set(active.planned.plan.n,
+                                  tags=self.metrics.plan_tags(plans.hardware, active.source, params.temperature))
             family = await asyncio.to_thread(self.families.get, params.temperature) if self.families else None
             rules = self.rules.for_request(params.temperature, self.in_flight.batch) if self.rules else None
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,

@@ -7,8 +7,18 @@ from ray.serve import metrics
 
 from sequoia_ray.engine import Stats
 from sequoia_ray.live_acceptance import LiveAcceptance
+from sequoia_ray.plan_store import temperature_bucket
 
 STEP_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+PLAN_KINDS = ("store", "live", "builtin")  # what ``ActivePlan.source`` begins with (deployments.service)
+
+
+def plan_kind(source: str) -> str:
+    """The kind of a plan's ``source`` ("store:<path>", "live:<path>", "live", "builtin"): a label from a fixed
+    set. The path is new at every publish and live re-plan, so as a label it made a time series per plan ever
+    served, without end."""
+    kind = source.split(":", 1)[0]
+    return kind if kind in PLAN_KINDS else "other"
 
 
 class ServiceMetrics:
@@ -29,8 +39,9 @@ class ServiceMetrics:
         self.verify_step = metrics.Histogram("sequoia_verify_step_s", "Verify seconds per step.",
                                              boundaries=STEP_BOUNDS)
         self.active = metrics.Gauge("sequoia_active_requests", "Requests in flight on this ingress replica.")
-        self.plan = metrics.Gauge("sequoia_plan_nodes", "Nodes of the plan in use (tags: hardware, source, bucket).",
-                                  tag_keys=("hardware", "source", "bucket"))
+        self.plan = metrics.Gauge("sequoia_plan_nodes", "Nodes of the plan in use (tags: hardware, source = its kind: "
+                                  "store | live | builtin, temperature bucket).",
+                                  tag_keys=("hardware", "source", "temperature"))
         self.store_errors = metrics.Counter("sequoia_plan_store_errors", "Plan store reads that failed.")
         self.live_p = metrics.Gauge("sequoia_live_acceptance", "Live estimate of p[k] per temperature bucket and rank k.",
                                     tag_keys=("temperature", "rank"))
@@ -46,6 +57,12 @@ class ServiceMetrics:
         self.speculating = metrics.Gauge("sequoia_speculating", "1 where the tree measures faster than the target "
                                          "alone and is served, per temperature and batch bucket.",
                                          tag_keys=("temperature", "batch"))
+
+    @staticmethod
+    def plan_tags(hardware: str, source: str, temperature: float) -> dict[str, str]:
+        """``sequoia_plan_nodes``'s tags for the plan from ``source`` served at ``temperature``: bounded values
+        only (the hardware, the plan's kind, the temperature bucket as the store names it: ``t0.6`` -> "0.6")."""
+        return {"hardware": hardware, "source": plan_kind(source), "temperature": temperature_bucket(temperature)[1:]}
 
     def step_rates(self, summary: dict[str, dict]) -> None:
         """Export ``StepRates.summary()``: per key, each arm's measured tokens/s per request and the arm served."""

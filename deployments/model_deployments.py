@@ -20,24 +20,26 @@ from ray import serve
 from actors.draft import DraftActor
 from actors.health import raise_if_unhealthy
 from actors.placement import bundles, in_bundle
+from actors.spec import STEP_TIMEOUT_S
 from actors.target import TargetGroup
 from deployments.autoscaling import HELD
 from deployments.config import ServeConfig
 
 logger = logging.getLogger("ray.serve")
 DRAIN_POLL_S = 0.25
-DRAIN_STALL_S = 5.0  # held requests but no forward for this long: abandoned (their ingress gone), stop waiting
+DRAIN_STALL_S = 5.0  # held requests but no forward ran or ran on for this long: abandoned (their ingress gone)
 
 
 async def drain(state: Callable[[], Awaitable[tuple[int, float]]], timeout_s: float, *,
                 stall_s: float = DRAIN_STALL_S, poll_s: float = DRAIN_POLL_S) -> int:
     """Wait while the replica's actors hold requests that still progress; returns how many are left.
 
-    ``state()``: (requests the actors hold, seconds their batcher has spent running forwards). Serve stops a
-    replica it scales away without waiting for those requests (it counts only its own calls, and the ingress
-    calls the actors directly), so each model deployment's ``__del__`` waits here and a request that began on a
-    replica ends on it. The wait ends when none is held, when no forward ran for ``stall_s`` (requests whose
-    ingress is gone, e.g. the whole app shutting down), after ``timeout_s``, or when the actor is dead."""
+    ``state()``: (requests the actors hold, seconds they have spent running forwards, the one running now
+    included: ``actor_state``). Serve stops a replica it scales away without waiting for those requests (it
+    counts only its own calls, and the ingress calls the actors directly), so each model deployment's
+    ``__del__`` waits here and a request that began on a replica ends on it. The wait ends when none is held,
+    when no forward ran for ``stall_s`` (requests whose ingress is gone, e.g. the whole app shutting down), after
+    ``timeout_s``, or when the actor is dead."""
     deadline, busy, moved = time.monotonic() + timeout_s, None, time.monotonic()
     while True:
         try:
@@ -65,10 +67,16 @@ async def group_whole(ranks: list, timeout_s: float) -> bool:
     return True
 
 
-async def actor_state(actor) -> tuple[int, float]:
-    """(requests ``actor`` holds, seconds its batcher ran forwards)."""
-    held, use = await asyncio.gather(actor.active.remote(), actor.utilization.remote())
-    return held, use.get("busy_s", 0.0)
+async def actor_state(actor, call_limit_s: float = STEP_TIMEOUT_S) -> tuple[int, float]:
+    """(requests ``actor`` holds, seconds of forwards it ran, the one running now included).
+
+    The batcher adds a forward's time only when it ends, so a long one (a CPU prefill may take far more than
+    ``DRAIN_STALL_S``) would look like no progress and the drain would end the ranks mid-forward: the time the
+    actor has spent in its current call (``health()``) counts too — up to ``call_limit_s`` (step_timeout_s):
+    a call past it is stuck, not progressing, and the health check fails it anyway."""
+    held, use, health = await asyncio.gather(actor.active.remote(), actor.utilization.remote(),
+                                             actor.health.remote())
+    return held, use.get("busy_s", 0.0) + min(health.get("busy_s", 0.0), call_limit_s)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -92,7 +100,7 @@ class DraftDeployment:
         return {HELD: await self.actor.active.remote()}
 
     async def __del__(self) -> None:  # Serve awaits it when it stops this replica
-        await drain(lambda: actor_state(self.actor), self.cfg.drain_timeout_s)
+        await drain(lambda: actor_state(self.actor, self.cfg.step_timeout_s), self.cfg.drain_timeout_s)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -125,7 +133,7 @@ class TargetDeployment:
             return
         try:
             if await group_whole(group.ranks, self.cfg.health_check_timeout_s):
-                await drain(lambda: actor_state(group.ranks[0]), self.cfg.drain_timeout_s)
+                await drain(lambda: actor_state(group.ranks[0], self.cfg.step_timeout_s), self.cfg.drain_timeout_s)
         finally:
             group.kill()
 

@@ -63,7 +63,7 @@ class PlanProvider:
         self.keys: dict[str, tuple[float, int]] = {}  # folder name -> (temperature, batch bucket)
         self.seen: dict[str, str] = {}  # folder name -> the store's latest plan when last looked ("store:<path>")
         self.errors, self.last_error = 0, None
-        self.warned: set[str] = set()  # stored plans measured under another serving configuration, logged once
+        self.warned: set[str] = set()  # what was warned about once (``_first``): plans measured otherwise, no plan
         # refresh (the ingress's loop) and adopt (the live re-plan's) run in threads of their own: one at a time,
         # or a refresh that listed the store before a live plan was published swaps the older plan back in
         self.updating = threading.Lock()
@@ -176,7 +176,7 @@ class PlanProvider:
             self.store = self.store or PlanStore(self.cfg.plan_store)
             planned, path = self.store.fetch_plan(key)
         except PlanNotFound as exc:  # a bigger bucket without a plan of its own is normal: it uses batch 1's
-            (logger.warning if bucket == 1 else logger.debug)("%s", exc)
+            (logger.warning if bucket == 1 and self._first(str(exc)) else logger.debug)("%s", exc)
             return None
         except Exception as exc:  # noqa: BLE001 - whatever the store does, serving goes on with a good plan
             error = f"{type(exc).__name__}: {exc}"
@@ -188,13 +188,19 @@ class PlanProvider:
         if self.store.skips > skips:  # newer files that did not read, skipped for an older good plan (logged)
             self.errors, self.last_error = self.errors + self.store.skips - skips, self.store.last_skip
         why = self.cfg.measured_otherwise(planned.provenance)
-        if why and path not in self.warned:  # served all the same: a tree for this machine beats the built-in one
-            self.warned.add(path)
+        if why and self._first(path):  # served all the same: a tree for this machine beats the built-in one
             logger.warning("the plan %s for T=%s batch bucket %d was measured with %s: its tree was chosen for "
                            "other costs; profile again with this configuration (scripts/main.sh does, or "
                            "`sequoia-ray profile --dtype %s%s`)", path, temperature, bucket, why, self.cfg.dtype,
                            f" --draft-quantize {self.cfg.draft_quantize}" if self.cfg.draft_quantize else "")
         return ActivePlan(planned, f"store:{path}", bucket, why)
+
+    def _first(self, key: str) -> bool:
+        """Whether ``key`` (a message, a plan's path) is met for the first time, recording it: ``refresh`` looks
+        every bucket up again every plan_refresh_s, and the same warning each time only buries the others."""
+        first = key not in self.warned
+        self.warned.add(key)
+        return first
 
 
 class LivePlanner:

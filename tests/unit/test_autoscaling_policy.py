@@ -39,3 +39,30 @@ def test_policy_is_injected_unless_named():
     from ray.serve.config import AutoscalingConfig
 
     assert AutoscalingConfig(**autoscaling_config({"max_replicas": 3})).policy.policy_function == POLICY
+
+
+def test_the_ingress_scales_to_carry_the_models_max():
+    from deployments.autoscaling import INGRESS_HEADROOM, check_reachable, ingress_autoscaling_config
+
+    user = {"min_replicas": 2, "initial_replicas": 3, "max_replicas": 4, "target_ongoing_requests": 8,
+            "upscale_delay_s": 5, "policy": {"policy_function": "x:y"}}
+    ingress = ingress_autoscaling_config(user, 16)
+    per_replica = INGRESS_HEADROOM * 16  # 12 requests per ingress replica before Serve adds one
+    assert ingress == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 3, "upscale_delay_s": 5,
+                       "target_ongoing_requests": per_replica}  # ceil(16/12), ceil(24/12), ceil(32/12); no policy
+    check_reachable(user, ingress["max_replicas"], 16)
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**ingress)  # a valid Serve config
+    assert ingress_autoscaling_config({"min_replicas": 0, "max_replicas": 1}, 8)["min_replicas"] == 1  # /health
+
+
+def test_a_max_the_ingress_cannot_let_in_is_refused_naming_the_fix():
+    from deployments.autoscaling import check_reachable
+
+    user = {"max_replicas": 4, "target_ongoing_requests": 8}
+    with pytest.raises(ValueError, match=r"max_replicas 4 is unreachable: it needs more than 24 requests held .* "
+                                         r"1 ingress replica\(s\) x max_concurrent 16 let in 16 at most \(so at most "
+                                         r"2 replicas\); raise max_concurrent"):
+        check_reachable(user, 1, 16)
+    check_reachable(user, 1, 25)  # 25 held: ceil(25 / 8) = 4

@@ -61,3 +61,30 @@ def test_the_shipped_config_fits_a_two_core_machine():
     tp2 = cfg.model_copy(update={"tp_size": 2, "num_gpus": 1.0})
     assert [d.bundles for d in app_demands(tp2)] == [({"CPU": 1.0, "GPU": 1.0},), ({"CPU": 1.0, "GPU": 1.0},) * 2]
     assert app_demands(cfg.model_copy(update={"draft": None}))[0].deployment == "TargetDeployment"
+
+
+def test_replicas_must_pack_onto_the_nodes_together():
+    """Three 2-GPU STRICT_PACK groups on two 3-GPU nodes: each fits a node and 6 GPUs fit the cluster, but a
+    node holds one group only (its third GPU is no use to another), so the third replica would wait for ever."""
+    from deployments.app import demands as app_demands
+    from deployments.config import ServeConfig
+
+    cfg = ServeConfig(draft=None, tp_size=2, tp_backend="nccl", num_gpus=1, num_replicas=3)
+    nodes = [{"CPU": 8.0, "GPU": 3.0}, {"CPU": 8.0, "GPU": 3.0}]
+    with pytest.raises(Unplaceable, match=r"deployment TargetDeployment cannot place all its replicas.*\(its 2 CPU, "
+                                          r"2 GPU find no node with room left once the others are placed\); lower "
+                                          r"num_replicas"):
+        check_placeable(app_demands(cfg), nodes)
+    check_placeable(app_demands(cfg.model_copy(update={"num_replicas": 2})), nodes)
+    check_placeable(app_demands(cfg), nodes + [{"CPU": 8.0, "GPU": 2.0}])
+
+
+def test_packing_backtracks_before_refusing():
+    """First-fit decreasing puts both 4-CPU bundles on one 10-CPU node and then finds no room for the last
+    3-CPU one; a placement exists (4 + 3 + 3 on each node), so the deploy goes ahead."""
+    bundles = tuple({"CPU": cpus} for cpus in (4.0, 4.0, 3.0, 3.0, 3.0, 3.0))
+    check_placeable([Demand("TargetDeployment", bundles)], [{"CPU": 10.0}, {"CPU": 10.0}])
+    check_placeable([Demand("A", ({"CPU": 1.0}, {"CPU": 1.0}), "STRICT_PACK", 2), Demand("B", ({"CPU": 1.0},))],
+                    [{"CPU": 2.0}, {"CPU": 3.0}])  # a 2-CPU group per node, B on the third CPU
+    with pytest.raises(Unplaceable, match="cannot place all its replicas"):
+        check_placeable([Demand("A", ({"CPU": 2.0},), "STRICT_PACK", 3)], [{"CPU": 3.0}, {"CPU": 3.0}])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deployments.model_deployments import drain, group_whole
+from deployments.model_deployments import actor_state, drain, group_whole
 
 
 def _states(*states):
@@ -54,6 +54,41 @@ class _Method:
 
     def __init__(self, fn) -> None:
         self.remote = fn
+
+
+class _InOneLongForward:
+    """An actor in one forward (a long prefill) since it was made: its batcher's busy time moves only when a
+    forward ends, so it stays put; ``health()`` shows the time in the current call growing. Its one request
+    ends after ``ends_after_s``."""
+
+    def __init__(self, ends_after_s: float) -> None:
+        self.start = time.monotonic()
+        self.ends_after_s = ends_after_s
+
+        async def active():
+            return 0 if time.monotonic() - self.start >= self.ends_after_s else 1
+
+        async def utilization():
+            return {"busy_s": 2.0}
+
+        async def health():
+            return {"busy_s": time.monotonic() - self.start, "broken": None}
+
+        self.active, self.utilization, self.health = _Method(active), _Method(utilization), _Method(health)
+
+
+def test_a_forward_in_progress_is_progress():
+    """A forward longer than the stall window (a CPU prefill) must not read as an abandoned request."""
+    actor = _InOneLongForward(ends_after_s=0.4)
+    assert asyncio.run(drain(lambda: actor_state(actor), 10.0, stall_s=0.1, poll_s=0.01)) == 0
+    assert time.monotonic() - actor.start >= 0.4  # it waited for the forward and its request to end
+
+
+def test_a_call_stuck_past_the_step_timeout_is_no_progress():
+    actor = _InOneLongForward(ends_after_s=60.0)
+    start = time.monotonic()
+    assert asyncio.run(drain(lambda: actor_state(actor, 0.05), 10.0, stall_s=0.1, poll_s=0.01)) == 1
+    assert time.monotonic() - start < 2.0  # stuck: the stall window ends the wait, not the drain's timeout
 
 
 class _Rank:
@@ -115,7 +150,7 @@ def _stopping_replica(group, drain_timeout_s: float = 30.0):
             pass
 
     replica = object.__new__(Held)
-    replica.cfg = SimpleNamespace(health_check_timeout_s=1.0, drain_timeout_s=drain_timeout_s)
+    replica.cfg = SimpleNamespace(health_check_timeout_s=1.0, drain_timeout_s=drain_timeout_s, step_timeout_s=60.0)
     if group is not None:
         replica.group = group
     return cls, replica

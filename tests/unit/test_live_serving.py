@@ -269,3 +269,55 @@ def test_a_live_re_plan_keeps_the_buckets_measured_to_serve_the_target_alone(tmp
     for bucket in (1, 2, 8):
         assert plans.get(0.0, bucket).source.startswith("live:/")
     assert plans.get(0.0, 8).planned.plan.n > 1  # the profile here makes trees pay at every batch size
+
+
+class _NoDecoder(Exception):
+    """Ends ``_chunks`` right after it exported the plan in use."""
+
+
+def _served_plan_tags(source: str, temperature: float) -> dict:
+    """The tags ``OpenAIIngress._chunks`` gives ``sequoia_plan_nodes`` for a request served the plan from
+    ``source`` (the ingress made without its constructor or Ray: what ``_chunks`` reads before decoding)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.ingress import OpenAIIngress
+    from deployments.service import ActivePlan
+    from sequoia_ray.in_flight import InFlight
+
+    class Held(OpenAIIngress.func_or_class):  # Serve awaits ``__del__``; garbage collection would not
+        def __del__(self) -> None:
+            pass
+
+    plans = SimpleNamespace(hardware=HW, get=lambda t, size=1: ActivePlan(builtin_plan(t), source))
+
+    async def served_plans():
+        return plans
+
+    async def no_decoder(*args, **kwargs):
+        raise _NoDecoder
+
+    replica = object.__new__(Held)
+    replica.cfg, replica.in_flight = config(None), InFlight(0.0)
+    replica.families = replica.rules = None
+    replica._plans, replica._decoder = served_plans, no_decoder
+    replica.metrics = ServiceMetrics()
+    replica.metrics.plan, replica.metrics.active = _Recorder(), _Recorder()
+
+    async def run():
+        with pytest.raises(_NoDecoder):
+            async for _ in replica._chunks([1], SamplingParams(temperature=temperature), "r",
+                                               SimpleNamespace(speculative=True), False):
+                pass
+
+    asyncio.run(run())
+    [(_, tags)] = replica.metrics.plan.calls
+    return tags
+
+
+@pytest.mark.parametrize("source,kind", [("store:/plans/cpu/t0.6/20250101T000000Z-ab.json", "store"),
+                                         ("live:/plans/cpu/t0.6/20250102T000000Z-cd.json", "live"),
+                                         ("live", "live"), ("builtin", "builtin")])
+def test_the_plan_gauge_is_tagged_with_the_plans_kind_not_its_path(source, kind):
+    """A path is new at every publish and live re-plan: as a tag, one time series per plan ever served."""
+    assert _served_plan_tags(source, 0.6) == {"hardware": HW, "source": kind, "temperature": "0.6"}

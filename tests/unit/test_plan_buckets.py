@@ -143,6 +143,20 @@ def test_a_plan_measured_under_another_configuration_is_served_and_reported(stor
                          "`sequoia-ray profile --dtype bfloat16`)"] if why else [])
 
 
+def test_a_store_without_a_plan_is_warned_about_once(store, caplog):
+    """Every refresh (every plan_refresh_s) looks bucket 1 up again: the same warning each time buried the rest."""
+    plans = provider(store.uri)
+    with caplog.at_level("DEBUG", logger="sequoia_ray.serve"):
+        assert plans.get(0.0, 1).source == "builtin"
+        for _ in range(3):
+            plans.refresh()
+        plans.get(0.6, 1)  # another temperature's bucket: another message, warned about once too
+        plans.refresh()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert ["temperature 0.6" in w for w in warned] == [False, True], warned
+    assert sum(r.levelname == "DEBUG" and r.getMessage() == warned[0] for r in caplog.records) == 4  # still logged
+
+
 def test_a_refresh_beside_a_live_replan_does_not_swap_the_older_plan_back(store):
     """The ingress's refresh loop and the live re-plan run in threads of their own. A refresh that has read the
     store's latest plan (the profiled one) while a live plan is adopted and published must not then swap the
