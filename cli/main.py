@@ -204,12 +204,15 @@ def _run_models(args: argparse.Namespace) -> int:
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="profile this machine, choose the tree, publish plan + profile (no Ray)")
     add_job_args(p)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads of the profiled forwards, and of the plans' hardware id: the target's "
+                        "`threads` in the Serve config that will serve them (default: torch's, one per core)")
     p.set_defaults(run=_run_profile)
 
 
 def _run_profile(args: argparse.Namespace) -> int:
     from sequoia_ray.devices import resolve_device
-    from sequoia_ray.hardware import accelerator_name, hardware_id
+    from sequoia_ray.hardware import accelerator_name, hardware_id, torch_threads
     from sequoia_ray.arguments import job_config
     from sequoia_ray.profiling import format_results, publish_heatmaps, run_trial
 
@@ -218,8 +221,10 @@ def _run_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp-size {cfg.tp_size}: `sequoia-ray profile` runs the target in this process, unsharded; "
                          "profile a tensor-parallel target with the Ray job: python tuning/profile.py --tp-size "
                          f"{cfg.tp_size} --storage ...")
-    hw = hardware_id(accelerator_name(resolve_device(cfg.device)), cfg.tp_size)
-    results, grids = run_trial(cfg, hw)
+    device = resolve_device(cfg.device)
+    hw = hardware_id(accelerator_name(device), cfg.tp_size, args.threads)  # threads count in a CPU's id only
+    with torch_threads(args.threads):
+        results, grids = run_trial(cfg, hw)
     reports = publish_heatmaps(cfg, hw, grids)
     print(format_results(results))
     print("heatmaps: " + ", ".join(reports))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -136,18 +135,6 @@ def stale(prov, cfg: ServeConfig, seconds: float | None = None) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def torch_threads(threads: int):
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None = None, run=None,
                  clock=time.monotonic) -> str:
     """Profile this machine when the store lacks its plans (see the module docstring); returns what the
@@ -172,6 +159,8 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
           f"(at most {seconds:.0f}s, --no-profile skips) ...", flush=True)
     start_t = clock()
     try:
+        from sequoia_ray.hardware import torch_threads
+
         with torch_threads(serving.threads):
             results = (run or run_bounded)(job, hardware, serving, clock=clock)
     except Exception as exc:  # noqa: BLE001 - a plan is an optimisation: any failure serves the built-in one

@@ -48,6 +48,8 @@ asynchronously; without the sync a timer measures only the launches).
 
 from __future__ import annotations
 
+import contextlib
+
 import datetime as _dt
 import functools
 import json
@@ -610,6 +612,19 @@ def library_versions() -> dict[str, str]:
     import transformers
 
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """torch's thread count set to ``threads`` for a block (None: left as it is), then put back: timings taken
+    at the threads the served target will run with (its hardware id counts them)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def hardware_id(accelerator: str | None = None, tp_size: int = 1, threads: int | None = None,

@@ -124,3 +124,20 @@ def test_plan_with_a_broken_profile_exits_2(tmp_path, capsys):
     (tmp_path / "profile.json").write_text("{}")
     assert main(["plan", "--acceptance", "0.7", "--budget", "8", "--profile", str(tmp_path / "profile.json")]) == 2
     assert "schema_version" in capsys.readouterr().err
+
+
+def test_profile_files_its_plans_under_the_threads_the_service_will_run(tmp_path, monkeypatch, capsys):
+    """``deployments/config.yaml`` serves with ``threads: 2``; on a machine with more cores ``sequoia-ray profile``
+    timed and filed its plans under every core ('-16c'), where the service never looked."""
+    import torch
+
+    import sequoia_ray.profiling as profiling
+    from sequoia_ray.hardware import hardware_id
+
+    seen, before = [], torch.get_num_threads()
+    monkeypatch.setattr(profiling, "run_trial", lambda cfg, hw: seen.append((hw, torch.get_num_threads())) or ([], {}))
+    monkeypatch.setattr(profiling, "publish_heatmaps", lambda cfg, hw, grids: [])
+    monkeypatch.setattr(profiling, "format_results", lambda results: "")
+    assert main(["profile", "--storage", str(tmp_path), "--threads", "3"]) == 0
+    assert seen == [(hardware_id(None, 1, 3), 3)] and torch.get_num_threads() == before  # put back
+    assert main(["profile", "--storage", str(tmp_path), "--threads", "0"]) == 2
