@@ -35,7 +35,7 @@ from sequoia_ray.prefix_cache import PrefixCache
 from sequoia_ray.request_errors import poisons_device
 from sequoia_ray.request_state import RequestState, RequestTable, check_prefill_chunk
 from sequoia_ray.tree.plan import TreePlan
-from sequoia_ray.verify import Verdict, verify_tree
+from sequoia_ray.verify import Verdict, batch_inputs, verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ class TargetWorker(RequestTable):
         out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
         self.prefilled += sum(p.pending for p in prepared.values())
         if trees:  # logits: [sum n, V]
-            for (i, _), node_logits in zip(trees.items(), logits.split([r.shape[0] for r in rows])):
+            greedy = [prepared[i].req.params.greedy for i in trees]
+            for i, node_logits in zip(trees, batch_inputs(logits, [r.shape[0] for r in rows], greedy)):
                 out[i] = self._walk(prepared[i], node_logits)
         return out
 
@@ -164,7 +165,7 @@ class TargetWorker(RequestTable):
         segment = Segment(req.session, tokens, positions, _prefill_then_tree(len(pending), tree))
         return _Prepared(req, plan, draft, segment, len(pending), base, cached)
 
-    def _walk(self, p: _Prepared, logits: torch.Tensor) -> Verdict | Exception:  # logits: [n, V]
+    def _walk(self, p: _Prepared, logits) -> Verdict | Exception:  # logits: [n, V], or greedy [n] argmax ids
         try:
             verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
             # other requests' prompt tokens forwarded since this request's last verdict: in this forward, or

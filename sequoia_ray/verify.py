@@ -41,17 +41,40 @@ class Verdict:
 def verify_tree(
     plan: TreePlan,
     draft: DraftTree,  # host tensors
-    logits: torch.Tensor,  # [n, V] target logits at every tree node, on the target's device
+    logits: torch.Tensor | list[int],  # [n, V] target logits at every tree node, on the target's device; or,
+    # greedy, each node's argmax already read (``batch_inputs``)
     params: SamplingParams,
     generator: torch.Generator,  # a host generator (the walk runs on the host)
 ) -> Verdict:
     tree_tokens = draft.tokens.tolist()
     if params.greedy:
-        best = _argmax_per_node(logits)
+        best = logits.__getitem__ if isinstance(logits, list) else _argmax_per_node(logits)
         return _walk(plan, tree_tokens, lambda node, kids: _greedy_step(best(node), kids))
     host = logits.float().cpu()  # [n, V]: the one transfer of a sampled walk (a no-op on a CPU target)
     return _walk(plan, tree_tokens,
                  lambda node, kids: _sampled_step(host[node], draft, node, kids, params, generator))
+
+
+def batch_inputs(logits: torch.Tensor, sizes: list[int], greedy: list[bool]) -> list[torch.Tensor | list[int]]:
+    """Each request's ``verify_tree`` input from a batch's ``[sum n, V]`` logits (request i: ``sizes[i]`` rows).
+    On an accelerator with at most two host reads for the whole batch, not one per request: one argmax over every
+    row and one transfer of the ``[sum n]`` ids for the greedy requests; one transfer of the sampled requests'
+    rows. On the CPU (nothing to sync) each request's rows as they are (a greedy walk reads only the rows it
+    visits)."""
+    parts = list(logits.split(sizes))
+    if logits.device.type == "cpu":
+        return parts
+    if any(greedy):
+        ids = logits.argmax(dim=-1).tolist()  # [sum n]: the greedy walks' one read
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for i in (i for i, g in enumerate(greedy) if g):
+            parts[i] = ids[starts[i] : starts[i] + sizes[i]]
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    if sampled:
+        host = torch.cat([parts[i] for i in sampled]).float().cpu()  # the sampled walks' one read
+        for i, rows in zip(sampled, host.split([sizes[i] for i in sampled])):
+            parts[i] = rows
+    return parts
 
 
 def _argmax_per_node(logits: torch.Tensor):  # [n, V] -> (node -> argmax of its row)

@@ -400,3 +400,29 @@ def test_batched_steps_stay_on_the_model_device(pair, monkeypatch, layout, dynam
     trees = sum(r.startswith("sequoia_ray.draft") and r.endswith("(to): to") for r in mode.host_reads)
     assert 0 < sum("(truncate_rows)" in r for r in mode.host_reads) <= 3 * trees
     assert claimed == host and all(len(out) == 10 for out in host)  # the redirect changes nothing but placement
+
+
+def test_a_batched_verify_reads_the_device_twice_whatever_its_requests(pair, monkeypatch):
+    """Four requests in one verify, two greedy and two sampled: one read of the greedy walks' argmax ids and one of
+    the sampled walks' rows for the whole batch (one per request before), and the verdicts of verifying alone."""
+    target, draft = pair
+    plan, prompts = specinfer(2, 2), [[3, 1, 4, 1], [5, 9, 2], [6, 5, 3, 5, 8], [9, 7]]
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=i) for i, t in enumerate((0.0, 0.8, 0.0, 0.8))]
+
+    def verdicts(claimed: bool):
+        tw, dw = TargetWorker(target), DraftWorker(draft)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            tw.start(f"r{i}", prompt, p, seed=2 * i)
+            dw.start(f"r{i}", prompt, p, seed=2 * i + 1)
+        trees = dw.grow_batch([(f"r{i}", plan) for i in range(4)])
+        if not claimed:
+            return [tw.verify(f"r{i}", plan, tree) for i, tree in enumerate(trees)], []
+        monkeypatch.setattr(torch, "Generator", ClaimedGenerator)
+        with ClaimedAccelerator() as mode:
+            out = tw.verify_batch([(f"r{i}", plan, tree) for i, tree in enumerate(trees)])
+        _clean(mode)
+        return out, [r for r in mode.host_reads if r.startswith("sequoia_ray.verify")]
+
+    alone, _ = verdicts(claimed=False)
+    batched, reads = verdicts(claimed=True)
+    assert batched == alone and len(reads) == 2, reads
