@@ -399,10 +399,11 @@ class DraftWorker(RequestTable):
             g.inner = self._grow_level(g, logits)
         if not g.inner:
             return None
-        device = g.tokens.device
-        idx = torch.tensor(g.inner, device=device)
+        device, q = g.tokens.device, len(g.inner)
+        # the level's node ids and positions in one copy to the device (each copy of host data waits for it)
+        idx, positions = torch.tensor([*g.inner, *(g.req.base + g.depth[i] for i in g.inner)], dtype=torch.long,
+                                      device=device).split(q)
         mask = torch.from_numpy(g.mask[np.ix_(g.inner, g.forwarded + g.inner)]).to(device)  # [q, kv] bool
-        positions = g.req.base + torch.tensor([g.depth[i] for i in g.inner], dtype=torch.long, device=device)
         g.forwarded += g.inner
         return Segment(g.req.session, g.tokens[idx], positions, mask, g.req.base)
 
@@ -417,18 +418,23 @@ class DraftWorker(RequestTable):
         return DraftTree(g.tokens[:n], g.dists, TreePlan(tuple(g.parents)), beside).to("cpu")
 
     def _draw_children(self, req: _Request, plan: TreePlan, nodes, logits, tokens, dists) -> None:
+        """Draw the children of ``nodes`` (``logits``: one row each) into ``tokens``: the draft's top-k (greedy,
+        one top-k for the level) or draws without replacement from each node's D. One index and one write for
+        the level: on an accelerator each host-to-device copy of an index waits for the device."""
         rows = [row for row, node in enumerate(nodes) if plan.children[node]]
-        if not req.params.greedy and rows:
-            index = torch.tensor(rows, device=logits.device)
-            dists.update(zip([nodes[r] for r in rows], self._dists(logits[index], req.params)))
-        for row in rows:
-            node = nodes[row]
-            kids = plan.children[node]
-            if req.params.greedy:
-                drawn = self._ids(torch.topk(logits[row], len(kids)).indices)
-            else:
-                drawn = draw_without_replacement(dists[node], len(kids), self.vocab, req.generator)
-            tokens[torch.tensor(kids, device=tokens.device)] = drawn
+        if not rows:
+            return
+        kids = [plan.children[nodes[row]] for row in rows]
+        # [R, K]: the rows of nodes with children (all of them, but for a leaf in ``nodes``: the root alone)
+        picked = logits[: len(rows)] if rows[-1] == len(rows) - 1 else logits[torch.tensor(rows, device=logits.device)]
+        if req.params.greedy:
+            top = self._ids(torch.topk(picked, max(map(len, kids))).indices)  # [R, widest]
+            drawn = [top[i, : len(k)] for i, k in enumerate(kids)]
+        else:
+            dists.update(zip([nodes[row] for row in rows], self._dists(picked, req.params)))
+            drawn = [draw_without_replacement(dists[nodes[row]], len(k), self.vocab, req.generator)
+                     for row, k in zip(rows, kids)]
+        tokens[torch.tensor([c for k in kids for c in k], device=tokens.device)] = torch.cat(drawn)
 
     # ---- dynamic trees (see the module docstring) ----------------------------------------------------
     def _grow_level(self, g: _Growth, logits: torch.Tensor) -> list[int]:  # logits: [len(g.inner), K]

@@ -125,6 +125,7 @@ class ClaimedAccelerator(TorchFunctionMode):
         super().__init__()
         self.violations: list[str] = []
         self.host_reads: list[str] = []  # where a device tensor was read on the host (a sync on a GPU)
+        self.uploads: list[str] = []  # where host data was copied to the device (pageable: a wait on a GPU)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -144,6 +145,8 @@ class ClaimedAccelerator(TorchFunctionMode):
         to_host = names_host or name in TO_HOST
         if inputs_tagged and (to_host or name in HOST_READS or name in SIZE_READS or _masks(name, args)):
             self.host_reads.append(f"{_core_frame()}: {name}")
+        if redirected and (name in ("tensor", "as_tensor") or name == "to" and not inputs_tagged):
+            self.uploads.append(f"{_core_frame()}: {name}")
         if redirected or (inputs_tagged and not to_host):
             _tag(out)
         elif to_host and isinstance(out, torch.Tensor) and _tagged(out):
@@ -391,9 +394,13 @@ def _batched(pair, layout: str, dynamic: bool):
 def test_batched_steps_stay_on_the_model_device(pair, monkeypatch, layout, dynamic):
     host = _batched(pair, layout, dynamic)
     monkeypatch.setattr(torch, "Generator", ClaimedGenerator)
+    levels, draw = [], DraftWorker._draw_children
+    monkeypatch.setattr(DraftWorker, "_draw_children", lambda self, *args: levels.append(1) or draw(self, *args))
     with ClaimedAccelerator() as mode:
         claimed = _batched(pair, layout, dynamic)
     _clean(mode)
+    # a static tree's children are written with one host-to-device index copy per level (one per node before)
+    assert sum("(_draw_children)" in u for u in mode.uploads) <= len(levels)
     # Host reads (a sync each on an accelerator): none in the forwards, masks or KV compaction; the sampled
     # requests' supports at most once per tree level (specinfer(3, 3): 3 levels with children, 13 such nodes).
     assert not [r for r in mode.host_reads if r.startswith("sequoia_ray.models")], mode.host_reads
