@@ -3,6 +3,8 @@ tensor-parallel trial on the session's Ray (`ray job submit` end to end: test_jo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cli.main import main as cli_main
@@ -38,7 +40,7 @@ def test_local_paths_reach_the_trials_absolute(tmp_path, monkeypatch):
     """Tune runs each trial in a directory of its own: a relative store, prompt or acceptance path must not be
     read there."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "acc.json").write_text("{}")
+    (tmp_path / "acc.json").write_text(json.dumps({"p": [0.6, 0.2]}))  # read (checked) up front
     cfg, _ = parse_config(["--storage", "plans", "--prompts", "p.jsonl", "--acceptance", "0=acc.json"])
     assert (cfg.storage, cfg.prompts) == (str(tmp_path / "plans"), str(tmp_path / "p.jsonl"))
     assert cfg.acceptance == {0.0: str(tmp_path / "acc.json")}
