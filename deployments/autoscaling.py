@@ -46,7 +46,7 @@ def ingress_autoscaling_config(user: dict, max_concurrent: int) -> dict:
     requests the models' min, initial and max replicas are sized for (``target_ongoing_requests`` held each),
     at ``INGRESS_HEADROOM * max_concurrent`` per ingress replica. It scales on Serve's default policy: unlike the
     models', its Serve calls *are* the requests. The user's delays and smoothing apply to it too."""
-    model = _bounds(user)
+    model = model_bounds(user)
     per_replica = INGRESS_HEADROOM * max_concurrent
 
     def replicas(models: int) -> int:
@@ -60,7 +60,7 @@ def ingress_autoscaling_config(user: dict, max_concurrent: int) -> dict:
     return out
 
 
-def _bounds(user: dict) -> AutoscalingConfig:
+def model_bounds(user: dict) -> AutoscalingConfig:
     """The models' replica bounds and target with Serve's defaults and checks (their policy is Serve's to load)."""
     return AutoscalingConfig(**{key: value for key, value in user.items() if key != "policy"})
 
@@ -68,7 +68,7 @@ def _bounds(user: dict) -> AutoscalingConfig:
 def check_reachable(user: dict, ingress_max_replicas: int, max_concurrent: int) -> None:
     """Raise ``ValueError`` when the ingress can never let in the requests the models' max_replicas need
     (more than (max_replicas - 1) * target_ongoing_requests held): those replicas would never start."""
-    model = _bounds(user)
+    model = model_bounds(user)
     capacity = ingress_max_replicas * max_concurrent
     needed = (model.max_replicas - 1) * model.target_ongoing_requests
     if capacity <= needed:

@@ -202,12 +202,14 @@ class ServeConfig(BaseModel):
             return v
         from ray.serve.config import AutoscalingConfig
 
+        from deployments.autoscaling import model_bounds
+
         known = set(AutoscalingConfig.model_fields)
         unknown = sorted(set(v) - known)
         if unknown:
             raise ValueError(f"autoscaling has unknown keys {unknown}; Serve's are {sorted(known)}")
         try:
-            AutoscalingConfig(**{k: x for k, x in v.items() if k != "policy"})
+            model_bounds(v)
         except Exception as exc:  # noqa: BLE001 - Serve's pydantic error, shown as ours
             raise ValueError(f"autoscaling {v}: {' '.join(str(exc).split())[:300]}") from None
         return v

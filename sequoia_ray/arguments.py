@@ -10,8 +10,8 @@ give is ``None`` here and the model fills it in.
 from __future__ import annotations
 
 import argparse
-import re
 import math
+import re
 
 from pydantic import BaseModel
 

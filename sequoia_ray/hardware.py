@@ -661,7 +661,7 @@ def accelerator_name(device: torch.device) -> str | None:
 
 _UPPER_WORD = re.compile(r"[A-Z]+")
 _MODEL_TOKEN = re.compile(r"[A-Z0-9]*[0-9][A-Z0-9]*")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what plan_store._safe refuses in a hardware id
+ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # characters a hardware id (a plan store folder) may not hold
 
 
 def gpu_type(device_name: str) -> str:
@@ -679,7 +679,7 @@ def gpu_type(device_name: str) -> str:
     model = _MODEL_TOKEN.match(rest[0]) if rest else None
     if model and len(name := "-".join([*lead, model.group()])) > 1:
         return name
-    name = _UNSAFE.sub("-", "-".join(words[1:] if words[:1] == ["NVIDIA"] else words))
+    name = ID_UNSAFE.sub("-", "-".join(words[1:] if words[:1] == ["NVIDIA"] else words))
     return name if name.strip(".") else "unknown-gpu"  # "", "." and ".." name no folder
 
 

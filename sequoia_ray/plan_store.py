@@ -33,7 +33,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from sequoia_ray.arguments import is_uri
-from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, ProfileError, batch_bucket
+from sequoia_ray.hardware import BATCH_BUCKETS, ID_UNSAFE, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def pair_key(draft: str, target: str) -> str:
 
 
 def _safe(part: str, what: str) -> str:
-    if not part or not re.fullmatch(r"[A-Za-z0-9._\-]+", part) or part in (".", ".."):
+    if not part or ID_UNSAFE.search(part) or part in (".", ".."):
         raise ValueError(f"{what} {part!r} may hold only letters, digits, '.', '_' and '-'")
     return part
 
