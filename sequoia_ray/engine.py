@@ -141,7 +141,6 @@ class _DraftLink:
         self.draft, self.request_id, self.failures = draft, request_id, 0
         self.opening, self.started = opening, False  # the draft's start arguments: (prompt, params, seed)
         self.tokens = list(opening[0])  # the request's tokens the draft has been sent (prompt, then commits)
-        self.restarts = 0  # starts again after the draft forgot the request
         self.starting: Future | None = None  # the early start, running
         if early and draft is not None:
             self.started = True
@@ -188,7 +187,6 @@ class _DraftLink:
             commits = args[1] if len(args) > 1 else ()  # the grow's verdicts: all the tokens since the last grow
             logger.info("the draft forgot request %s (idle); starting it again from its %d tokens",
                         self.request_id, len(self.tokens) + sum(len(tokens) for _, tokens, _ in commits))
-            self.restarts += 1
             self.draft.start(self.request_id, self._with(commits), *self.opening[1:])
             out = getattr(self.draft, method)(self.request_id, *args)  # its commits are already in the start
         if method == "grow":

@@ -14,6 +14,7 @@ would mean drawing the residual/bonus candidates on the device before the walk â
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -66,9 +67,9 @@ def batch_inputs(logits: torch.Tensor, sizes: list[int], greedy: list[bool]) -> 
         return parts
     if any(greedy):
         ids = logits.argmax(dim=-1).tolist()  # [sum n]: the greedy walks' one read
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        for i in (i for i, g in enumerate(greedy) if g):
-            parts[i] = ids[starts[i] : starts[i] + sizes[i]]
+        for i, (start, size) in enumerate(zip(accumulate(sizes, initial=0), sizes)):
+            if greedy[i]:
+                parts[i] = ids[start : start + size]
     sampled = [i for i, g in enumerate(greedy) if not g]
     if sampled:
         host = torch.cat([parts[i] for i in sampled]).float().cpu()  # the sampled walks' one read
