@@ -157,13 +157,18 @@ class TargetWorker(RequestTable):
             chunk = torch.tensor(req.committed[cached : cached + self.prefill_chunk], dtype=torch.long, device=device)
             segment = Segment(req.session, chunk, torch.arange(cached, cached + len(chunk), device=device))
             return _Prepared(req, plan, None, segment, len(chunk), base, cached)
-        pending = torch.tensor(req.committed[cached:base], dtype=torch.long, device=device)
-        tokens = torch.cat([pending, draft.tokens.to(device)])  # the tree's tokens, placed on arrival
-        depth = torch.tensor(plan.depth, dtype=torch.long, device=device)
-        positions = torch.cat([torch.arange(cached, base, device=device), base + depth])
-        tree = torch.from_numpy(plan.ancestor_mask()).to(device)  # [n, n] bool
-        segment = Segment(req.session, tokens, positions, _prefill_then_tree(len(pending), tree))
-        return _Prepared(req, plan, draft, segment, len(pending), base, cached)
+        # Built on the host and placed with two copies (ids and positions together, then the mask): one copy per
+        # piece cost four waits a request on an accelerator, every step.
+        pending, host = base - cached, torch.device("cpu")
+        ids = torch.empty(2, pending + plan.n, dtype=torch.long, device=host)  # [2, p + n]: token ids, positions
+        ids[0, :pending] = torch.tensor(req.committed[cached:base], dtype=torch.long, device=host)
+        ids[0, pending:] = draft.tokens
+        ids[1, :pending] = torch.arange(cached, base, device=host)
+        ids[1, pending:] = base + torch.tensor(plan.depth, dtype=torch.long, device=host)
+        ids = ids.to(device)
+        allowed = _prefill_then_tree(pending, torch.from_numpy(plan.ancestor_mask())).to(device)  # [p + n, p + n]
+        segment = Segment(req.session, ids[0], ids[1], allowed)
+        return _Prepared(req, plan, draft, segment, pending, base, cached)
 
     def _walk(self, p: _Prepared, logits) -> Verdict | Exception:  # logits: [n, V], or greedy [n] argmax ids
         try:

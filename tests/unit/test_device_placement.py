@@ -433,3 +433,24 @@ def test_a_batched_verify_reads_the_device_twice_whatever_its_requests(pair, mon
     alone, _ = verdicts(claimed=False)
     batched, reads = verdicts(claimed=True)
     assert batched == alone and len(reads) == 2, reads
+
+
+def test_a_verify_places_each_tree_with_two_copies(pair, monkeypatch):
+    """Each request's step reaches the device in two host-to-device copies (ids with positions, then the mask),
+    whether or not committed tokens wait before its tree: one copy per piece was four waits a request, every step."""
+    target, draft = pair
+    plan, prompts = specinfer(2, 2), [[3, 1, 4, 1], [5, 9, 2], [6, 5, 3, 5, 8]]
+    tw, dw = TargetWorker(target), DraftWorker(draft)
+    for i, prompt in enumerate(prompts):
+        tw.start(f"r{i}", prompt, SamplingParams(max_tokens=8), seed=i)
+        dw.start(f"r{i}", prompt, SamplingParams(max_tokens=8), seed=i)
+    monkeypatch.setattr(torch, "Generator", ClaimedGenerator)
+    for step in range(2):  # the first step forwards each prompt before its tree, the second only the tree
+        trees = dw.grow_batch([(f"r{i}", plan) for i in range(3)])
+        with ClaimedAccelerator() as mode:
+            verdicts = tw.verify_batch([(f"r{i}", plan, tree) for i, tree in enumerate(trees)])
+        _clean(mode)
+        assert not [v for v in verdicts if isinstance(v, Exception)], verdicts
+        for i, v in enumerate(verdicts):
+            dw.commit(f"r{i}", v.path, v.tokens)
+        assert sum("sequoia_ray.target" in u for u in mode.uploads) == 2 * len(prompts), (step, mode.uploads)
