@@ -99,13 +99,13 @@ async def _parse(request: Request, model, max_bytes: int):
         raise api.validation_error(exc) from None
 
 
-def _fit_context(prompt: list[int], params: SamplingParams, context: int | None, req, chat: bool) -> SamplingParams:
+def _fit_context(prompt: list[int], params: SamplingParams, context: int | None, req) -> SamplingParams:
     """``params`` whose length fits the model's context: a default length (the client sent none) is cut to what
     the context holds after the prompt, as OpenAI's and vLLM's are; a length the client sent that does not fit,
     or a prompt that leaves no room, is a 400 naming the field to change."""
     if context is None or len(prompt) + params.max_tokens <= context:
         return params
-    field, room = "messages" if chat else "prompt", context - len(prompt)
+    field, room = req.prompt_param, context - len(prompt)
     if not req.length_sent and room > 0:
         return params.model_copy(update={"max_tokens": room})
     if req.length_sent:
@@ -277,7 +277,7 @@ class OpenAIIngress:
         return await self._complete(req, *await self._prepared(req, chat), chat)
 
     async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
-        rid = api.completion_id("chatcmpl" if chat else "cmpl")
+        rid = api.completion_id(req.id_kind)
         text, ids, last = [], 0, None
         async for chunk in self._chunks(prompt, params, rid, req, chat):
             text.append(chunk.text)
@@ -291,7 +291,7 @@ class OpenAIIngress:
                               ) -> AsyncIterator[dict]:
         req, chat = _as_request(request)
         prompt, params = await self._prepared(req, chat)
-        rid = api.completion_id("chatcmpl" if chat else "cmpl")
+        rid = api.completion_id(req.id_kind)
         async for event in self._events(self._chunks(prompt, params, rid, req, chat), req, rid, chat,
                                         len(prompt)):
             yield event
@@ -301,7 +301,7 @@ class OpenAIIngress:
         prompt, params = await self._prepared(req, chat)
         if not req.stream:
             return await self._complete(req, prompt, params, chat)
-        rid = api.completion_id("chatcmpl" if chat else "cmpl")
+        rid = api.completion_id(req.id_kind)
         chunks = self._chunks(prompt, params, rid, req, chat)
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
         events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
@@ -315,7 +315,7 @@ class OpenAIIngress:
     def _prepare(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
         if req.model != self.cfg.model_name:
             raise _no_model(req.model, self.cfg.model_name)
-        field = "messages" if chat else "prompt"
+        field = req.prompt_param
         try:
             params = req.sampling(min(256 if chat else 16, self.cfg.max_tokens_limit))
         except ValidationError as exc:
@@ -431,7 +431,7 @@ class OpenAIIngress:
             rules = self.rules.for_request(params.temperature, self.in_flight.batch) if self.rules else None
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,
                                           req.speculative, family, rules)
-            params = _fit_context(prompt, params, decoder.max_context, req, chat)
+            params = _fit_context(prompt, params, decoder.max_context, req)
             async for chunk in self.runner.stream(decoder, prompt, params, rid):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
@@ -439,7 +439,7 @@ class OpenAIIngress:
                     self.metrics.finished(chunk.stats, first)
                 yield chunk
         except PromptError as exc:  # found by the engine before any token: still a proper 400
-            param = {"prompt": "messages" if chat else "prompt", "max_tokens": req.length_param}.get(exc.param)
+            param = {"prompt": req.prompt_param, "max_tokens": req.length_param}.get(exc.param)
             raise api.APIError(400, str(exc), param=param or exc.param, code=exc.code) from None
         except TargetUnavailable as exc:
             logger.error("request %s failed: %s", rid, exc)

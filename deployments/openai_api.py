@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, field_validator,
                       model_validator)
@@ -183,6 +183,8 @@ def _one_prompt(value):
 
 
 class CompletionRequest(_Common):
+    prompt_param: ClassVar[str] = "prompt"  # the field that holds the prompt, for errors
+    id_kind: ClassVar[str] = "cmpl"  # the prefix of the response's id
     prompt: Annotated[str | list[str] | list[Int], BeforeValidator(_one_prompt)] = Field(
         description="Text, a one-element list of text, or token ids.")
 
@@ -229,6 +231,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    prompt_param: ClassVar[str] = "messages"
+    id_kind: ClassVar[str] = "chatcmpl"
     messages: list[ChatMessage] = Field(min_length=1)
 
 

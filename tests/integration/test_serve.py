@@ -74,6 +74,8 @@ def test_chat_stream_equals_non_stream(server):
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     assert text == whole["choices"][0]["message"]["content"]
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert whole["id"].startswith("chatcmpl-") and {e["id"] for e in events} == {usage["id"]}  # one id per stream
+    assert usage["id"].startswith("chatcmpl-") and whole["object"] == "chat.completion"
     assert events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
     assert usage["choices"] == [] and usage["usage"] == events[-1]["usage"]  # stream_options.include_usage
@@ -84,6 +86,7 @@ def test_openai_client(server):
     client = openai.OpenAI(base_url=f"{server}/tp1/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == ["tiny"]
     c = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0)
+    assert c.id.startswith("cmpl-") and c.object == "text_completion"
     assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 10
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
                                           max_tokens=12, temperature=0.7, seed=3)

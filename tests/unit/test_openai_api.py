@@ -284,10 +284,10 @@ def test_a_default_length_fits_the_context_and_a_sent_one_is_refused_by_name(bod
     req = api.CompletionRequest.model_validate({**COMPLETION, **body})
     params, prompt = req.sampling(16), list(range(10))
     if isinstance(expect, int):
-        assert _fit_context(prompt, params, context, req, chat=False).max_tokens == expect
+        assert _fit_context(prompt, params, context, req).max_tokens == expect
         return
     with pytest.raises(api.APIError) as info:
-        _fit_context(prompt, params, context, req, chat=False)
+        _fit_context(prompt, params, context, req)
     assert (info.value.status, info.value.param, info.value.code) == (400, expect[0], "context_length_exceeded")
     assert expect[1] in info.value.message
 
