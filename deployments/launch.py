@@ -214,15 +214,38 @@ def init_ray(address: str | None, quiet: bool = True) -> None:
             ray.init(address="local", include_dashboard=False)
 
 
-def start(args: dict, port: int, address: str | None, quiet: bool = True):
+def start(args: dict, port: int, address: str | None, quiet: bool = True, host: str = "127.0.0.1") -> str:
+    """Serve the app, its HTTP proxy on ``host``:``port``; the URL clients use (see ``service_url``)."""
     from ray import serve
 
     from deployments.app import build_app
 
     init_ray(address, quiet)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(args), name="sequoia", route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return service_url(host, port, address)
+
+
+def service_url(host: str, port: int, address: str | None) -> str:
+    """The URL of the service: on this machine for a local Ray (a wildcard host too), at the head's address for
+    a remote cluster whose proxy accepts other machines. A remote proxy on a loopback host answers on the head
+    alone (or through a port-forward): said, with the fix, rather than printing a URL that reaches nothing."""
+    head, wildcard = remote_head(address), host in ("0.0.0.0", "::")
+    if head is not None and not wildcard:
+        print(f"note: Serve's proxy listens on {host} of the cluster at {address}: reach it from the head node or "
+              f"through a port-forward; pass --host 0.0.0.0 to accept other machines", flush=True)
+    shown = (head or "127.0.0.1") if wildcard else host
+    return f"http://{f'[{shown}]' if ':' in shown else shown}:{port}"
+
+
+def remote_head(address: str | None) -> str | None:
+    """The head's host of a cluster on another machine (``ray://host:port`` or ``host:port``); None for a Ray on
+    this machine (no address, ``local``, ``auto``, or a loopback host)."""
+    if address in (None, "local", "auto"):
+        return None
+    rest = address.removeprefix("ray://")
+    host = rest[1 : rest.index("]")] if rest.startswith("[") else rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return None if host in ("localhost", "127.0.0.1", "::1") else host
 
 
 DEMO_ORDER = ("tree", "target alone", "target alone", "tree")  # ABBA: a drift of the host's speed hits both
@@ -273,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an app arg")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start local Ray)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the interface Serve's HTTP proxy listens on (0.0.0.0: other machines too)")
     p.add_argument("--demo", action="store_true", help="send a demo request and print answer and speedup")
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
     p.add_argument("--profile-seconds", type=nonneg_float, default=PROFILE_SECONDS,
@@ -292,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(opts.address, quiet=not opts.ray_default_timers)
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
-    url = start(args, opts.port, opts.address)
+    url = start(args, opts.port, opts.address, host=opts.host)
     print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)
     if opts.demo:
         demo(url, cfg.model_name)

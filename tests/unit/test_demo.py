@@ -54,3 +54,36 @@ def test_a_text_that_differs_in_any_run_is_reported(capsys):
     service = FakeService({"tree": 4.0, "target alone": 12.0}, texts={"target alone": ["the answer", "another"]})
     assert demo("http://x", "m", 96, post=service.post, clock=service.clock)["same_text"] is False
     assert "same greedy text: False" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("host, address, url, noted", [
+    ("127.0.0.1", None, "http://127.0.0.1:8000", False),
+    ("0.0.0.0", None, "http://127.0.0.1:8000", False),  # a wildcard is reached here on the loopback
+    ("0.0.0.0", "ray://10.0.0.5:10001", "http://10.0.0.5:8000", False),  # other machines: the head's address
+    ("0.0.0.0", "10.0.0.5:6379", "http://10.0.0.5:8000", False),
+    ("::", "ray://[fd00::5]:10001", "http://[fd00::5]:8000", False),
+    ("127.0.0.1", "ray://10.0.0.5:10001", "http://127.0.0.1:8000", True),  # the head only: said, with the fix
+    ("127.0.0.1", "auto", "http://127.0.0.1:8000", False),  # a cluster this machine is part of
+    ("127.0.0.1", "ray://localhost:10001", "http://127.0.0.1:8000", False),
+])
+def test_the_printed_url_reaches_the_proxy(capsys, host, address, url, noted):
+    from deployments.launch import service_url
+
+    assert service_url(host, 8000, address) == url
+    assert ("--host 0.0.0.0" in capsys.readouterr().out) == noted
+
+
+def test_serve_passes_host_to_the_proxy(monkeypatch):
+    """``--host`` reaches Serve's http_options (before, the proxy always listened on 127.0.0.1: a cluster on other
+    machines could not be reached)."""
+    from ray import serve
+
+    from deployments import launch
+
+    started = {}
+    monkeypatch.setattr(launch, "init_ray", lambda address, quiet: None)
+    monkeypatch.setattr(serve, "start", lambda http_options: started.update(http_options))
+    monkeypatch.setattr(serve, "run", lambda app, name, route_prefix: None)
+    monkeypatch.setattr("deployments.app.build_app", lambda args: object())
+    url = launch.start({}, 8123, "ray://10.0.0.5:10001", host="0.0.0.0")
+    assert started == {"host": "0.0.0.0", "port": 8123} and url == "http://10.0.0.5:8123"
