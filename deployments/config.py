@@ -215,6 +215,16 @@ class ServeConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _idle(self):
+        # A request's calls are apart by up to a step of the others' (step_timeout_s) and its own: a shorter idle
+        # time would free a live request's KV between two calls, and every request would fail mid-stream.
+        if self.request_idle_timeout_s < 2 * self.step_timeout_s:
+            raise ValueError(f"request_idle_timeout_s {self.request_idle_timeout_s} would free a live request "
+                             f"between its calls, which may be step_timeout_s {self.step_timeout_s} apart twice; "
+                             f"give >= {2 * self.step_timeout_s:g} (or lower step_timeout_s)")
+        return self
+
+    @model_validator(mode="after")
     def _prefix(self):
         if 0 < self.prefix_cache_tokens < self.prefix_block:
             raise ValueError(f"prefix_cache_tokens {self.prefix_cache_tokens} holds no block of prefix_block "

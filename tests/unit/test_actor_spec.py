@@ -11,9 +11,20 @@ from deployments.config import ServeConfig
 from sequoia_ray.batching import GATHER_S, LOCKSTEP_LOOKBACK, BatchLimits, comes_back_after_any_step
 
 
+@pytest.mark.parametrize("idle, step, ok", [(7.0, 3.5, True), (300.0, 60.0, True), (0.5, 60.0, False),
+                                             (119.0, 60.0, False)])
+def test_an_idle_time_shorter_than_two_steps_is_refused(idle, step, ok):
+    """A request idle timer below two step timeouts would free live requests' KV between their calls."""
+    if ok:
+        ServeConfig(request_idle_timeout_s=idle, step_timeout_s=step)
+        return
+    with pytest.raises(ValidationError, match=rf"request_idle_timeout_s {idle} .* give >= {2 * step:g}"):
+        ServeConfig(request_idle_timeout_s=idle, step_timeout_s=step)
+
+
 def test_serve_config_builds_the_actor_specs():
     cfg = ServeConfig(draft="d", target="t", dtype="float32", draft_quantize="int8", num_cpus=3,
-                      request_idle_timeout_s=7.0)
+                      request_idle_timeout_s=7.0, step_timeout_s=3.5)
     draft, target = cfg.actor_spec("draft"), cfg.actor_spec("target")
     assert draft == ModelActorSpec("d", dtype="float32", quantize="int8", device="auto", threads=3,
                                    idle_timeout_s=7.0, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
