@@ -33,6 +33,7 @@ from sequoia_ray.engine import PromptError, SpeculativeDecoder
 from sequoia_ray.in_flight import InFlight
 from sequoia_ray.live_cost import CostSettings, StepRates
 from sequoia_ray.local import encode
+from sequoia_ray.local import pair_refusal as local_pair_refusal
 
 logger = logging.getLogger("sequoia_ray.serve")
 app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")
@@ -124,12 +125,9 @@ def _no_model(asked: str, served: str) -> api.APIError:
 
 def pair_refusal(target: dict, draft: dict) -> str | None:
     """Why a draft model (its actor's ``info``) cannot speculate for a target (rank 0's), or None."""
-    if draft.get("vocab") != target.get("vocab"):
-        return (f"the draft's vocabulary has {draft.get('vocab')} ids, the target's {target.get('vocab')}: "
-                "speculative decoding needs a draft with the target's vocabulary")
-    if None not in (draft.get("tokenizer"), target.get("tokenizer")) and draft["tokenizer"] != target["tokenizer"]:
-        return "the draft's tokenizer is not the target's: speculative decoding needs a same-tokenizer pair"
-    return None
+    digests = (draft.get("tokenizer"), target.get("tokenizer"))
+    same = None if None in digests else digests[0] == digests[1]  # None: an actor without a tokenizer
+    return local_pair_refusal(target.get("vocab"), draft.get("vocab"), same)
 
 
 def api_key_header(cfg: ServeConfig) -> bytes | None:

@@ -79,7 +79,21 @@ def encode(tokenizer, prompt: str | list[dict], *, chat: bool) -> list[int]:
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
-    tv, dv = target.model.config.vocab_size, draft.model.config.vocab_size
-    if tv != dv or target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise ValueError(f"draft {draft.name!r} (vocab {dv}) and target {target.name!r} (vocab {tv}) do not share "
-                         "a tokenizer; speculative decoding needs a same-tokenizer pair")
+    why = pair_refusal(target.model.config.vocab_size, draft.model.config.vocab_size,
+                       target.tokenizer.get_vocab() == draft.tokenizer.get_vocab())
+    if why:
+        raise ValueError(f"draft {draft.name!r} cannot speculate for target {target.name!r}: {why}")
+
+
+def pair_refusal(target_rows: int | None, draft_rows: int | None, same_tokenizer: bool | None) -> str | None:
+    """Why a draft cannot speculate for a target, or None (``same_tokenizer`` None: not known, not refused). The
+    tokenizers must be one; the draft's embedding table may be shorter than the target's, never longer: tables are
+    padded past the tokenizer for the hardware (Qwen2.5 0.5B has 151,936 rows and 7B 152,064, one tokenizer), and
+    a draft with more rows could propose an id the target has no row for. Any draft distribution over the
+    target's ids keeps the verifier exact."""
+    if same_tokenizer is False:
+        return "the draft's tokenizer is not the target's: speculative decoding needs a same-tokenizer pair"
+    if None not in (target_rows, draft_rows) and draft_rows > target_rows:
+        return (f"the draft's vocabulary has {draft_rows} ids, the target's {target_rows}: the draft could propose "
+                "ids the target does not have; use a draft whose vocabulary is at most the target's")
+    return None
