@@ -86,14 +86,14 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def pair_refusal(target_rows: int | None, draft_rows: int | None, same_tokenizer: bool | None) -> str | None:
-    """Why a draft cannot speculate for a target, or None (``same_tokenizer`` None: not known, not refused). The
-    tokenizers must be one; the draft's embedding table may be shorter than the target's, never longer: tables are
-    padded past the tokenizer for the hardware (Qwen2.5 0.5B has 151,936 rows and 7B 152,064, one tokenizer), and
-    a draft with more rows could propose an id the target has no row for. Any draft distribution over the
-    target's ids keeps the verifier exact."""
+    """Why a draft cannot speculate for a target, or None (a value None: not known, not refused). The tokenizers
+    must be one and the embedding tables of one size, even when a table is only padded past the tokenizer for the
+    hardware (Qwen2.5 0.5B has 151,936 rows, 7B 152,064): once a node's draft distribution is exhausted, the
+    draft draws its children uniformly over its own ids, and the verifier prices them uniform over the target's
+    (``sampling.node_steps``), which is exact only when the two id ranges are the same."""
     if same_tokenizer is False:
         return "the draft's tokenizer is not the target's: speculative decoding needs a same-tokenizer pair"
-    if None not in (target_rows, draft_rows) and draft_rows > target_rows:
-        return (f"the draft's vocabulary has {draft_rows} ids, the target's {target_rows}: the draft could propose "
-                "ids the target does not have; use a draft whose vocabulary is at most the target's")
+    if None not in (target_rows, draft_rows) and draft_rows != target_rows:
+        return (f"the draft's vocabulary has {draft_rows} ids, the target's {target_rows}: speculative decoding "
+                "needs a draft with the target's vocabulary (its uniform fallback must cover the verifier's ids)")
     return None

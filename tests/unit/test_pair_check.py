@@ -18,8 +18,6 @@ QWEN_SMALL = {"vocab": 151936, "tokenizer": "abc"}  # Qwen2.5 0.5B-3B's embeddin
 def test_a_same_vocabulary_pair_speculates():
     assert pair_refusal(QWEN_SMALL, dict(QWEN_SMALL)) is None
     assert pair_refusal(QWEN_SMALL, {"vocab": 151936, "tokenizer": None}) is None  # no tokenizer to compare
-    # a draft's table padded less than the target's (Qwen2.5 0.5B for 7B: one tokenizer, 151,936 and 152,064 rows)
-    assert pair_refusal({"vocab": 152064, "tokenizer": "abc"}, QWEN_SMALL) is None
 
 
 @pytest.mark.parametrize("draft,words", [({"vocab": 152064, "tokenizer": "abc"}, "152064 ids, the target's 151936"),
@@ -28,18 +26,22 @@ def test_another_vocabulary_or_tokenizer_is_refused_by_name(draft, words):
     assert words in pair_refusal(QWEN_SMALL, draft)
 
 
-def test_a_pair_padded_differently_loads_and_a_draft_with_more_rows_is_refused(tmp_path):
-    """The local pair's check is the ingress's: one tokenizer, the draft's table at most the target's (before, any
-    difference of tables was refused as "do not share a tokenizer")."""
+def test_the_local_pair_refuses_by_the_ingress_rule_and_names_the_difference():
+    """A draft padded to another table size with the target's tokenizer is refused for its size, not (as before)
+    as a pair that "does not share a tokenizer"; another tokenizer is refused for its tokenizer."""
     from sequoia_ray.local import check_same_vocab
     from sequoia_ray.models.loading import load_model
 
     target = load_model(TINY_TARGET, progress=False)
     padded = load_model(TINY_TARGET, progress=False)
     padded.model.resize_token_embeddings(target.model.config.vocab_size + 31)  # what a hardware padding does
-    check_same_vocab(padded, target)  # the draft (tiny target) 97 rows, the target 128: the draft's ids all fit
-    with pytest.raises(ValueError, match=r"draft .* vocabulary has 128 ids, the target's 97.*at most the target's"):
-        check_same_vocab(target, padded)
+    check_same_vocab(target, load_model(TINY_DRAFT, progress=False))
+    with pytest.raises(ValueError, match=r"vocabulary has 97 ids, the target's 128: .*target's vocabulary"):
+        check_same_vocab(padded, target)
+    other = load_model(TINY_DRAFT, progress=False)
+    other.tokenizer.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match=r"tokenizer is not the target's"):
+        check_same_vocab(target, other)
 
 
 def test_the_digest_tells_tokenizers_apart():
