@@ -56,6 +56,9 @@ def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
     if source in (DEFAULT_DRAFT, DEFAULT_TARGET):
         which = fetch.DEFAULT_DRAFT if source == DEFAULT_DRAFT else fetch.DEFAULT_TARGET
         return str(fetch.fetch(which, progress=progress)), None
+    if not source.strip():
+        raise ValueError(f"model source {source!r} is empty; give a checkpoint directory, a .gguf file, a hub id, "
+                         f"or {DEFAULT_DRAFT} / {DEFAULT_TARGET}")
     path = Path(source).expanduser()
     if source.startswith(("/", ".", "~")) and not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; give a checkpoint directory, a .gguf file, "
@@ -134,10 +137,25 @@ def _from_pretrained(source: str, dtype: str, attn: str, tp_plan: str | None, pr
         from transformers.distributed import DistributedConfig
 
         extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
-    model = AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn,
-        local_files_only=Path(where).exists(), **extra)
+    with _named(where):
+        model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn,
+            local_files_only=Path(where).exists(), **extra)
     return model, _tokenizer(where, gguf)
+
+
+@contextmanager
+def _named(where: str) -> Iterator[None]:
+    """A source that is no path here is a hub id: transformers' error for one it cannot reach (offline, a typo,
+    a relative path that does not exist) names neither the value nor what else to give."""
+    try:
+        yield
+    except OSError as exc:
+        if Path(where).exists():
+            raise
+        raise OSError(f"model source {where!r} is neither a path on this machine nor a hub id that can be reached "
+                      f"({' '.join(str(exc).split()).split('. ')[0]}); give a checkpoint directory, a .gguf file, or "
+                      f"{DEFAULT_DRAFT} / {DEFAULT_TARGET}") from None
 
 
 @contextmanager
@@ -210,7 +228,13 @@ def load_tokenizer(source: str, *, progress: bool = True):
 def _tokenizer(where: str, gguf: str | None):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=Path(where).exists())
+    with _named(where):
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=Path(where).exists())
+    if len(tokenizer) <= 1:  # transformers builds an empty tokenizer for a checkpoint without tokenizer files
+        raise FileNotFoundError(f"{where} has no tokenizer ({len(tokenizer)} ids): copy the model's tokenizer files "
+                                "(tokenizer.json, or vocab.json and merges.txt, or tokenizer.model) beside its "
+                                "config.json")
+    return tokenizer
 
 
 def eos_ids(tokenizer, *configs, extra: tuple[int, ...] = ()) -> tuple[int, ...]:

@@ -1,0 +1,35 @@
+"""A model source that cannot load says which value and what to give instead: an empty source, a path that does
+not exist here (a relative one was taken for a hub id, and transformers' offline error named neither), a checkpoint
+without tokenizer files (transformers made an empty tokenizer: every prompt encoded to nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sequoia_ray.models import loading
+from sequoia_ray.models.tiny import tiny_model
+
+
+@pytest.mark.parametrize("source", ["", "   "])
+def test_an_empty_source_is_refused_by_name(source):
+    with pytest.raises(ValueError, match="is empty; give a checkpoint directory"):
+        loading.load_model(source, progress=False)
+
+
+def test_a_relative_path_that_is_not_here_nor_on_the_hub_is_named(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    # offline (read at import, so the module's constant): no hub in CI either, and an unknown id errs alike
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match=r"'models/qwen' is neither a path on this machine nor a hub id .* give a"):
+        loading.load_model("models/qwen", progress=False)
+    with pytest.raises(OSError, match=r"'models/qwen' is neither a path"):
+        loading.load_tokenizer("models/qwen", progress=False)
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused(tmp_path):
+    tiny_model("qwen2").save_pretrained(tmp_path / "weights-only")
+    for load in (loading.load_model, loading.load_tokenizer):
+        with pytest.raises(FileNotFoundError, match=r"weights-only has no tokenizer .*tokenizer.json"):
+            load(str(tmp_path / "weights-only"), progress=False)
