@@ -379,6 +379,14 @@ class DraftWorker(RequestTable):
             logits = logits.split([r.shape[0] for r in rows])  # one LM-head call for the batch
         return dict(zip(segments, logits))
 
+    @staticmethod
+    def _fits(width: int, logits: torch.Tensor) -> int:
+        """``width`` greedy children, which the ids in ``logits`` [..., K] must hold (a restricted head keeps K)."""
+        if width > logits.shape[-1]:
+            raise ValueError(f"a node of the tree has {width} children but the draft's head has {logits.shape[-1]} "
+                             "ids to choose them from; raise draft_vocab (or serve narrower trees)")
+        return width
+
     def _ids(self, drawn: torch.Tensor) -> torch.Tensor:
         """Token ids of positions ``drawn`` in the logits ``_forward`` gave."""
         return drawn if self.kept is None else self.kept[drawn]
@@ -428,7 +436,7 @@ class DraftWorker(RequestTable):
         # [R, K]: the rows of nodes with children (all of them, but for a leaf in ``nodes``: the root alone)
         picked = logits[: len(rows)] if rows[-1] == len(rows) - 1 else logits[torch.tensor(rows, device=logits.device)]
         if req.params.greedy:
-            top = self._ids(torch.topk(picked, max(map(len, kids))).indices)  # [R, widest]
+            top = self._ids(torch.topk(picked, self._fits(max(map(len, kids)), picked)).indices)  # [R, widest]
             drawn = [top[i, : len(k)] for i, k in enumerate(kids)]
         else:
             dists.update(zip([nodes[row] for row in rows], self._dists(picked, req.params)))
@@ -466,7 +474,7 @@ class DraftWorker(RequestTable):
         """(tokens [k], the draft's probability of each [k], E_i [k]) at ``node``, in draw order."""
         req = g.req
         if req.params.greedy:  # the top-k, as a static tree; their probabilities are known before keeping any
-            top = torch.topk(logits, k).indices
+            top = torch.topk(logits, self._fits(k, logits)).indices
             value = torch.softmax(logits.float(), dim=-1)[top].double()  # the draft's confidence at T = 1
             return self._ids(top), value, value
         dist = g.dists[node]  # drawn for the whole level by ``_grow_level``

@@ -189,3 +189,16 @@ def test_draws_over_the_kept_ids_are_the_draws_over_the_whole_head(monkeypatch, 
     for node, dist in kept.dists.items():
         assert dist.tokens.tolist() == whole.dists[node].tokens.tolist()
         torch.testing.assert_close(dist.probs, whole.dists[node].probs)
+
+
+@pytest.mark.parametrize("dynamic", [None, DynamicTrees(0.01, extend=2)], ids=["static", "dynamic"])
+def test_a_node_wider_than_the_kept_ids_names_draft_vocab(dynamic):
+    """A greedy node with more children than a restricted head keeps ids: before, torch's "selected index k out of
+    range" (the request went on with the target alone, the reason unsaid)."""
+    pair = LocalPair.tiny(device="cpu")
+    restricted = copy.deepcopy(pair.draft.model)
+    restrict_head(restricted, NO_SPECIALS, 3)  # ids 0, 1, 2
+    worker = DraftWorker(restricted, dynamic=dynamic)
+    worker.start("r", [5, 17, 33], SamplingParams(max_tokens=8, temperature=0.0), seed=1)
+    with pytest.raises(ValueError, match="has 4 children but the draft's head has 3 ids.*raise draft_vocab"):
+        worker.grow("r", k_ary(4, 2))
