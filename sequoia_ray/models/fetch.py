@@ -20,6 +20,7 @@ this module: model sources are configuration.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import hashlib
 import importlib.metadata as metadata
@@ -432,12 +433,29 @@ def fetch(
 ) -> Path:
     """The HF checkpoint dir of `source`, installing, joining and converting whatever is missing.
 
-    Re-runs are instant once the checkpoint exists. `install` is injectable (tests pass a fake).
+    Re-runs are instant once the checkpoint exists. `install` is injectable (tests pass a fake). Processes that
+    fetch one source at once (the ranks of a tensor-parallel target on one node, replicas on first start) take
+    turns: they share the temporary names, and the one that waited finds the checkpoint done.
     """
     if is_fetched(source, cache_dir):
         return checkpoint_dir(source, cache_dir)
-    gguf = assemble_gguf(source, cache_dir, progress=progress, install=install)
-    return convert_to_hf(gguf, source, cache_dir)
+    with _exclusive(_resolve_cache(cache_dir) / f".{source.name}.lock"):
+        if is_fetched(source, cache_dir):  # another process fetched it while this one waited
+            return checkpoint_dir(source, cache_dir)
+        gguf = assemble_gguf(source, cache_dir, progress=progress, install=install)
+        return convert_to_hf(gguf, source, cache_dir)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An advisory lock on ``path`` held inside: one holder on this machine at a time (freed if it dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def fetch_default_pair(cache_dir: Path | str | None = None, progress: bool = True) -> tuple[Path, Path]:

@@ -290,3 +290,36 @@ def test_eos_ids_one_function_in_order_without_duplicates():
     gen, config = SimpleNamespace(eos_token_id=[7, 2]), SimpleNamespace(eos_token_id=None)
     assert eos_ids(tok, gen, config, extra=(9, 7)) == (2, 7, 9)
     assert eos_ids(SimpleNamespace(eos_token_id=None), None) == ()
+
+
+def test_concurrent_fetches_of_one_source_take_turns(fake, monkeypatch):
+    """Two fetches at once (two ranks of a tensor-parallel target on one node): both get the checkpoint and it is
+    converted once. Before, both wrote ``<file>.tmp`` and ``<name>.tmp`` and one crashed (FileNotFoundError)."""
+    import threading
+
+    cache, source, _, _ = fake
+    calls, inside, most, errors = [], [0], [0], []
+    convert = _fake_checkpoint(calls)
+
+    def slow(gguf, out, source):  # a conversion that takes a while: the other fetch arrives meanwhile
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        threading.Event().wait(0.3)
+        convert(gguf, out, source)
+        inside[0] -= 1
+
+    monkeypatch.setattr(F, "_write_checkpoint", slow)
+
+    def run():
+        try:
+            assert F.fetch(source, cache, progress=False, install=_no_install) == cache / "hf" / "Fake-Model"
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and F.is_fetched(source, cache)
+    assert len(calls) == 1 and most[0] == 1  # one conversion, never two at once
