@@ -332,18 +332,26 @@ def _hub_offline() -> Iterator[None]:
 def _load_gguf(gguf: Path):
     """(model, tokenizer) dequantised to dense fp32 from a local GGUF file."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _hub_offline():
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True,
-            quantization_config=GgufConfig(dequantize=True),  # dense weights even if `kernels` is installed
+            quantization_config=dense_gguf_config(),
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     return model.eval(), tokenizer
 
 
-def _strip_gguf_quantization(model) -> None:
+def dense_gguf_config():
+    """GGUF weights unpacked to dense at load: with a GGUF matmul kernel at hand (the ``kernels`` package)
+    transformers would keep them in GGUF blocks, which packing, int8 quantisation and a draft's head skip."""
+    from transformers import GgufConfig
+
+    return GgufConfig(dequantize=True)
+
+
+def strip_gguf_quantization(model) -> None:
     """Make the dequantised model a plain one: no quantizer, no quantization entry in its config."""
     model.hf_quantizer = None
     for attr in ("quantization_config", "_pre_quantization_dtype"):
@@ -386,7 +394,7 @@ def _tidy_tokenizer(tokenizer, model) -> None:
 def _write_checkpoint(gguf: Path, out: Path, source: ModelSource) -> None:
     """Load `gguf`, save a plain safetensors checkpoint + tokenizer into `out`, free the memory."""
     model, tokenizer = _load_gguf(gguf)
-    _strip_gguf_quantization(model)
+    strip_gguf_quantization(model)
     _set_generation_config(model, tokenizer, source)
     _tidy_tokenizer(tokenizer, model)
     model.save_pretrained(out)

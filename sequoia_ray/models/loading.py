@@ -131,8 +131,12 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
 def _from_pretrained(source: str, dtype: str, attn: str, tp_plan: str | None, progress: bool):
     from transformers import AutoModelForCausalLM
 
+    from sequoia_ray.models import fetch
+
     where, gguf = resolve(source, progress=progress)
     extra = {}
+    if gguf:  # a user's GGUF file: dense, as the default pair's conversion makes it
+        extra["quantization_config"] = fetch.dense_gguf_config()
     if tp_plan:
         from transformers.distributed import DistributedConfig
 
@@ -141,6 +145,8 @@ def _from_pretrained(source: str, dtype: str, attn: str, tp_plan: str | None, pr
         model = AutoModelForCausalLM.from_pretrained(
             where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn,
             local_files_only=Path(where).exists(), **extra)
+    if gguf:
+        fetch.strip_gguf_quantization(model)
     return model, _tokenizer(where, gguf)
 
 

@@ -33,3 +33,25 @@ def test_a_checkpoint_without_tokenizer_files_is_refused(tmp_path):
     for load in (loading.load_model, loading.load_tokenizer):
         with pytest.raises(FileNotFoundError, match=r"weights-only has no tokenizer .*tokenizer.json"):
             load(str(tmp_path / "weights-only"), progress=False)
+
+
+def test_a_users_gguf_file_loads_dense(tmp_path, monkeypatch):
+    """A .gguf source is loaded with its weights unpacked (transformers keeps them in GGUF blocks when a matmul
+    kernel is at hand, which packing, int8 and a draft's head skip) and comes back a plain model, as the default
+    pair's conversion makes it."""
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    seen = {}
+
+    def from_pretrained(where, **kwargs):
+        seen.update(kwargs, where=where)
+        model = tiny_model("qwen2")
+        model.hf_quantizer, model.config.quantization_config = object(), kwargs["quantization_config"]
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(loading, "_tokenizer", lambda where, gguf: None)
+    model, _ = loading._from_pretrained(str(tmp_path / "model.gguf"), "float32", "sdpa", None, progress=False)
+    assert seen["gguf_file"] == "model.gguf" and seen["quantization_config"].dequantize is True
+    assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
