@@ -99,6 +99,8 @@ class KVStore:
         slots = slots.tolist() if isinstance(slots, torch.Tensor) else slots
         length, m = self.length, len(slots)
         first = first_moved(slots)
+        if first > length:  # "in place" past the end: the store would grow by slots never written
+            raise ValueError(f"keep: slot {length} and on are not in the cache of {length} slots")
         if first < m:
             tail = torch.tensor(slots[first:], dtype=torch.long, device=self.keys.device)
             self.keys[..., first:m, :] = self.keys[..., :length, :].index_select(-2, tail)

@@ -120,7 +120,8 @@ class KVSession:
         slots = slots.tolist() if isinstance(slots, torch.Tensor) else slots
         first = first_moved(slots)
         tail = slots[first:]  # the slots that move: after the first one, each past the one before
-        assert all(a < b for a, b in zip(tail, tail[1:])) and (not tail or tail[-1] < self.length), "bad slots"
+        assert first <= self.length and all(a < b for a, b in zip(tail, tail[1:])) and (
+            not tail or tail[-1] < self.length), "bad slots"
         if first == len(slots) == self.length:
             return  # every slot, in place
         store = store_of(self.cache)

@@ -142,3 +142,18 @@ def test_a_keep_leaves_every_slot_as_a_gather_would(case):
     assert store.length == slots.numel()
     assert torch.equal(store.keys[..., : slots.numel(), :], before_k.index_select(-2, slots))
     assert torch.equal(store.values[..., : slots.numel(), :], before_v.index_select(-2, slots))
+
+
+def test_a_keep_of_slots_past_the_end_is_refused():
+    """Slots 0..n-1 with n past the cache read as "every slot in place": the cache grew by slots never written."""
+    gen = torch.Generator().manual_seed(2)
+    store = KVStore(LAYERS)
+    store.append(*(torch.stack([t] * LAYERS) for t in _kv(gen, 3)))
+    with pytest.raises(ValueError, match="slot 3 and on are not in the cache of 3 slots"):
+        store.keep(range(6))
+    assert store.length == 3
+    session = KVSession(tiny_model("qwen2", seed=0))
+    session.forward(torch.tensor([5, 6, 7]), torch.arange(3))
+    with pytest.raises((AssertionError, ValueError)):
+        session.keep(list(range(6)))
+    assert session.length == 3
