@@ -222,7 +222,7 @@ class OpenAIIngress:
         active = await asyncio.to_thread(plans.get, 0.0, max(1, self.active))
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
-                "tp_size": self.cfg.tp_size, "plans": {b: p.source for b, p in plans.plans.items()},
+                "tp_size": self.cfg.tp_size, "plans": plans.sources(),
                 "plan_store_errors": plans.errors, "plan_store_last_error": plans.last_error,
                 "plans_measured_otherwise": plans.measured_otherwise(),
                 "live_acceptance": self.live.summary() if self.live else None,

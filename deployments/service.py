@@ -114,7 +114,16 @@ class PlanProvider:
 
     def measured_otherwise(self) -> dict[str, str]:
         """Folder name -> how the served plan's measuring configuration differs from this service's."""
-        return {name: active.measured_otherwise for name, active in self.plans.items() if active.measured_otherwise}
+        return {name: active.measured_otherwise for name, active in self.held() if active.measured_otherwise}
+
+    def sources(self) -> dict[str, str]:
+        """Folder name -> where the served plan came from (``ActivePlan.source``)."""
+        return {name: active.source for name, active in self.held()}
+
+    def held(self) -> list[tuple[str, ActivePlan]]:
+        """The plans held, as one snapshot: request threads add buckets (``get``) while another thread reads
+        them, and a Python loop over the dict itself would fail ("dictionary changed size during iteration")."""
+        return list(self.plans.items())  # one C call: no other thread runs inside it
 
     def current(self, temperature: float) -> dict[int, PlannedTree]:
         """The plans served at ``temperature`` per batch bucket that has its own (not a fallback)."""

@@ -187,3 +187,23 @@ def test_a_refresh_beside_a_live_replan_does_not_swap_the_older_plan_back(store)
     plans.store.fetch_plan = fetch
     plans.refresh()  # the live plan is the store's latest now: kept
     assert plans.get(0.0).planned.plan.n == 4
+
+
+def test_reading_the_plans_while_a_request_adds_a_bucket_does_not_fail():
+    """/v1/models reads the plans on the event loop while request threads add buckets (``get``): a loop over the
+    dict itself failed with "dictionary changed size during iteration" (a 500). Made deterministic here: reading
+    the first plan's fields adds a bucket, as a request thread switched in at that moment would."""
+    plans = provider(None)
+
+    class Racing:  # a held plan whose fields, once read, let another thread's request in
+        @property
+        def source(self) -> str:
+            plans.get(0.6, 1)  # a request at another temperature adds its bucket, mid-iteration
+            return "builtin"
+
+        measured_otherwise = source
+
+    for read in (plans.measured_otherwise, plans.sources):
+        plans.plans = {"t0.0": Racing()}
+        read()
+    assert set(plans.sources()) == {"t0.0", "t0.6"}
