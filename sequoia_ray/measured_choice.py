@@ -80,8 +80,13 @@ def measure_choices(target_model, draft_model, choices: list[Choice], prompts: l
 
 
 def pick(measured: list[Measured]) -> Measured:
-    """The fastest measured (the smaller tree on a tie)."""
-    return max(measured, key=lambda m: (m.tokens_per_s, -m.choice.n, -m.choice.d))
+    """The fastest measured (the smaller tree on a tie), among those with a rate: a run with no timed step that
+    held the whole batch (its requests ended at once) has none (NaN), and ``max`` kept a NaN met first."""
+    timed = [m for m in measured if math.isfinite(m.tokens_per_s)]
+    if not timed:
+        raise ValueError(f"none of {len(measured)} measured trees had a timed step with its whole batch (every "
+                         "run's requests ended at once); give more tokens per request (measure_tokens)")
+    return max(timed, key=lambda m: (m.tokens_per_s, -m.choice.n, -m.choice.d))
 
 
 class _Runs:

@@ -218,6 +218,17 @@ def test_pick_is_the_fastest_measured_not_the_best_predicted():
     assert pick(measured[:1]).choice.n == 1
 
 
+def test_pick_passes_over_a_run_with_no_rate():
+    """A run with no timed step holding its whole batch has no rate (NaN): ``max`` kept one met first, so a NaN
+    root-only baseline was always picked. None with a rate is an error naming the fix."""
+    nan = math.nan
+    measured = [Measured(_choice(1, 1.0), 1.0, nan, 1.0), Measured(_choice(8, 2.0), nan, 13.0, 2.0),
+                Measured(_choice(4, 1.8), nan, 12.0, 1.8)]
+    assert pick(measured).choice.n == 8
+    with pytest.raises(ValueError, match="none of 1 measured trees had a timed step.*measure_tokens"):
+        pick(measured[:1])
+
+
 def test_measure_choices_runs_each_tree_and_measures_over_the_target_alone(models):
     target, draft = models
     _, candidates = choose(TABLE, flat(), (1, 2, 4, 8))
