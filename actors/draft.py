@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import ray
 
 from actors.base import ModelActor, assigned_device, model_meta
 from actors.spec import ModelActorSpec
 from actors.thread_share import ThreadShare
+
+logger = logging.getLogger(__name__)
 
 
 class DraftActor(ModelActor):
@@ -30,6 +34,14 @@ class DraftActor(ModelActor):
     def call(self, method: str, request_id: str, *args):
         """One request's call; a ``grow`` joins the next draft forward with every other waiting ``grow``."""
         return self.batcher.call(method, request_id, *args)
+
+    def _run(self, method: str, request_id: str, *args, stale=None):
+        if method == "start" and self.reaper.finished_before(request_id):
+            # its caller timed out on this start and abandoned the request (``ActorDraft.abandon``), and the
+            # finish ran first: started now, the request would be held until the reaper frees it
+            logger.info("start of request %s after its finish: not started", request_id)
+            return None
+        return super()._run(method, request_id, *args, stale=stale)
 
     @ray.method(num_returns=2)
     def grow(self, request_id: str, plan, commits=(), rule=None):

@@ -35,3 +35,22 @@ def test_draft_actor_reaps_on_the_next_call():
     clock.now = 7  # "old" idle for 7 s > 5 s, "new" for 3 s
     actor.call("finish", "new")
     assert actor.active() == 0 and actor.reaper.last == {}
+
+
+def test_a_start_after_its_requests_finish_holds_nothing():
+    """A caller that timed out on a ``start`` abandons the request (a finish it does not wait for); the actor may
+    run that finish first. The late start then held the request until the reaper freed it (300 s by default);
+    now it is not started. A finished id is remembered as long as an idle one; a reaped request starts again."""
+    actor = DraftActor(ModelActorSpec("tiny-draft", idle_timeout_s=5.0))
+    clock = Clock()
+    actor.reaper.clock = clock
+    params = SamplingParams(max_tokens=8)
+    actor.call("finish", "late")  # the abandon, run before the start it follows
+    assert actor.call("start", "late", [3, 4, 5], params, 1) is None and actor.active() == 0
+    actor.call("start", "idle", [3, 4], params, 2)
+    clock.now = 6  # both past the timeout: "late" forgotten, "idle" reaped by this call
+    actor.call("start", "other", [3], params, 3)
+    assert actor.reaper.finished == {} and actor.active() == 1
+    actor.call("start", "idle", [3, 4], params, 2)  # a reaped request comes back (the draft link restarts it)
+    actor.call("start", "late", [3, 4, 5], params, 1)  # and an id finished long ago is an id like any other
+    assert actor.active() == 3
