@@ -12,11 +12,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -144,7 +145,7 @@ class _DraftLink:
         self.starting: Future | None = None  # the early start, running
         if early and draft is not None:
             self.started = True
-            self.starting = _STARTS.submit(self._call, "start", *opening)
+            self.starting = _in_thread(self._call, "start", *opening)
 
     @property
     def alive(self) -> bool:
@@ -208,7 +209,20 @@ class _DraftLink:
             logger.debug("draft finish after a failure failed for request %s: %s", self.request_id, exc)
 
 
-_STARTS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft-start")  # early starts (``_DraftLink``)
+def _in_thread(fn, *args) -> Future:
+    """``fn(*args)`` in a thread of its own (an early start, ``_DraftLink``): a pool of a few threads queued the
+    starts of new requests behind those of a draft that had stopped answering, each up to its deadline."""
+    future: Future = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="draft-start", daemon=True).start()
+    return future
 
 
 class PromptError(ValueError):

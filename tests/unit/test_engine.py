@@ -515,3 +515,31 @@ def test_a_target_finish_that_fails_after_the_last_token_does_not_fail_the_reque
         [5, 3, 8, 1], SamplingParams(max_tokens=8))
     assert got.token_ids == target_greedy(target, [5, 3, 8, 1], 8) and got.finish_reason == "length"
     assert "target finish failed" in caplog.text
+
+
+def test_early_starts_do_not_queue_behind_a_draft_that_stopped_answering():
+    """Each early start waits on the draft in a thread of its own: with a pool of 8, the ninth request's start
+    queued until one of eight starts stuck on a hung draft reached its deadline (a minute each by default)."""
+    from sequoia_ray.engine import _DraftLink
+
+    release, reached = threading.Event(), threading.Event()
+
+    class Hung:
+        def start(self, request_id, *args):
+            if request_id == "r8":
+                reached.set()
+            else:
+                release.wait(30)  # stuck until the test ends
+
+        def finish(self, request_id):
+            pass
+
+    opening = ([1, 2, 3], SamplingParams(max_tokens=4), 0)
+    links = [_DraftLink(Hung(), f"r{i}", opening, early=True) for i in range(9)]
+    try:
+        assert reached.wait(10), "the ninth start never reached the draft"
+    finally:
+        release.set()
+    for link in links:
+        link.call("finish")
+    assert all(link.alive for link in links)
