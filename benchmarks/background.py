@@ -19,13 +19,12 @@ import argparse
 import contextlib
 import functools
 import os
-import statistics
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, quartiles, write_json  # noqa: E402
 from processes import interleave, load_pair, pair_args, rows_of, run, warm  # noqa: E402
 
 from sequoia_ray.prompts import load_prompts  # noqa: E402
@@ -100,8 +99,8 @@ def paired(base: list[dict], runs: list[dict]) -> dict:
     """The median and interquartile range over the runs of ``base``'s seconds over ``runs``'s on the same prompt
     and round (the same tokens: the speed ratio; pairs cancel a drift slower than one round of modes)."""
     ratios = sorted(b["seconds"] / r["seconds"] for b, r in zip(base, runs))
-    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"paired median": statistics.median(ratios), "paired IQR": f"{q[0]:.2f}-{q[2]:.2f}"}
+    q1, median, q3 = quartiles(ratios, method="inclusive")
+    return {"paired median": median, "paired IQR": f"{q1:.2f}-{q3:.2f}"}
 
 
 def main() -> None:

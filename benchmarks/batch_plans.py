@@ -78,7 +78,7 @@ def main() -> int:
         return served_calls(profile(), StepOverhead.from_dict(overhead))
 
     pair = LocalPair.load(dtype="bfloat16", draft_quantize="int8", progress=False)
-    prompts = [pair.target.tokenizer.encode(p.text) for p in load_prompts(HERE / "prompts.jsonl")]
+    prompts = [pair.encode(p.text, chat=p.chat) for p in load_prompts(HERE / "prompts.jsonl")]  # as served
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     root = TreePlan((-1,))
     rows = []

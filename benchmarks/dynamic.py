@@ -97,6 +97,15 @@ def encoded_prompts(pair: LocalPair, limit: int, real: bool) -> list[list[int]]:
     return [ids for kind in sorted(by_kind) for ids in by_kind[kind]]
 
 
+def real_pair(dtype: str) -> LocalPair:
+    """e2e.py's default real pair, as served: its draft int8 on the CPU (``e2e.pair_options``), the draft's head
+    restricted as ``LocalPair.load`` does by default."""
+    from e2e import pair_options
+
+    quantize, device = pair_options("auto", "auto")
+    return LocalPair.load(dtype=dtype, draft_quantize=quantize, device=device)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", action="store_true", help="the default real pair instead of the tiny one")
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
-    pair = LocalPair.load(dtype=args.dtype) if args.real else LocalPair.tiny(device="cpu")
+    pair = real_pair(args.dtype) if args.real else LocalPair.tiny(device="cpu")
     prompts = encoded_prompts(pair, args.limit, args.real)
     configs = configurations([float(t) for t in args.thresholds.split(",")],
                              [float(x) for x in args.levels.split(",")], args.extend)

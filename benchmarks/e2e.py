@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.arguments import FULL, vocab_size  # noqa: E402
+from sequoia_ray.arguments import FULL, positive_int, vocab_size  # noqa: E402
 from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, ProfileJobConfig, SamplingParams  # noqa: E402
 from sequoia_ray.devices import DEVICE_CHOICES, resolve_device, synchronize  # noqa: E402
 from sequoia_ray.dynamic_rules import DynamicRules  # noqa: E402
@@ -86,8 +86,14 @@ def run_assisted(pair: LocalPair, prompts, temperature: float, max_tokens: int, 
                               pad_token_id=pair.target.eos_ids[0], **sample)
         synchronize(device)  # generate returns before a GPU has finished; our decoder returns python ints
         seconds += time.perf_counter() - start
-        tokens += out.shape[1] - ids.shape[1]
+        tokens += until_eos(out[0, ids.shape[1]:].tolist(), pair.target.eos_ids)
     return tokens, seconds, None
+
+
+def until_eos(ids: list[int], eos_ids) -> int:
+    """Tokens before the first EOS id: transformers returns the EOS it stopped on, our decoder's count stops
+    before it (``sequoia_ray.stopping.StopChecker``)."""
+    return next((i for i, token in enumerate(ids) if token in eos_ids), len(ids))
 
 
 def _hardware(pair: LocalPair) -> str:
@@ -112,20 +118,26 @@ def served_plans(pair: LocalPair, args, temperatures: list[float]
 
 
 def assisted_configs(pair: LocalPair, temperature: float, max_tokens: int) -> list[tuple[str, object]]:
-    """Assisted generation with transformers' default schedule, then num_assistant_tokens 3, 5, 8 constant."""
+    """Assisted generation with transformers' default schedule, then num_assistant_tokens 3, 5, 8 constant. The
+    draft's generation_config holds the setting: each run sets its own and restores the defaults read here,
+    so the next call (the next temperature) reads the draft's defaults again, not the last k run."""
     cfg = pair.draft.model.generation_config
     defaults = (cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule)
 
     def run(ps, k=None, first_seed=0):
         cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = defaults if k is None else (k, "constant")
-        return run_assisted(pair, ps, temperature, max_tokens, first_seed)
+        try:
+            return run_assisted(pair, ps, temperature, max_tokens, first_seed)
+        finally:
+            cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = defaults
 
     return [("assisted default", run)] + [(f"assisted k={k}", functools.partial(run, k=k)) for k in (3, 5, 8)]
 
 
 def plan_configs(pair: LocalPair, temperature: float, result: TrialResult, planned: PlannedTree, args,
                  profile: HardwareProfile) -> list[tuple[str, object]]:
-    table = solve(planned.acceptance, 64, max(args.grid_d + [planned.max_depth or 1, result.model_d]))
+    table = solve(planned.acceptance, max(args.grid_n + [result.model_n or 1]),  # every n asked of it below
+                  max(args.grid_d + [planned.max_depth or 1, result.model_d]))
     plans = [(f"grid n={n} d={d}", table.tree(n, d)) for n in args.grid_n for d in args.grid_d]
     plans.append((f"built-in n={builtin_plan(temperature).budget}", builtin_plan(temperature).plan))
     if (result.model_n, result.model_d) != (result.n, result.d) and result.model_n:
@@ -156,7 +168,28 @@ def ratios(rows: list[dict]) -> None:
             r["x assisted"], r["x best fixed"] = r["tok/s"] / assisted, r["tok/s"] / fixed
 
 
-def main() -> None:
+def sizes(text: str) -> list[int]:
+    """Comma-separated integers >= 1 (``--grid-n``, ``--grid-d``): a bad one fails at parsing, before the pair
+    loads and the profile runs."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def pair_options(draft_quantize: str, device: str) -> tuple[str | None, str]:
+    """(draft_quantize, device) for ``LocalPair.load`` from the command line's: ``auto`` is int8 on the CPU (the
+    serving default there), none on a GPU (int8 is CPU-only); an int8 draft puts an ``auto`` device on the CPU,
+    so the pair and the profile both run there."""
+    if draft_quantize == "auto":
+        draft_quantize = "int8" if resolve_device(device).type == "cpu" else "none"
+    draft_quantize = None if draft_quantize == "none" else draft_quantize
+    if draft_quantize == "int8" and device == "auto":
+        device = "cpu"
+    return draft_quantize, device
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8"],
@@ -167,8 +200,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=3, help="prompts per kind")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="0,0.6")
-    ap.add_argument("--grid-n", default="4,8,16,32", help="tree sizes n of the hindsight grid")
-    ap.add_argument("--grid-d", default="4,6,8,10,12", help="max depths d of the hindsight grid")
+    ap.add_argument("--grid-n", type=sizes, default="4,8,16,32", help="tree sizes n of the hindsight grid")
+    ap.add_argument("--grid-d", type=sizes, default="4,6,8,10,12", help="max depths d of the hindsight grid")
     ap.add_argument("--profile-seconds", type=float, default=120.0, help="the bounded profile's budget")
     ap.add_argument("--dynamic-extend", type=int, default=0, help="also DYNAMIC+EXTEND: the dynamic tree whose "
                     "confident path may grow this many levels beyond the served plan (dynamic_extend)")
@@ -176,14 +209,14 @@ def main() -> None:
                     "benchmarks/load.py --plan-store serves them")
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES, help="auto = a GPU if torch sees one")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    if args.draft_quantize == "auto":
-        args.draft_quantize = "int8" if resolve_device(args.device).type == "cpu" else "none"
-    args.draft_quantize = None if args.draft_quantize == "none" else args.draft_quantize
-    if args.draft_quantize == "int8" and args.device == "auto":
-        args.device = "cpu"  # an int8 draft runs on the CPU only: the pair and the profile both run there
+    args = ap.parse_args(argv)
+    args.draft_quantize, args.device = pair_options(args.draft_quantize, args.device)
     args.draft_vocab = None if args.draft_vocab == FULL else args.draft_vocab
-    args.grid_n, args.grid_d = ([int(x) for x in v.split(",")] for v in (args.grid_n, args.grid_d))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     temperatures = [float(x) for x in args.temperatures.split(",")]
 
     pair = LocalPair.load(dtype=args.dtype, draft_quantize=args.draft_quantize, device=args.device,

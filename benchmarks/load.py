@@ -73,6 +73,8 @@ class Result:
     text: str = ""
     tokens_per_step: float | None = None
     error: str | None = None
+    finish_reason: str | None = None  # the stream's, and vLLM's stop_reason (None: EOS; a token id; a string)
+    stop_reason: int | str | None = None
 
 
 # ---- the service ------------------------------------------------------------------------------------
@@ -127,7 +129,7 @@ def stream_request(session: requests.Session, url: str, prompts: list[Prompt], i
 
 def read_stream(lines: Iterable[bytes], index: int, start: float) -> Result:
     """Parse the server-sent events of a completion or chat stream up to ``data: [DONE]``."""
-    pieces, ttft, usage = [], None, None
+    pieces, ttft, usage, finish = [], None, None, (None, None)
     for line in lines:
         if not line.startswith(b"data: "):
             continue
@@ -136,7 +138,8 @@ def read_stream(lines: Iterable[bytes], index: int, start: float) -> Result:
             if usage is None:
                 return _failed(index, start, "[DONE] without a final event carrying usage")
             return Result(index, True, time.perf_counter() - start, ttft, usage["completion_tokens"], "".join(pieces),
-                          usage.get("speculative", {}).get("tokens_per_step"))
+                          usage.get("speculative", {}).get("tokens_per_step"), finish_reason=finish[0],
+                          stop_reason=finish[1])
         event = json.loads(data)
         if "error" in event:
             return _failed(index, start, f"error event: {event['error']}")
@@ -144,6 +147,8 @@ def read_stream(lines: Iterable[bytes], index: int, start: float) -> Result:
         if not event.get("choices"):  # a usage-only last event (vLLM's stream_options.include_usage)
             continue
         choice = event["choices"][0]
+        if choice.get("finish_reason"):
+            finish = choice["finish_reason"], choice.get("stop_reason")
         piece = choice["text"] if "text" in choice else choice["delta"].get("content") or ""
         if piece and ttft is None:
             ttft = time.perf_counter() - start

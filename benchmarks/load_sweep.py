@@ -21,6 +21,7 @@ setting is a third ratio.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from statistics import median
 
 import ray
@@ -28,6 +29,7 @@ import requests
 
 from load import MODEL, log, model_actors, references, run_clients, serving, summarize, wait_idle
 from step_cycle import cycle, trace_rows
+from vllm_peer import output_tokens
 from vllm_server import USAGE, spec_counters, tokens_per_step, vllm_serving
 
 MODES = {"a": "target alone, batched", "b": "trees, 1 request/forward", "c": "batched trees, per-batch plans",
@@ -98,10 +100,12 @@ def step_rates(url: str) -> dict | None:
 
 def vllm_point(url: str, prompts, refs: list[str], setting: str, clients: int, duration: float, max_tokens: int,
                timeout: float) -> dict:
-    """One (vLLM setting, clients) measurement, as ``point`` (texts compared with our target alone's)."""
+    """One (vLLM setting, clients) measurement, as ``point`` (texts compared with our target alone's; tokens
+    counted as ours, without the EOS vLLM counts: ``vllm_peer.output_tokens``)."""
     before = spec_counters(url)
     log(f"(vLLM {setting}): {clients} clients for {duration:g} s")
     results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, **USAGE)
+    results = [replace(r, tokens=output_tokens(r.tokens, r.finish_reason, r.stop_reason)) for r in results]
     return _row(f"vLLM {setting}", results, refs, seconds, clients, duration, max_tokens,
                 tokens_per_step=tokens_per_step(before, spec_counters(url)), requests_per_forward=None,
                 target_busy=None, held=0, step_rates=None)

@@ -1,6 +1,7 @@
 """A long prompt arrives while others decode: how long are they stalled? Whole, apart, or in chunks.
 
     .venv/bin/python benchmarks/prefill.py [--tiny] [--decoders 3] [--prompt-tokens 1024] [--chunks 64,256]
+        [--rounds 2]
 
 In-process, continuous batching (``sequoia_ray.batching``) over the default pair (bf16 target, int8 draft,
 greedy, the built-in plan) or the tiny pair. ``--decoders`` requests decode back to back; once they are
@@ -14,8 +15,12 @@ running, one request with a ``--prompt-tokens`` prompt joins. Settings, side by 
 ("Apart", a forward of its own before the batch, stalls the others exactly as long as ``whole/flat``'s
 prefill rows do: the prompt's forward runs between two of their steps either way.)
 
-Per setting: the decoders' longest gap between two tokens while the long request prefills (the stall),
-their median gap, the long request's time to first token, and total tokens/s. Table + JSON.
+Every setting runs once a round, ``--rounds`` rounds, the order rotated by one setting a round (the host's
+speed drifts over minutes: a setting run once carries whatever phase it met). Per setting: the decoders'
+longest gap between two tokens while the long request prefills (the stall), their median gap, the long
+request's time to first token, and total tokens/s, each the median over the rounds; and the stall and
+tokens/s over the first setting's (``whole/padded``) in the same round, the median over the rounds. Table +
+JSON (every round's figures included).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, rotated, round_medians, write_json  # noqa: E402
 
 from sequoia_ray.batching import BatchedWorker, Batcher, BatchLimits  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
@@ -77,21 +82,25 @@ def run(pair: LocalPair, layout: str, chunk: int | None, decoders: int, prompt_t
     lo, hi = long_window
     gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > a]
     stall = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > a and b > lo and a < hi]
-    name = f"chunk {chunk}/{layout}" if chunk else f"whole/{layout}"
-    return {"setting": name, "stall max s": max(stall, default=0.0),
+    return {"setting": setting_name(layout, chunk), "stall max s": max(stall, default=0.0),
             "median gap s": statistics.median(gaps), "long TTFT s": hi - lo,
             "tokens/s": sum(len(t) for t in times) / wall}
 
 
-def main() -> None:
+def setting_name(layout: str, chunk: int | None) -> str:
+    return f"chunk {chunk}/{layout}" if chunk else f"whole/{layout}"
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="the tiny random pair (a smoke run)")
     ap.add_argument("--decoders", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--chunks", default="64,256", help="prefill chunk sizes to compare")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every setting, the order rotated each round")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.tiny:
         pair = LocalPair.tiny()
         args.prompt_tokens = min(args.prompt_tokens, 400)
@@ -100,10 +109,18 @@ def main() -> None:
     chunks = [int(c) for c in args.chunks.split(",")]
     settings = [("padded", None), ("flat", None), ("ragged", None)]
     settings += [(layout, c) for c in chunks for layout in ("flat", "ragged")]
-    rows = [run(pair, layout, chunk, args.decoders, args.prompt_tokens, args.max_tokens) for layout, chunk in settings]
-    print_table(rows, ["setting", "stall max s", "median gap s", "long TTFT s", "tokens/s"])
+    runs = {setting_name(*s): [] for s in settings}  # setting -> its figures, one dict a round
+    for r in range(args.rounds):
+        for layout, chunk in rotated(settings, r):
+            runs[setting_name(layout, chunk)].append(
+                run(pair, layout, chunk, args.decoders, args.prompt_tokens, args.max_tokens))
+    base = setting_name(*settings[0])
+    rows = round_medians(runs, "setting", base, {f"stall vs {base}": "stall max s", f"tokens/s vs {base}": "tokens/s"})
+    print_table(rows, ["setting", "stall max s", "median gap s", "long TTFT s", "tokens/s", f"stall vs {base}",
+                       f"tokens/s vs {base}"])
     write_json("prefill-tiny" if args.tiny else "prefill", {"decoders": args.decoders, "prompt tokens": args.prompt_tokens,
-                                                            "max tokens": args.max_tokens, "rows": rows}, args.out)
+                                                            "max tokens": args.max_tokens, "rounds": args.rounds,
+                                                            "rows": rows, "runs": runs}, args.out)
 
 
 if __name__ == "__main__":

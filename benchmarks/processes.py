@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.config import SamplingParams  # noqa: E402
+from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, SamplingParams  # noqa: E402
 from sequoia_ray.engine import SpeculativeDecoder  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
 from sequoia_ray.prompts import Prompt, load_prompts  # noqa: E402
@@ -36,9 +36,11 @@ from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def serve_worker(conn, role: str, name: str, dtype: str, quantize: str | None, threads: int) -> None:
-    """A process holding one model's worker: loads it and answers (method, args) calls on ``conn``, all on its
-    main thread (load and run on one thread: ``benchmarks/threads.py``), until ``None`` arrives."""
+def serve_worker(conn, role: str, name: str, dtype: str, quantize: str | None, threads: int,
+                 draft_vocab: int | None = None) -> None:
+    """A process holding one model's worker: loads it (a draft's head restricted to ``draft_vocab`` ids, as the
+    in-process pair's) and answers (method, args) calls on ``conn``, all on its main thread (load and run on one
+    thread: ``benchmarks/threads.py``), until ``None`` arrives."""
     import torch
 
     from sequoia_ray.draft import DraftWorker
@@ -46,7 +48,7 @@ def serve_worker(conn, role: str, name: str, dtype: str, quantize: str | None, t
     from sequoia_ray.target import TargetWorker
 
     torch.set_num_threads(threads)
-    model = load_model(name, dtype=dtype, quantize=quantize, progress=False).model
+    model = load_model(name, dtype=dtype, quantize=quantize, progress=False, draft_vocab=draft_vocab).model
     worker = TargetWorker(model) if role == "target" else DraftWorker(model)
     conn.send("ready")
     while (call := conn.recv()) is not None:
@@ -61,11 +63,12 @@ class PipeWorker:
     """The engine's Draft / Target protocol over a pipe to a ``serve_worker`` process."""
 
     def __init__(self, role: str, name: str, dtype: str, quantize: str | None, threads: int,
-                 env: dict[str, str] | None = None) -> None:
-        """``env``: variables for the worker process only (e.g. OpenMP's, read when the process loads torch)."""
+                 env: dict[str, str] | None = None, draft_vocab: int | None = None) -> None:
+        """``env``: variables for the worker process only (e.g. OpenMP's, read when the process loads torch);
+        ``draft_vocab``: see ``serve_worker``."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve_worker, args=(child, role, name, dtype, quantize, threads),
+        self.process = ctx.Process(target=serve_worker, args=(child, role, name, dtype, quantize, threads, draft_vocab),
                                    daemon=True)
         saved = {k: os.environ.get(k) for k in env or {}}
         os.environ.update(env or {})  # a spawned process starts with this environment
@@ -101,7 +104,7 @@ def apart(pair: LocalPair, args, env: dict[str, str] | None = None) -> tuple[Spe
     """A decoder whose target and draft each run in a process of their own (the tokenizer stays here), with
     ``env`` set in those processes."""
     target = PipeWorker("target", args.target, args.dtype, None, args.threads, env)
-    draft = PipeWorker("draft", args.draft, args.dtype, args.draft_quantize, args.threads, env)
+    draft = PipeWorker("draft", args.draft, args.dtype, args.draft_quantize, args.threads, env, args.draft_vocab)
     t = pair.target
     return SpeculativeDecoder(target, draft, builtin_plan(0.0).plan, tokenizer=t.tokenizer, eos_ids=t.eos_ids,
                               max_context=t.max_context), [target, draft]
@@ -154,10 +157,12 @@ def warm(*decoders: SpeculativeDecoder, pair: LocalPair) -> None:
 
 
 def pair_args(args) -> None:
-    """``args.draft``, ``args.target``, ``args.dtype``, ``args.draft_quantize`` from ``args.tiny``: the tiny pair in
-    float32, or the default pair as served (bf16 target, int8 draft)."""
+    """``args.draft``, ``args.target``, ``args.dtype``, ``args.draft_quantize``, ``args.draft_vocab`` from
+    ``args.tiny``: the tiny pair in float32, or the default pair as served (bf16 target, int8 draft); either way
+    the draft's head restricted as served (``DEFAULT_DRAFT_VOCAB``), in this process and in a worker's."""
     args.draft, args.target = ("tiny-draft", "tiny-target") if args.tiny else ("default-draft", "default-target")
     args.dtype, args.draft_quantize = ("float32", None) if args.tiny else ("bfloat16", "int8")
+    args.draft_vocab = DEFAULT_DRAFT_VOCAB
 
 
 def load_pair(args) -> LocalPair:
@@ -166,7 +171,7 @@ def load_pair(args) -> LocalPair:
 
     torch.set_num_threads(args.threads)
     return LocalPair.load(args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quantize,
-                          progress=False)
+                          progress=False, draft_vocab=args.draft_vocab)
 
 
 def compare(pair: LocalPair, args, prompts) -> tuple[list[dict], int]:

@@ -1,13 +1,16 @@
 """The same decode with the models run on one thread or on two (why the actors run everything on one).
 
-    .venv/bin/python benchmarks/threads.py [--tiny] [--limit 4] [--max-tokens 48] [--threads 2]
+    .venv/bin/python benchmarks/threads.py [--tiny] [--limit 4] [--max-tokens 48] [--threads 2] [--rounds 2]
 
 Greedy decoding of the same prompts with the built-in plan, each case in a fresh process (libgomp's thread
 pools live as long as their threads): the models loaded and run on the main thread; loaded on the main
 thread and run on another (what a Ray actor did before ``sequoia_ray.compute_thread``: it loads in one of
 Ray's threads and forwards in its batcher's); loaded and run on the process's compute thread (what the
-actors do now). Prints the draft's and the target's milliseconds per step (medians over prompts), the
-voluntary context switches of the whole decode and tokens/s; writes benchmarks/results/threads.json.
+actors do now). Every case runs once a round, ``--rounds`` rounds, the order rotated by one case a round (the
+host's speed drifts over minutes: a case run once carries whatever phase it met). Prints the draft's and the
+target's milliseconds per step (medians over prompts), the voluntary context switches of the whole decode and
+tokens/s, each the median over the rounds, and tokens/s over one thread's in the same round (the median over
+the rounds); writes benchmarks/results/threads.json, every round's figures included.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, rotated, round_medians, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CASES = {"one thread": "main", "loaded on one thread, run on another": "other",
@@ -76,28 +79,30 @@ def decode(args) -> dict:
     return box
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random models (seconds)")
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every case, the order rotated each round")
     ap.add_argument("--case", choices=sorted(CASES.values()), help=argparse.SUPPRESS)  # a child process
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.case:
         print(json.dumps(decode(args)))
         return
-    rows = []
-    for name, case in CASES.items():
-        child = [sys.executable, __file__, "--case", case, "--limit", str(args.limit), "--max-tokens",
-                 str(args.max_tokens), "--threads", str(args.threads)] + (["--tiny"] if args.tiny else [])
-        out = subprocess.run(child, capture_output=True, text=True, check=True).stdout
-        rows.append({"case": name, **json.loads(out.strip().splitlines()[-1])})
-    for row in rows:
-        row["vs one thread"] = row["tok/s"] / rows[0]["tok/s"]
+    runs = {name: [] for name in CASES}  # case -> its figures, one dict a round
+    for r in range(args.rounds):
+        for name in rotated(list(CASES), r):
+            child = [sys.executable, __file__, "--case", CASES[name], "--limit", str(args.limit), "--max-tokens",
+                     str(args.max_tokens), "--threads", str(args.threads)] + (["--tiny"] if args.tiny else [])
+            out = subprocess.run(child, capture_output=True, text=True, check=True).stdout
+            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    rows = round_medians(runs, "case", "one thread", {"vs one thread": "tok/s"})
     print_table(rows, ["case", "draft ms", "verify ms", "context switches", "tok/s", "tokens", "vs one thread"])
-    write_json("threads", {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
+    write_json("threads", {"rows": rows, "rounds": runs, "args": {k: str(v) for k, v in vars(args).items()}},
+               args.out)
 
 
 if __name__ == "__main__":

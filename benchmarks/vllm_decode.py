@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, quartiles, write_json  # noqa: E402
 from vllm_peer import ALL_CORES, HERE, encode, load_prompts, vllm_env  # noqa: E402  (stdlib only)
 
 DEFAULT_VLLM_PYTHON = Path("/work/.vllm-venv/bin/python")
@@ -127,9 +127,9 @@ def summarize(runs: dict, tokens: int, reference: str = "vllm", batch: int = 1) 
         row = {"engine": name, "decode ms/step (median)": step, "decode ms/step (fastest)": min(decode[name]),
                "tokens/s (median step)": batch * 1e3 / step, "prefill ms (median)": statistics.median(prefill[name])}
         ratios = [a / b for a, b in zip(decode[name], decode[reference])]
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        row[f"decode / {reference} (paired)"] = statistics.median(ratios)
-        row["quartiles"] = f"{q[0]:.3f}-{q[2]:.3f}"
+        q1, median, q3 = quartiles(ratios)
+        row[f"decode / {reference} (paired)"] = median
+        row["quartiles"] = f"{q1:.3f}-{q3:.3f}"
         row[f"prefill / {reference} (paired)"] = statistics.median(
             a / b for a, b in zip(prefill[name], prefill[reference]))
         same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs[name], runs[reference]))

@@ -119,11 +119,27 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def request_row(out) -> dict:
-    """One finished request: its text, tokens and vLLM's timestamps (arrival -> first / last token)."""
+    """One finished request: its text, tokens (counted as ours: ``output_tokens``) and vLLM's timestamps
+    (arrival -> first / last token)."""
     completion, m = out.outputs[0], out.metrics
     ttft = m.first_token_latency if m else None
     latency = ttft + (m.last_token_ts - m.first_token_ts) if m else None
-    return {"text": completion.text, "tokens": len(completion.token_ids), "ttft": ttft, "latency": latency}
+    tokens = output_tokens(len(completion.token_ids), completion.finish_reason, completion.stop_reason)
+    return {"text": completion.text, "tokens": tokens, "ttft": ttft, "latency": latency}
+
+
+def output_tokens(count: int, finish_reason: str | None, stop_reason: int | str | None) -> int:
+    """vLLM's token count of a completion as ours counts it: without the EOS (or stop token id) it stopped on.
+    vLLM keeps that token: the scheduler appends the sampled token, then stops on it
+    (``vllm/v1/core/sched/utils.py`` ``check_stop``: ``output_token_ids[-1] == eos_token_id``, or in
+    ``stop_token_ids``), and the detokenizer leaves it out of the text but puts it back into ``token_ids``
+    (``vllm/v1/engine/detokenizer.py`` ``BaseIncrementalDetokenizer.update``: ``self.token_ids.append(
+    skipped_stop_token_id)``), which the OpenAI server's ``usage.completion_tokens`` sums
+    (``vllm/entrypoints/openai/completion/serving.py``: ``previous_num_tokens[i] += len(output.token_ids)``).
+    Ours stops before it (``sequoia_ray.stopping.StopChecker``). Such a stop is finish_reason ``stop`` with
+    stop_reason None (EOS) or the token id; a stop string (stop_reason the string) keeps its tokens in both."""
+    on_token = finish_reason == "stop" and not isinstance(stop_reason, str) and count > 0
+    return count - 1 if on_token else count
 
 
 def run_batch(llm, ids: list[list[int]], batch: int, params) -> dict:
@@ -225,7 +241,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     flags = ["--target", args.target, "--draft", args.draft, "--prompts", args.prompts,
              "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_model_len),
              "--batches", ",".join(map(str, args.batches))]
-    flags += ["--limit", str(args.limit)] if args.limit else []
+    flags += ["--limit", str(args.limit)]  # always: the child's default is 8, and 0 means all
     flags += ["--ignore-eos"] if args.ignore_eos else []
     return flags + (["--enforce-eager"] if args.enforce_eager else [])
 

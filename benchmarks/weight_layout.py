@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, quartiles, write_json  # noqa: E402
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.hardware import batch_steps  # noqa: E402
@@ -96,9 +96,9 @@ def forwards(model, switch: dict, hints, shapes, context: int, rounds: int) -> l
             row[f"{name(hint)} fastest ms"] = min(ts)
         for hint in hints[1:]:
             ratios = [a / f for a, f in zip(by_hint[hint], first)]
-            q = statistics.quantiles(ratios, n=4)
-            row[f"{name(hint)}/{name(hints[0])} paired"] = statistics.median(ratios)
-            row[f"{name(hint)}/{name(hints[0])} quartiles"] = f"{q[0]:.3f}-{q[2]:.3f}"
+            q1, median, q3 = quartiles(ratios)
+            row[f"{name(hint)}/{name(hints[0])} paired"] = median
+            row[f"{name(hint)}/{name(hints[0])} quartiles"] = f"{q1:.3f}-{q3:.3f}"
         rows.append(row)
     return rows
 

@@ -88,3 +88,68 @@ def test_every_variant_name_maps_back_to_its_column():
         label = f"{name} 12" if dynamic == "extend" else name
         assert variant(f"{label} from n=16 d=5") == column
     assert variant("SERVED n=16 d=5") is None and variant("grid n=4 d=4") is None and variant("ADAPTIVE") is None
+
+
+def test_assisted_default_is_the_drafts_own_at_every_temperature(monkeypatch):
+    """The fixed-k runs set the draft's generation_config; the next temperature's ``assisted default`` still
+    runs with the draft's own defaults (before, it read back the last k run as its "default")."""
+    from types import SimpleNamespace
+
+    import e2e
+
+    cfg = SimpleNamespace(num_assistant_tokens=20, num_assistant_tokens_schedule="heuristic")
+    pair = SimpleNamespace(draft=SimpleNamespace(model=SimpleNamespace(generation_config=cfg)))
+    seen = []
+    monkeypatch.setattr(e2e, "run_assisted", lambda *a: seen.append(
+        (cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule)) or (1, 1.0, None))
+    for temperature in (0.0, 0.6):
+        for _, run in e2e.assisted_configs(pair, temperature, 8):
+            run([[1, 2]])
+        assert (cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule) == (20, "heuristic")  # restored
+    assert seen == [(20, "heuristic"), (3, "constant"), (5, "constant"), (8, "constant")] * 2
+
+
+def test_assisted_tokens_stop_before_the_eos_as_ours_do():
+    """transformers returns the EOS it stopped on (and pads after it); our decoder's count stops before it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import e2e
+
+    new = [[5, 6, 9, 9], [5, 6, 7, 8]]  # stopped on EOS 9 (then a pad), and not stopped
+
+    class Target:
+        device = torch.device("cpu")
+
+        def generate(self, ids, **kw):
+            return torch.cat([ids, torch.tensor([new.pop(0)])], dim=1)
+
+    pair = SimpleNamespace(target=SimpleNamespace(model=Target(), eos_ids=(9, 3)), draft=SimpleNamespace(model=None))
+    assert e2e.run_assisted(pair, [[1, 2, 3]], 0.0, 4)[0] == 2
+    assert e2e.run_assisted(pair, [[1, 2, 3]], 0.0, 4)[0] == 4
+    assert e2e.until_eos([3, 5], (9, 3)) == 0 and e2e.until_eos([], (9,)) == 0
+
+
+def test_the_hindsight_grid_takes_any_n_and_a_bad_one_fails_at_parsing():
+    """A grid n above 64 gets its tree (the DP is sized for the largest n asked), and a bad --grid-n fails
+    before anything loads."""
+    from types import SimpleNamespace
+
+    import e2e
+
+    from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+    from sequoia_ray.tree.planning import plan_for
+    from tests.unit.test_request_trees import P, profile
+
+    planned, _ = plan_for(AcceptanceVector.from_p(P), 8, 4)
+    result = SimpleNamespace(n=8, d=4, model_n=8, model_d=4)
+    args = SimpleNamespace(grid_n=[4, 100], grid_d=[4], dynamic_extend=0, max_tokens=8)
+    configs = dict(e2e.plan_configs(None, 0.0, result, planned, args, profile()))
+    big = configs["grid n=100 d=4"].args[1]  # functools.partial(run_ours, pair, plan, ...)
+    assert big.n == 1 + 3 + 9 + 27  # n = 100 asked of the DP (sized 64 before): all 4 levels of P's 3 ranks hold
+    assert e2e.parse_args(["--grid-n", "4,100"]).grid_n == [4, 100]
+    assert e2e.parse_args([]).grid_d == [4, 6, 8, 10, 12]
+    for bad in ("4,0", "4,x", ""):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--grid-n", bad])

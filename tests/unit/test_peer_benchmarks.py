@@ -101,3 +101,52 @@ def test_rounds_give_the_median_of_each_rounds_ratio():
     (out,) = ratios(rows)
     assert out["(c)/(a)"] == pytest.approx(1.1) and out["(c)/(a) rounds"] == [1.2, 0.5, 1.1]
     assert out["(c)/(b)"] == pytest.approx(12.0 / 6.0)
+
+
+def test_peer_limit_0_reaches_the_child_as_all_prompts():
+    """``--limit 0`` (all prompts) is forwarded as such; before, the child ran its own default of 8."""
+    import vllm_peer
+
+    parent = vllm_peer.parse_args(["--limit", "0"])
+    child = vllm_peer.parse_args(["--one", "plain", "--child-out", "/tmp/x", *vllm_peer.forwarded(parent)])
+    assert child.limit == 0
+    everything = vllm_peer.load_prompts(vllm_peer.HERE / "prompts.jsonl", None)
+    assert len(vllm_peer.load_prompts(Path(child.prompts), child.limit)) == len(everything) > 8
+
+
+def _vllm_completion(ids, finish_reason, stop_reason=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(outputs=[SimpleNamespace(text="ab", token_ids=ids, finish_reason=finish_reason,
+                                                    stop_reason=stop_reason)], metrics=None)
+
+
+def test_vllm_tokens_are_counted_without_the_eos_as_ours_are():
+    """vLLM's token_ids end with the EOS (or stop token id) it stopped on; ours stop before it. A stop string
+    or the length limit keeps every token on both sides."""
+    from vllm_peer import request_row
+
+    assert request_row(_vllm_completion([5, 6, 151645], "stop"))["tokens"] == 2  # EOS: stop_reason None
+    assert request_row(_vllm_completion([5, 6, 151643], "stop", 151643))["tokens"] == 2  # a stop token id
+    assert request_row(_vllm_completion([5, 6, 7], "stop", "END"))["tokens"] == 3  # a stop string
+    assert request_row(_vllm_completion([5, 6, 7], "length"))["tokens"] == 3
+    assert request_row(_vllm_completion([], "stop"))["tokens"] == 0
+
+
+def test_vllm_servers_usage_is_counted_without_the_eos(monkeypatch):
+    """Through the server: usage.completion_tokens counts the EOS (one token per request here); the sweep's
+    vLLM rows count as ours, so tokens/s compares like with like."""
+    import load_sweep
+
+    eos = _events({"choices": [{"text": "ab", "finish_reason": None}]},
+                  {"choices": [{"text": "", "finish_reason": "stop", "stop_reason": None}]},
+                  {"choices": [], "usage": {"completion_tokens": 3}})
+    capped = _events({"choices": [{"text": "abc", "finish_reason": "length", "stop_reason": None}]},
+                     {"choices": [], "usage": {"completion_tokens": 3}})
+    results = [read_stream(eos, 0, 0.0), read_stream(capped, 0, 0.0)]
+    assert [(r.finish_reason, r.stop_reason, r.tokens) for r in results] == [("stop", None, 3), ("length", None, 3)]
+    monkeypatch.setattr(load_sweep, "spec_counters", lambda url: {})
+    monkeypatch.setattr(load_sweep, "tokens_per_step", lambda before, after: None)
+    monkeypatch.setattr(load_sweep, "run_clients", lambda *a, **kw: (results, 1.0))
+    row = load_sweep.vllm_point("http://vllm", [], ["ab"], "plain", 2, 1.0, 3, 10.0)
+    assert row["tokens/s"] == 2 + 3 and row["completed"] == 2

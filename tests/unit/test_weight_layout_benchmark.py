@@ -17,7 +17,7 @@ from sequoia_ray.prompts import Prompt
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import weight_layout  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 here")
+needs_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 here")
 HINTS = [1, None]
 
 
@@ -26,6 +26,7 @@ def pair():
     return LocalPair.load(TINY_TARGET, TINY_DRAFT, dtype="bfloat16", progress=False, linears="aten")
 
 
+@needs_bf16
 def test_every_linear_holds_each_layout_and_the_switch_picks_it(pair):
     model = pair.target.model
     ids = torch.tensor([[5, 17, 42, 8, 60]])
@@ -50,6 +51,7 @@ def test_every_linear_holds_each_layout_and_the_switch_picks_it(pair):
     assert all(g["same text as hint 1"] == "1/1" and g["no hint tok/s"] > 0 for g in gen)
 
 
+@needs_bf16
 def test_the_shipped_layout_is_the_unhinted_one_and_exact():
     """PackedLinear reorders with ROWS_HINT (None: oneDNN's own choice, 32 outputs wide here) and gives
     aten's result bit for bit in bf16."""
@@ -59,3 +61,14 @@ def test_the_shipped_layout_is_the_unhinted_one_and_exact():
     x = torch.randn(3, 96).bfloat16()
     with torch.inference_mode():
         assert torch.equal(PackedLinear(linear)(x), linear(x))
+
+
+def test_one_round_gives_its_ratio_as_median_and_quartiles():
+    """``--rounds 1``: one paired ratio, which is its median and both quartiles (``statistics.quantiles``,
+    called directly before, needs two). The tiny target in float32: any CPU."""
+    model = LocalPair.load(TINY_TARGET, None, dtype="float32", progress=False, linears="aten").target.model
+    switch = weight_layout.install(model, HINTS)
+    [row] = weight_layout.forwards(model, switch, HINTS, [(1, 1)], context=16, rounds=1)
+    ratio = row["no hint/hint 1 paired"]
+    assert ratio == row["no hint median ms"] / row["hint 1 median ms"]
+    assert row["no hint/hint 1 quartiles"] == f"{ratio:.3f}-{ratio:.3f}"
