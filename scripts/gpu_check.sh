@@ -15,11 +15,18 @@
 # 4. A speedup table on the real pair (bfloat16): benchmarks/e2e.py --device cuda. --quick shortens it.
 # Without a GPU it says so and stops (exit code 2) after step 1.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-export SEQUOIA_TORCH=${SEQUOIA_TORCH:-torch==2.13.0}
-export SEQUOIA_TORCH_PIP_ARGS=${SEQUOIA_TORCH_PIP_ARGS:-}
+USAGE="usage: bash scripts/gpu_check.sh [--quick]"
 QUICK=0
-[ "${1:-}" = "--quick" ] && QUICK=1
+for arg in "$@"; do
+  case "$arg" in
+    --quick) QUICK=1 ;;
+    -h | --help) echo "$USAGE"; exit 0 ;;
+    *) echo "gpu_check: unknown argument '$arg'; $USAGE" >&2; exit 2 ;;
+  esac
+done
+cd "$(dirname "$0")/.."
+export SEQUOIA_TORCH=${SEQUOIA_TORCH:-torch==2.13.0}  # setup.sh remembers it: main.sh and test.sh keep this build
+export SEQUOIA_TORCH_PIP_ARGS=${SEQUOIA_TORCH_PIP_ARGS:-}
 PY=.venv/bin/python
 
 echo "== 1/4 setup ($SEQUOIA_TORCH $SEQUOIA_TORCH_PIP_ARGS)"

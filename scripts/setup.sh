@@ -3,16 +3,23 @@
 # pyproject.toml does nothing. torch is installed first, and as the CPU build by name (torch==2.13.0+cpu):
 # a bare `torch` from PyPI is a multi-GB CUDA build on Linux. The CPU build comes from wherever pip finds it
 # (a local wheel folder or index), else from PyTorch's CPU wheel index. Another build (a GPU machine: see
-# scripts/gpu_check.sh): SEQUOIA_TORCH="torch==X" and SEQUOIA_TORCH_PIP_ARGS="<pip options>". pip installs
-# without byte-compiling; one compileall on every core does it after (pip compiles on one: 152 -> 137 s here).
+# scripts/gpu_check.sh): SEQUOIA_TORCH="torch==X" and SEQUOIA_TORCH_PIP_ARGS="<pip options>"; .venv remembers
+# them, so a later run without them (scripts/main.sh, test.sh after gpu_check.sh) keeps that build instead of
+# reinstalling the CPU one. pip installs without byte-compiling; one compileall on every core does it after (pip
+# compiles on one: 152 -> 137 s here).
 set -euo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # absolute: $0 may be relative to the folder left below
 cd "$(dirname "$SELF")/.."
 PYTHON=${PYTHON:-python3}
-TORCH_SPEC=${SEQUOIA_TORCH:-torch==2.13.0+cpu}
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 VENV=.venv
 STAMP=$VENV/.sequoia-ray-installed
+CHOSEN=$VENV/.sequoia-torch  # the SEQUOIA_TORCH and SEQUOIA_TORCH_PIP_ARGS last given, a line each
+
+if [ -z "${SEQUOIA_TORCH:-}${SEQUOIA_TORCH_PIP_ARGS:-}" ] && [ -f "$CHOSEN" ]; then
+  { read -r SEQUOIA_TORCH || true; read -r SEQUOIA_TORCH_PIP_ARGS || true; } < "$CHOSEN"
+fi
+TORCH_SPEC=${SEQUOIA_TORCH:-torch==2.13.0+cpu}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 want="$(cat pyproject.toml "$SELF" | sha256sum | cut -c1-16) $TORCH_SPEC ${SEQUOIA_TORCH_PIP_ARGS:-}"
@@ -40,4 +47,7 @@ site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 "$VENV/bin/python" -m compileall -q -j 0 "$site" >>"$LOG" 2>&1 || true
 "$VENV/bin/python" -c "import sequoia_ray, actors, deployments.app, cli.main, ray, transformers" || { echo "setup: install failed" >&2; exit 1; }
 echo "$want" > "$STAMP"
+if [ -n "${SEQUOIA_TORCH:-}${SEQUOIA_TORCH_PIP_ARGS:-}" ]; then
+  printf '%s\n%s\n' "${SEQUOIA_TORCH:-}" "${SEQUOIA_TORCH_PIP_ARGS:-}" > "$CHOSEN"
+fi
 echo "setup: done; the CLI is $VENV/bin/sequoia-ray" >&2

