@@ -12,8 +12,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, described, given, nonneg_float,
-                                   one_line, positive_int)
+from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, described, field_type, given,
+                                   nonneg_float, one_line, positive_int)
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.devices import DEVICE_CHOICES
 from sequoia_ray.tree.builtin import DEFAULT_DEPTH
@@ -34,9 +34,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
+    from sequoia_ray.tree.plan_file import check_plan_size
     from sequoia_ray.tree.planning import plan_for
 
     acceptance = AcceptanceVector.parse(args.acceptance)
+    if args.out:  # a file `generate --plan` would refuse: said before solving
+        check_plan_size(args.budget, args.max_depth, acceptance)
     planned, table = plan_for(acceptance, args.budget, args.max_depth)
     if args.out:
         planned.save(args.out)
@@ -110,9 +113,11 @@ def _load_pair(args: argparse.Namespace, *, speculate: bool = True, progress: bo
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with tree speculative decoding")
     _add_model_args(p)
-    p.add_argument("--plan", help="plan file from `sequoia-ray plan --out` (default: built-in plan)")
+    p.add_argument("--plan", help="plan file from `sequoia-ray plan --out` (default: built-in plan; not with the "
+                                  "built-in plan's --budget, --max-depth, --acceptance)")
     p.add_argument("--budget", type=positive_int, help="tree nodes for the built-in plan")
-    p.add_argument("--max-depth", type=depth, default=DEFAULT_DEPTH, help="tree levels for the built-in plan")
+    p.add_argument("--max-depth", type=depth, default=argparse.SUPPRESS,  # absent unless given: see _run_generate
+                   help=f"tree levels for the built-in plan (default: {DEFAULT_DEPTH})")
     p.add_argument("--acceptance", help="acceptance vector for the built-in plan (file or list)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -129,27 +134,35 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
     from sequoia_ray.tree.builtin import load_or_build
+    from sequoia_ray.tree.plan import chain
 
+    built_in = [opt for opt, on in (("--budget", args.budget is not None), ("--max-depth", "max_depth" in vars(args)),
+                                    ("--acceptance", args.acceptance is not None)) if on]
+    if args.plan is not None and built_in:
+        raise ValueError(f"--plan {args.plan} is the tree; {', '.join(built_in)} shape the built-in plan only: "
+                         "give one or the other")
     params = SamplingParams(**given(args, ["max_tokens", "temperature", "top_p", "seed", "stop"]))
     acceptance = AcceptanceVector.parse(args.acceptance) if args.acceptance else None
     planned = load_or_build(args.plan, temperature=params.temperature, budget=args.budget,
-                            max_depth=args.max_depth, acceptance=acceptance)
+                            max_depth=getattr(args, "max_depth", DEFAULT_DEPTH), acceptance=acceptance)
     pair = _load_pair(args, speculate=not args.no_speculation, progress=not args.json)
-    decoder = pair.decoder(planned.plan)
+    plan = planned.plan if pair.draft is not None else chain(0)  # the target alone: the root, every step
+    decoder = pair.decoder(plan)
     prompt = pair.encode(args.prompt, chat=args.chat)
     if args.json:
         out = decoder.generate(prompt, params)
         print(json.dumps({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                           "tokens_per_step": out.stats.tokens_per_step,
                           "tokens_per_second": out.stats.tokens_per_second, "seed": out.seed,
-                          "plan": {"nodes": planned.plan.n, "levels": planned.plan.num_levels},
+                          "plan": {"nodes": plan.n, "levels": plan.num_levels},
+                          "draft": pair.draft.name if pair.draft is not None else None, "target": pair.target.name,
                           "stats": out.stats.to_dict()}))
         return 0
     for chunk in decoder.stream(prompt, params):
         print(chunk.text, end="", flush=True)
     st = chunk.stats
     print(f"\n--- {st.tokens} tokens in {st.total_s:.2f}s ({st.tokens_per_second:.2f} tok/s), "
-          f"{st.tokens_per_step:.2f} tokens/step, plan {planned.plan.n} nodes / {planned.plan.num_levels} levels, "
+          f"{st.tokens_per_step:.2f} tokens/step, plan {plan.n} nodes / {plan.num_levels} levels, "
           f"finish: {chunk.finish_reason}", file=sys.stderr)
     return 0
 
@@ -158,8 +171,10 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("measure", help="measure the acceptance vector p[1..W] of a draft/target pair")
     _add_model_args(p)
     p.add_argument("--prompts", required=True, help="a .jsonl file ({'prompt': ..., 'chat': bool}) or text lines")
-    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="the temperature bucket to measure")
-    p.add_argument("--width", type=positive_int, default=ProfileJobConfig.model_fields["width"].default,
+    p.add_argument("--temperature", type=field_type(SamplingParams, "temperature"), default=0.0,
+                   help="the temperature bucket to measure")
+    p.add_argument("--width", type=field_type(ProfileJobConfig, "width"),
+                   default=ProfileJobConfig.model_fields["width"].default,
                    help=described(ProfileJobConfig, "width"))
     p.add_argument("--max-tokens", type=positive_int, default=ProfileJobConfig.model_fields["measure_tokens"].default,
                    help=described(ProfileJobConfig, "measure_tokens"))
@@ -177,7 +192,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     encoded = [pair.encode(p.text, chat=p.chat) for p in prompts]
     acceptance, steps = measure(pair.decoder, encoded, width=args.width, temperature=args.temperature,
                                 max_tokens=args.max_tokens)
-    m = Measurement(acceptance, steps, args.temperature, args.width, args.draft, args.target)
+    m = Measurement(acceptance, steps, args.temperature, args.width, pair.draft.name, pair.target.name)
     m.save(args.out)
     print(f"p = {[round(x, 4) for x in acceptance.rows[0]]}, reject = {acceptance.reject[0]:.4f} "
           f"over {steps} steps -> {args.out}")
@@ -269,6 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except SystemExit as exc:  # `serve`'s own parser: usage errors and --help
         return int(exc.code or 0)
+    except RecursionError as exc:  # a JSON or YAML input nested deeper than the parser recurses
+        print(f"sequoia-ray {args.verb}: error: an input file is nested too deeply to read ({one_line(exc)}); "
+              "give a flat JSON / YAML file", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (ValueError, OSError, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and not _is_store_error(exc):
             raise

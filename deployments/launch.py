@@ -35,6 +35,7 @@ from sequoia_ray.arguments import Parser, is_uri, nonneg_float
 from sequoia_ray.config import ProfileJobConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000  # Serve's proxy when neither the config nor the command line says
 PROFILE_SECONDS = 120.0
 SERVED_TEMPERATURES = ProfileJobConfig.model_fields["temperatures"].default  # the buckets profiling plans for
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
@@ -44,10 +45,7 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     """The first application's args in a Serve config file, with ``KEY=VALUE`` overrides (VALUE read as YAML).
     A malformed file or override is a ValueError naming it."""
     try:
-        spec = yaml.safe_load(config.read_text())
-        args = dict(spec["applications"][0].get("args") or {})
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config {str(config)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+        args = dict(_spec(config)["applications"][0].get("args") or {})
     except (TypeError, KeyError, IndexError, AttributeError):
         raise ValueError(f"config {str(config)!r} has no 'applications:' list with an application's 'args:' "
                          "(see deployments/config.yaml)") from None
@@ -58,6 +56,30 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     if store and not is_uri(store):  # actors do not share the launcher's working directory
         args["plan_store"] = str(Path(store).expanduser().resolve())
     return args
+
+
+def http_options(config: Path) -> tuple[str, int]:
+    """The host and port of the config file's ``http_options`` (as ``serve run`` reads them), each 127.0.0.1 / 8000
+    when not given there: ``--host`` and ``--port`` override them. A bad one is a ValueError naming it."""
+    options = _spec(config).get("http_options") or {}
+    if not isinstance(options, dict):
+        raise ValueError(f"config {str(config)!r}: http_options {options!r:.60} must map host and port")
+    host, port = options.get("host", DEFAULT_HOST), options.get("port", DEFAULT_PORT)
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError(f"config {str(config)!r}: http_options host {host!r} must be an interface, e.g. 127.0.0.1")
+    try:
+        return host, port_number(str(port))
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"config {str(config)!r}: http_options port {exc}") from None
+
+
+def _spec(config: Path) -> dict:
+    """A Serve config file's YAML ({} when it is not a mapping); a ValueError naming it when it does not parse."""
+    try:
+        spec = yaml.safe_load(config.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config {str(config)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    return spec if isinstance(spec, dict) else {}
 
 
 def override(item: str) -> tuple[str, object]:
@@ -294,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="sequoia-ray serve", description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a Serve config YAML (first application)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an app arg")
-    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--port", type=port_number,
+                   help=f"the port of Serve's HTTP proxy (default: the config's http_options, else {DEFAULT_PORT})")
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start local Ray)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="the interface Serve's HTTP proxy listens on (0.0.0.0: other machines too)")
+    p.add_argument("--host", help="the interface Serve's HTTP proxy listens on (0.0.0.0: other machines too; "
+                                  f"default: the config's http_options, else {DEFAULT_HOST})")
     p.add_argument("--demo", action="store_true", help="send a demo request and print answer and speedup")
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
     p.add_argument("--profile-seconds", type=nonneg_float, default=PROFILE_SECONDS,
@@ -307,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="start local Ray with its own idle timers (default: slowed, actors/quiet_ray.py)")
     opts = p.parse_args(argv)
     args = app_args(opts.config, opts.set)
+    host, port = http_options(opts.config)
+    host, port = opts.host or host, opts.port or port  # the command line over the config file
     cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
     if str(cfg.draft or "").startswith("default") or cfg.target.startswith("default"):
         from sequoia_ray.models.fetch import fetch_default_pair
@@ -317,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(opts.address, quiet=not opts.ray_default_timers)
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
-    url = start(args, opts.port, opts.address, host=opts.host)
+    url = start(args, port, opts.address, host=host)
     print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)
     if opts.demo:
         demo(url, cfg.model_name)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from typing import Annotated
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from sequoia_ray.config import ProfileJobConfig
 from sequoia_ray.devices import DEVICE_CHOICES
@@ -84,6 +85,23 @@ def nonneg_float(text: str) -> float:
     return value
 
 
+def field_type(model: type[BaseModel], name: str):
+    """An argument type that checks a value as ``model``'s field ``name`` does (its type and bounds: the model is
+    the one home of both), before any work is done with it."""
+    field = model.model_fields[name]
+    adapter = TypeAdapter(Annotated[(field.annotation, *field.metadata)])
+
+    def check(text: str):
+        try:
+            return adapter.validate_python(text)
+        except ValidationError as exc:
+            msg = exc.errors()[0]["msg"]
+            raise argparse.ArgumentTypeError(f"{text!r}: {msg[:1].lower()}{msg[1:]}") from None
+
+    check.__name__ = name  # argparse names the type in some errors
+    return check
+
+
 def described(model: type[BaseModel], name: str) -> str:
     """A field's description and default, as argparse help (the model is the one home of both)."""
     field = model.model_fields[name]
@@ -143,10 +161,30 @@ def _acceptance_files(items: list[str]) -> dict[float, str]:
         if "=" not in item:
             raise ValueError(f"--acceptance {item!r} must be T=FILE, e.g. 0.6=acc.json")
         t, path = item.split("=", 1)
-        if not t.strip() or not path:
-            raise ValueError(f"--acceptance {item!r} must be T=FILE with both parts, e.g. 0.6=acc.json")
-        acceptance[_floats(t, "acceptance")[0]] = path
+        temps = _floats(t, "acceptance") if t.strip() and path else ()
+        if len(temps) != 1:
+            raise ValueError(f"--acceptance {item!r} must be T=FILE with one temperature T and a file, "
+                             "e.g. 0.6=acc.json")
+        acceptance[temps[0]] = path
     return acceptance
+
+
+def _check_acceptance(cfg: ProfileJobConfig) -> None:
+    """Every ``--acceptance T=FILE`` read now, before any model loads: T one of the temperatures profiled (another
+    would be dropped), the file a usable vector, measured at T when it records its temperature (``measure`` does)."""
+    from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector
+
+    for t, text in cfg.acceptance.items():
+        if t not in cfg.temperatures:
+            raise ValueError(f"--acceptance {t}={text}: {t} is not a profiled temperature (--temperatures "
+                             f"{','.join(map(str, cfg.temperatures))}); add it to --temperatures or drop this")
+        try:
+            _, recorded = AcceptanceVector.parse_recorded(text)
+        except AcceptanceError as exc:
+            raise ValueError(f"--acceptance {t}={text}: {exc}") from None
+        if recorded is not None and recorded != t:
+            raise ValueError(f"--acceptance {t}={text}: the file was measured at temperature {recorded}, not {t}; "
+                             f"give it as {recorded}={text} (and {recorded} in --temperatures)")
 
 
 def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:
@@ -159,8 +197,10 @@ def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:
         if any(b != int(b) for b in budgets):
             raise ValueError(f"--budgets {args.budgets!r} must be whole numbers")
         fields["budgets"] = tuple(int(b) for b in budgets)
-    return ProfileJobConfig(storage=args.storage, acceptance=_acceptance_files(args.acceptance),
-                            smoke_test=args.smoke_test, **fields, **extra)
+    cfg = ProfileJobConfig(storage=args.storage, acceptance=_acceptance_files(args.acceptance),
+                           smoke_test=args.smoke_test, **fields, **extra)
+    _check_acceptance(cfg)
+    return cfg
 
 
 URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # RFC 3986's scheme, then ':'

@@ -3,7 +3,6 @@ The serving configuration lives with the Serve app (``deployments/config.py``)."
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
@@ -30,6 +29,7 @@ DraftQuantize = Literal["int8"] | None  # the one quantisation loading knows (mo
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the limit T -> 0, without logits / T overflowing
+MAX_TEMPERATURE = 100.0  # the highest a request (and so a profiled temperature bucket) may ask for
 
 
 class SamplingParams(BaseModel):
@@ -38,7 +38,8 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(128, ge=1, description="Tokens to generate at most (the prompt not included).")
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy; > 0 samples from softmax(logits / T).")
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE,
+                               description="0 = greedy; > 0 samples from softmax(logits / T).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus: sample only from the smallest set of mass top_p.")
     seed: int | None = Field(None, ge=0, lt=2**62, description="Same seed, same request -> same tokens. None = random.")
     stop: tuple[str, ...] = Field((), description=f"Up to {MAX_STOP_STRINGS} strings that end generation (not returned).")
@@ -128,12 +129,19 @@ class ProfileJobConfig(BaseModel):
                              "plan would be the target alone; give max_depth >= 2, or serve without a draft")
         return value
 
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, value):
+        if not value.strip():
+            raise ValueError(f"storage {value!r} is empty: give a local folder or a URI, e.g. .sequoia/plans")
+        return value
+
     @field_validator("temperatures")
     @classmethod
     def _temps(cls, value):
-        if not value or not all(math.isfinite(t) and t >= 0 for t in value):
-            raise ValueError(f"temperatures {value} must be finite and >= 0")
-        return tuple(value)
+        if not value or not all(0 <= t <= MAX_TEMPERATURE for t in value):  # nan fails both comparisons
+            raise ValueError(f"temperatures {value} must be from 0 to {MAX_TEMPERATURE:g} (SamplingParams' range)")
+        return tuple(dict.fromkeys(value))  # each bucket once, in the order given
 
     @field_validator("device")
     @classmethod

@@ -131,6 +131,21 @@ class PlanStore:
         self._skipped: set[str] = set()  # files that did not read, logged once each (``_newest_valid``)
         self.skips, self.last_skip = 0, None  # every skip, and why the latest was (a caller counts them as errors)
 
+    def check_writable(self) -> None:
+        """A local store: its folder made and a probe file written and removed there, so that a store that cannot
+        be written is said when a job starts, not at its first publish after profiling (StoreError naming the
+        folder). A URI is left to its publish."""
+        if is_uri(self.uri):
+            return
+        probe = Path(self.root) / f".probe-{uuid.uuid4().hex}"
+        try:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise StoreError(f"plan store {self.root} cannot be written ({exc.strerror or exc}); give a folder "
+                             "this user can write") from None
+
     # ---- plans ---------------------------------------------------------------------------------
     def publish_plan(self, planned: PlannedTree, key: PlanKey) -> str:
         prov = replace(planned.provenance, draft=key.draft, target=key.target, temperature=key.temperature,

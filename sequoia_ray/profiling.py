@@ -81,8 +81,10 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
     pick is published, its batch-1 plan validated). ``calls(plan, sampled=...)`` -> (root-only, tree) seconds
     of a served step's actor calls (``actors.call_probe.measure_calls``), when the plans will be served."""
     store = PlanStore(cfg.storage)
+    store.check_writable()  # what can be checked is, before the models load: the store and the prompt file
+    texts = profile_prompts(cfg)
     pair = pair or load_pair(cfg, progress=progress)
-    prompts = [pair.encode(p.text, chat=p.chat) for p in profile_prompts(cfg)]
+    prompts = [pair.encode(p.text, chat=p.chat) for p in texts]
     budgets = SMOKE_BUDGETS if cfg.smoke_test else cfg.budgets
     depth = min(cfg.max_depth, 5) if cfg.smoke_test else cfg.max_depth
     prof = profile(target_model(pair), pair.draft.model, hardware=hardware, budgets=budgets,
@@ -413,11 +415,13 @@ def run_bounded(cfg: ProfileJobConfig, hardware: str, serving: Serving, *, clock
     load the same models anyway)."""
     names = ["loading models", "profiling t(n) and c"] + [
         f"{s} T={t}" for t in cfg.temperatures for s in ("measuring p", "validating")]
+    PlanStore(cfg.storage).check_writable()  # as in run_trial: before the models load
+    texts = profile_prompts(cfg)
     stages = Stages(names, Deadline(serving.time_budget_s, clock), progress)
     try:
         stages.next("loading models")
         pair = pair or load_pair(cfg, progress=False)
-        prompts = [pair.encode(p.text, chat=p.chat) for p in profile_prompts(cfg)]
+        prompts = [pair.encode(p.text, chat=p.chat) for p in texts]
         stages.deadline = deadline = Deadline(serving.time_budget_s, clock)  # from here: loading is not ours
         stages.next("profiling t(n) and c")
         prof = _bounded_profile(cfg, pair, hardware, deadline)

@@ -22,17 +22,18 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         raise FileNotFoundError(f"prompt file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"prompt file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    if not lines:  # said now, not as a failure of whatever the prompts were for (after loading the models)
+        raise ValueError(f"prompt file {path} holds no prompts; give one prompt per line"
+                         + (" (a JSON object with a 'prompt' string)" if path.suffix == ".jsonl" else ""))
     if path.suffix != ".jsonl":
         return [Prompt(line) for line in lines]
     out = []
     for i, line in enumerate(lines, start=1):
         try:
             out.append(_prompt(json.loads(line)))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise ValueError(f"{path}:{i}: expected a JSON object with a non-empty 'prompt' string, and 'chat' a "
                              f"boolean and 'kind' a string if given ({exc})") from None
-    if not out:
-        raise ValueError(f"{path} holds no prompts")
     return out
 
 

@@ -71,6 +71,11 @@ class AcceptanceVector:
         p, reject = obj["p"], obj.get("reject")
         if not isinstance(p, list) or not p:
             raise AcceptanceError(f"{source}: field 'p' must be a non-empty list, got {p!r:.80}")
+        for name, value in (("p", p), ("reject", reject)):
+            items = value if isinstance(value, list) else [value]
+            flat = [x for v in items for x in (v if isinstance(v, list) else [v])]
+            if any(isinstance(x, (bool, str)) for x in flat):  # float() reads true as 1.0 and "0.5" as 0.5
+                raise AcceptanceError(f"{source}: field '{name}' must hold numbers, got {value!r:.80}")
         try:
             if isinstance(p[0], list):
                 return cls.from_rows(p, reject if reject is None else list(reject))
@@ -87,24 +92,41 @@ class AcceptanceVector:
     def parse(cls, text: str) -> AcceptanceVector:
         """A comma-separated list ``0.6,0.2,0.1`` (any length: text that reads as numbers is a list), else a
         JSON file path (``{"p": [...], "reject": r}``)."""
+        return cls.parse_recorded(text)[0]
+
+    @classmethod
+    def parse_recorded(cls, text: str) -> tuple[AcceptanceVector, float | None]:
+        """``parse``, and the temperature the file records (``sequoia-ray measure`` writes it); None for a list
+        or a file without one."""
         values = _numbers(text)
         if values is not None:
-            return cls.from_p(values)
+            return cls.from_p(values), None
         path = Path(text)
         if path.suffix == ".json" or _is_file(path):
-            return cls.load(path)
+            obj = _read(path)
+            temperature = obj.get("temperature") if isinstance(obj, dict) else None
+            number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            recorded = temperature if number else None
+            return cls.from_dict(obj, source=str(path)), recorded
         raise AcceptanceError(
             f"acceptance {text!r:.200} is neither a JSON file nor a comma-separated list of numbers")
 
     @classmethod
     def load(cls, path: Path) -> AcceptanceVector:
-        try:
-            obj = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise AcceptanceError(f"acceptance file {path} does not exist") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise AcceptanceError(f"acceptance file {path} is not valid JSON ({exc})") from None
-        return cls.from_dict(obj, source=str(path))
+        return cls.from_dict(_read(path), source=str(path))
+
+
+def _read(path: Path) -> Any:
+    """An acceptance file's JSON; AcceptanceError naming the file when it does not read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise AcceptanceError(f"acceptance file {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AcceptanceError(f"acceptance file {path} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise AcceptanceError(f"acceptance file {path} is JSON nested too deeply to be an acceptance vector; "
+                              'give {"p": [...], "reject": r}') from None
 
 
 def is_number_list(text: str) -> bool:

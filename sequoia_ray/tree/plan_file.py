@@ -149,6 +149,18 @@ def _parse(obj: Any, source: str) -> PlannedTree:
     return PlannedTree(plan, acceptance, budget, max_depth, float(value), _provenance(obj.get("provenance"), bad))
 
 
+def check_plan_size(budget: int, max_depth: int | None, acceptance: AcceptanceVector) -> None:
+    """Refuse, before solving, a plan whose file ``load`` would refuse: a budget, a depth or an acceptance vector
+    past what a plan file holds (the checks ``_parse`` makes). PlanFormatError naming the value and the limit."""
+    def bad(name: str, why: str) -> PlanFormatError:
+        return PlanFormatError(f"{name} {why} (the most a plan file holds)")
+
+    _int_field({"budget": budget}, "budget", bad, minimum=1, maximum=MAX_PLAN_NODES)
+    if max_depth is not None:
+        _int_field({"max_depth": max_depth}, "max_depth", bad, minimum=1, maximum=MAX_PLAN_DEPTH)
+    _check_acceptance_size(acceptance.to_dict(), bad)
+
+
 def _check_acceptance_size(acceptance: Any, bad) -> None:
     """At most MAX_PLAN_NODES ranks and MAX_PLAN_DEPTH rows: no plan can use more (a node has fewer children than
     a plan has nodes; row j is for the children of depth-j nodes), and serving runs the DP and the live estimate

@@ -18,7 +18,9 @@ def test_unset_options_take_the_model_defaults():
     assert job_config(parse("--storage", "/tmp/s")) == ProfileJobConfig(storage="/tmp/s")
 
 
-def test_given_options_override_the_model():
+def test_given_options_override_the_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.json").write_text('{"p": [0.6, 0.2]}')
     cfg = job_config(parse("--storage", "s", "--budgets", "4,2", "--temperatures", "0.6", "--max-depth", "3",
                            "--dtype", "float32", "--acceptance", "0.6=a.json", "--smoke-test", "--layers", "eager"))
     assert cfg.budgets == (1, 2, 4) and cfg.temperatures == (0.6,) and cfg.max_depth == 3 and cfg.layers == "eager"
