@@ -38,7 +38,8 @@ class CallTracker:
             self.started = None
 
     def health(self) -> dict:
-        return {"busy_s": 0.0 if self.started is None else self.clock() - self.started, "broken": self.broken}
+        started = self.started  # read once: the call may end (None) between two reads, on the compute thread
+        return {"busy_s": 0.0 if started is None else self.clock() - started, "broken": self.broken}
 
 
 def raise_if_unhealthy(states: list[dict], step_timeout_s: float, what: str) -> None:

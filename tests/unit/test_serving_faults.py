@@ -142,3 +142,18 @@ def test_a_cuda_error_breaks_even_an_actor_whose_errors_are_not_fatal():
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
     with pytest.raises(RuntimeError, match="draft actor 0 is broken: grow failed: AcceleratorError"):
         raise_if_unhealthy([tracker.health()], 5.0, "draft actor")
+
+
+def test_health_reads_a_call_that_ends_while_it_is_asked():
+    """``health`` runs in its own concurrency group while the compute thread ends a call (``started`` -> None):
+    read twice, the start could be gone at the second read (TypeError: a failed health check, and a drain's
+    group check read as a missing rank)."""
+    tracker = CallTracker(fatal_errors=False)
+    tracker.started = 5.0
+
+    def clock() -> float:  # the call ends at this moment, on the other thread
+        tracker.started = None
+        return 12.0
+
+    tracker.clock = clock
+    assert tracker.health() == {"busy_s": 7.0, "broken": None}
