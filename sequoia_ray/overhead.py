@@ -55,11 +55,16 @@ def measure_overhead(target_model, draft_model, prof: HardwareProfile, plan: Tre
 
 
 def fit_linear(by_batch: dict[int, float]) -> tuple[float, float]:
-    """(fixed, per_request) through the smallest and largest batch's values, both clamped at >= 0 (one batch
-    size: all of it fixed)."""
+    """(fixed, per_request) through the smallest and largest batch's values, both >= 0 (one batch size: all of it
+    fixed). A line that would cross zero before the smallest batch goes through the origin and the largest
+    batch's value instead: clamping its intercept alone kept the slope, and the model then overstated the
+    largest batch (10 and 500 ms at batches 1 and 4 were modelled as 653 ms at 4), the one the fit is for."""
     lo, hi = min(by_batch), max(by_batch)
     per_request = max(0.0, (by_batch[hi] - by_batch[lo]) / (hi - lo)) if hi > lo else 0.0
-    return max(0.0, by_batch[lo] - per_request * lo), per_request
+    fixed = by_batch[lo] - per_request * lo
+    if fixed < 0:
+        return 0.0, max(0.0, by_batch[hi]) / hi
+    return fixed, per_request
 
 
 def _median_step(target_model, draft_model, prompts, plan: TreePlan, params: SamplingParams,

@@ -74,7 +74,9 @@ def test_a_per_request_overhead_makes_the_target_alone_win_at_large_batches_only
 def test_fit_linear_goes_through_both_batches_and_clamps_at_zero():
     assert fit_linear({1: 0.3, 4: 0.9}) == pytest.approx((0.1, 0.2))
     assert fit_linear({1: 0.5, 4: 0.2}) == pytest.approx((0.5, 0.0))  # less per request at 4: none
-    assert fit_linear({1: -0.2, 4: 0.4}) == pytest.approx((0.0, 0.2))  # forwards over-predicted: never below 0
+    assert fit_linear({1: -0.2, 4: 0.4}) == pytest.approx((0.0, 0.1))  # forwards over-predicted: never below 0
+    assert fit_linear({1: 0.007, 4: 0.036}) == pytest.approx((0.0, 0.009))  # through 0 and the largest batch's
+    assert fit_linear({1: -0.3, 4: -0.1}) == (0.0, 0.0)
     assert fit_linear({1: 0.4}) == (0.4, 0.0)
 
 
