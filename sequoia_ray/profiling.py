@@ -91,6 +91,7 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
                    time_target=pair.time_target, context=min(cfg.context, 32) if cfg.smoke_test else cfg.context,
                    dtype=cfg.dtype, batches=BATCH_BUCKETS)
     check_noise(prof, math.inf if cfg.smoke_test else cfg.max_noise)  # tiny models: sub-ms timings, all noise
+    prof = monotone(prof)  # as the bounded profile's: more tokens never cost less (a noisy size would say so)
     if cfg.smoke_test:  # one tree against the target alone, one round: seconds
         cfg = cfg.model_copy(update={"candidates": min(cfg.candidates, 1), "measure_rounds": 1})
     profile_key = store.publish_profile(prof)

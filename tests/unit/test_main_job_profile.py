@@ -638,3 +638,30 @@ def test_a_profile_job_with_no_room_for_a_tree_is_refused_up_front(field, value,
     table = solve(AcceptanceVector.from_p([0.8, 0.1]), max(cfg.budgets), cfg.max_depth)
     plan, batches = profiling._probe(table, prof, profiling.choose(table, prof, cfg.budgets)[0])
     assert plan.n == 2 and batches
+
+
+def test_the_profile_job_publishes_and_plans_on_a_non_decreasing_profile(tmp_path, monkeypatch):
+    """``run_trial`` fits its profile as the bounded one does (``monotone``): a noisy size that timed cheaper than
+    a smaller one made the DP favour bigger trees for free (t(8) < t(4) below)."""
+    from types import SimpleNamespace
+
+    from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray.hardware import HardwareProfile
+    from sequoia_ray.plan_store import PlanStore
+
+    noisy = HardwareProfile("cpu-test", {1: 1.0, 4: 1.3, 8: 1.1, 16: 1.6}, {1: 0.2, 2: 0.18}, 0.1, 64, "float32")
+    monkeypatch.setattr(profiling, "profile", lambda *args, **kwargs: noisy)
+    monkeypatch.setattr(profiling, "check_noise", lambda prof, bound: None)
+
+    def stop(cfg, pair, prompts, temperature, progress):  # the first use of the profile after publishing it
+        raise StopIteration
+
+    monkeypatch.setattr(profiling, "_acceptance", stop)
+    pair = SimpleNamespace(encode=lambda text, chat: [1, 2], draft=SimpleNamespace(model=None),
+                           target=SimpleNamespace(model=None), time_target=None)
+    cfg = ProfileJobConfig(storage=str(tmp_path / "store"), temperatures=(0.0,))
+    with pytest.raises(StopIteration):
+        profiling.run_trial(cfg, "cpu-test", progress=False, pair=pair)
+    published = PlanStore(cfg.storage).fetch_profile("cpu-test")
+    assert list(published.t.values()) == sorted(published.t.values()) and published.t[1] == 1.0
+    assert published.t[4] == published.t[8] and published.c[1] == published.c[2]  # pooled violators
