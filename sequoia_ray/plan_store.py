@@ -51,7 +51,7 @@ class StoreError(RuntimeError):
 def temperature_bucket(temperature: float) -> str:
     if temperature < 0:
         raise ValueError(f"temperature {temperature} must be >= 0")
-    return f"t{round(temperature, 1):.1f}"
+    return f"t{round(temperature, 1) + 0.0:.1f}"  # + 0.0: -0.0 (which passes ">= 0") is t0.0, not t-0.0
 
 
 def pair_key(draft: str, target: str) -> str:

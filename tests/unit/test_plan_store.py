@@ -255,3 +255,12 @@ def test_a_file_uri_without_slashes_is_a_uri_and_a_bare_name_a_local_path(tmp_pa
     assert path.startswith(f"{tmp_path}/by-uri/plans/") and not (tmp_path / "file:").exists()
     assert PlanStore(f"file://{tmp_path}/by-uri").fetch_plan(KEY)[1] == path
     assert PlanStore("plans").root == str(tmp_path / "plans")
+
+
+def test_minus_zero_is_the_greedy_bucket():
+    """-0.0 passes every ">= 0" check (``profile --temperatures -0``): its plans went to t-0.0, where serving's
+    greedy requests (t0.0) never looked."""
+    from sequoia_ray.plan_store import plan_bucket
+
+    assert temperature_bucket(-0.0) == temperature_bucket(0.0) == "t0.0" and plan_bucket(-0.0, 4) == "t0.0-b4"
+    assert temperature_bucket(0.04) == "t0.0" and temperature_bucket(0.65) == "t0.7"
