@@ -63,8 +63,8 @@ below the other arm's: the other arm is probed again at once, and the faster the
 steps can mislead (seen through Serve at 2 clients: the tree chosen on 6 steps, then 117 steps at 0.77x the
 target alone's rate).
 
-A served phase also ends, for a probe, once the other arm's newest measured step is ``max_age_s`` old: the
-two rates are compared at about the same host speed and traffic. Without it a backed-off phase at 8 clients
+A served phase also ends, for a probe, once the other arm last ran ``max_age_s`` ago: the two rates are
+compared at about the same host speed and traffic. Without it a backed-off phase at 8 clients
 (a round ~2 s) runs 800 rounds, and the served arm's fresh rate was compared with the other's from the first
 minute: through Serve at 8 clients (session 24) the target alone's rate inside the tree's run was measured
 once, in the first minute (1.9-2.4 tokens/s a request, 15-24 steps), never again within the 3 minutes, while
@@ -72,6 +72,11 @@ the target alone served by itself gave 2.0-3.1; on this host the speed moves up 
 served arm's falling rate ended a phase early, never the other arm's rising one. The cost: at most one probe
 (``settle_rounds + probe_rounds`` rounds of the other arm) per ``max_age_s``, about 4% of the rounds at 8
 clients with the defaults (a round ~2 s), ~1% at 1 client (~0.4 s); below that age the backoff spaces them.
+The age runs from the other arm's last step begun (its probe's end), not from its newest measured step: a
+probe whose steps all go unmeasured (beside prefills, beside the other arm, settling) would leave that age
+as it was, and every served phase after it ended for another probe once its settle rounds were done (at 1
+request, the tree at 4 tokens/s and every target-alone step beside a prefill, the slower arm ran 78% of the
+steps). A rate its probes cannot measure stays the one measured last; it is probed again after ``max_age_s``.
 
 A new key's first phase is the tree's, unless the nearest smaller batch bucket of its temperature whose two
 arms are measured found the target alone faster. Speculation pays less as the batch grows (the target's forward
@@ -124,8 +129,8 @@ class CostSettings:
     phases: int = 2  # an arm's rate: its measured steps of its last this many phases (min_steps at least)
     stale_s: float = 150.0  # a step not ended after this long (its request failed mid-step; a step lasts at most
     # two calls of step_timeout_s) no longer marks the steps beside it
-    max_age_s: float = 180.0  # a served phase ends for a probe once the other arm's newest measured step is this
-    # old (seconds; 0: never, only phase lengths and the backoff space the probes)
+    max_age_s: float = 180.0  # a served phase ends for a probe once the other arm last ran this long ago
+    # (seconds; 0: never, only phase lengths and the backoff space the probes)
 
     def __post_init__(self) -> None:
         for name in ("probe_every", "probe_rounds", "settle_rounds", "window", "min_steps", "backoff", "phases"):
@@ -161,6 +166,7 @@ class _Key:
     begun: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ARMS, 0))  # arm -> steps run, all
     round: set = field(default_factory=set)  # requests that began a step in the current round (see ``begin``)
     seen: dict[str, float] = field(default_factory=dict)  # arm -> clock time of its newest measured step
+    ran: dict[str, float] = field(default_factory=dict)  # arm -> clock time its newest step began (``_aged``)
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
         """Tokens/s of ``arm``'s measured steps in its last ``phases`` phases, and older ones while they are
@@ -228,6 +234,7 @@ class StepRates:
             state.round.add(request)
             state.steps += 1
             state.begun[state.arm] += 1
+            state.ran[state.arm] = now
             step = Step(key, state.arm, state.phase, state.steps > state.settle, request, now)
             self._overlap(step)
             return step
@@ -346,10 +353,11 @@ class StepRates:
         return None not in rates.values() and rates[state.arm] < rates[_other(state.arm)]
 
     def _aged(self, state: _Key, now: float) -> bool:
-        """A served phase past its settling steps whose other arm's newest measured step is ``max_age_s`` old."""
-        seen = state.seen.get(_other(state.arm))
-        return (not state.probing and bool(self.settings.max_age_s) and seen is not None
-                and state.steps >= state.settle and now - seen >= self.settings.max_age_s)
+        """A served phase past its settling steps whose other arm last ran ``max_age_s`` ago (measured or not:
+        see the module docstring)."""
+        ran = state.ran.get(_other(state.arm))
+        return (not state.probing and bool(self.settings.max_age_s) and ran is not None
+                and state.steps >= state.settle and now - ran >= self.settings.max_age_s)
 
     def _first_steps_wanted(self, state: _Key, served: str) -> bool:
         """The ``served`` arm's first steps are measured here and the other's (the one probed) not, with

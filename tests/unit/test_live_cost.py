@@ -511,13 +511,13 @@ def test_probes_shorter_than_min_steps_still_measure_both_arms():
     assert rates.summary()["t0.0-b1"]["serving"] == ALONE
 
 
-@pytest.mark.parametrize("max_age_s, served", [(10.0, 40), (0.0, 81)])
+@pytest.mark.parametrize("max_age_s, served", [(10.0, 38), (0.0, 81)])
 def test_the_other_arms_rate_ages_and_is_probed_again(max_age_s, served):
     """The tree (4 tokens/s, a step 0.25 s) beats the target alone (2/s) widely, so after the first served
     phase (``probe_every`` rounds and the settle step) the served phases back off to ``backoff`` x
     ``probe_every`` (80 rounds, plus the settle step) at once. With ``max_age_s`` 10 the target alone is probed
-    again once its newest measured step is 10 s old: after 40 tree steps of 0.25 s, whatever the backoff; with
-    0 the phase runs its 81 steps."""
+    again once its last step began 10 s ago: after its 0.5 s and 38 tree steps of 0.25 s, whatever the
+    backoff; with 0 the phase runs its 81 steps."""
     settings = CostSettings(probe_every=20, probe_rounds=2, window=64, min_steps=2, backoff=4, max_age_s=max_age_s)
     clock = FakeClock()
     rates, key = StepRates(settings, clock), ("t0.0", 1)
@@ -568,3 +568,23 @@ def test_a_phase_changes_only_between_rounds_so_a_round_runs_one_arm():
     assert all(len(set(arms)) == 1 for arms in rounds), rounds
     assert {arms[0] for arms in rounds} == {TREE, ALONE}
     assert sum(a[0] != b[0] for a, b in zip(rounds, rounds[1:])) >= 4  # phases still change
+
+
+def test_a_probe_whose_steps_go_unmeasured_does_not_start_a_probe_storm():
+    """The tree (4 tokens/s) serves, the target alone (2/s) is probed; from t = 300 s every target-alone step is
+    beside a prefill (not a sample), so its newest measured step stops moving. The age counted from that step:
+    once it was ``max_age_s`` old, every served phase ended for a probe as soon as its settle step was done,
+    and the slower arm ran 78% of the steps. Counted from the target alone's last run, a probe comes once per
+    ``max_age_s`` (180 s): 4 steps (settle 1 + probe 3) in 180, 2.2%."""
+    clock = FakeClock()
+    rates, key = StepRates(CostSettings(probe_every=100, probe_rounds=3, max_age_s=180.0), clock), ("t0.0", 1)
+    start, late = clock.now, []
+    for _ in range(4_000):
+        step = rates.begin(key, 1, "r")
+        if clock.now - start > 400:
+            late.append(step.arm)
+        beside = step.arm == ALONE and clock.now - start > 300
+        rates.record(step, 4 if step.arm == TREE else 2, 1.0, beside=beside)
+        clock.now += 1.0
+    assert late.count(ALONE) / len(late) < 0.03
+    assert rates.summary()["t0.0-b1"]["serving"] == TREE
