@@ -78,7 +78,7 @@ class ServeConfig(BaseModel):
                                   "served arm's rate backs off fully at once (live_cost_backoff times "
                                   "live_cost_probe_every rounds); 0: always double.")
     live_cost_max_age_s: float = Field(180.0, ge=0.0, description="A served phase ends for a probe of the other arm "
-                                       "once that arm's newest measured step is this many seconds old, so both are "
+                                       "once that arm last ran this many seconds ago (measured or not), so both are "
                                        "compared at about the same host speed and traffic; 0: never (the phase "
                                        "lengths and the backoff alone space the probes).")
     first_step_alone: bool = Field(False, description="A request's first step (its prompt's prefill) runs the "

@@ -10,8 +10,11 @@ a node with fewer is censored. So, with m[k] = (weighted) inner nodes with >= k 
 them that accepted rank k, p̂[k] = a[k] / m[k] is unbiased for trees of any widths. One row (not depth-
 indexed): every visited inner node counts, whatever its depth.
 
-Prior. A rank that has never had ``min_samples`` effective trials is *unsettled* (once settled, a rank keeps
-its estimate even when decay thins its counts). With ``explore`` (default) an unsettled rank is optimistic:
+Prior. A rank that has never had ``min_samples`` effective trials is *unsettled*. Once settled, a rank keeps its
+estimate when the plan stops trying it: its counts stop decaying at ``min_samples`` effective trials, so the
+estimate weighs as much as when it settled, and a later trial moves it by ~1 / min_samples. (Decayed towards
+0 they left p̂ = a / m to the next trial: a rank 3 of p̂ 0.1 read 1.0 after one 3-wide node accepted rank 3,
+and every rank was scaled by 1 / sum p̂.) With ``explore`` (default) an unsettled rank is optimistic:
 min(its Wilson upper bound, the previous rank's value) — a rank the served trees never try (a plan 2 wide
 never tries rank 3) would otherwise keep the prior forever, however wrong; the optimistic value makes the
 DP try it, which settles it after ``min_samples`` trials. Without ``explore`` it keeps the prior's p[k] (the
@@ -23,9 +26,23 @@ some rank with m[k] >= ``min_samples`` has the plan's p[k] outside the interval;
 
 Recent traffic: exponential decay. Every inner-node observation first multiplies all counts by
 2 ** (-1 / half_life), so an observation ``half_life`` observations old weighs 1/2, and the effective sample
-size m[k] tops out at about half_life / ln 2. A rank no longer tried stops decaying at ``FROZEN`` effective
-trials, keeping its p̂. ``samples`` (the raw count since the start) is reported beside
-the effective counts. Thread-safe: many request threads feed one ``LiveAcceptance``.
+size m[k] tops out at about half_life / ln 2. A rank no longer tried stops decaying at ``min_samples``
+effective trials once settled, at ``FROZEN`` before, keeping its p̂. ``samples`` (the raw count since the
+start) is reported beside the effective counts. Thread-safe: many request threads feed one ``LiveAcceptance``.
+
+No tree served: the estimate fades back to exploring. A verdict with no inner node (the target alone: a
+root-only plan, or ``live_cost``'s other arm) is a *blind* step. A re-plan may serve the
+target alone at every batch size (the cost model finds speculation does not pay at the acceptance estimated),
+and then no verdict tries a rank again: the estimate could never move and no re-plan ever restore a tree,
+however good acceptance became. So once ``half_life`` blind steps in a row have passed at a temperature (no
+tree verified there for as long as an observation takes to lose half its weight), its counts weigh at most
+``min_samples`` trials, halving every further ``half_life`` blind steps: every rank is unsettled, and with
+``explore`` optimistic by its Wilson upper bound, which grows as the counts fade. ``check`` re-plans then when
+that gives a tree to a bucket whose plan is the target alone by the model (not by measurement), and the trials
+of that tree settle the ranks again: back to the target alone if acceptance is still low, a tree fitted to it
+if it recovered. Exploring costs up to ``min_samples`` trials of a tree (a step tries one inner node or more)
+and the steps until the next check, per ``half_life`` blind steps or more: ~2% of the steps with the service's
+defaults (400 / 20,000). The target alone stays reachable, and is no trap.
 """
 
 from __future__ import annotations
@@ -68,9 +85,10 @@ class Snapshot:
 
     tried: np.ndarray  # [W] float64; m[k-1]: effective inner nodes with >= k children
     accepted: np.ndarray  # [W] float64; a[k-1]: of those, the ones that accepted rank k
-    settled: np.ndarray  # [W] bool; the rank has had min_samples effective trials at some point
+    settled: np.ndarray  # [W] bool; the rank has had min_samples effective trials (since it last faded blind)
     samples: int  # inner-node observations since the start (not decayed)
     settings: LiveSettings
+    blind: int = 0  # verdicts with no inner node since the last that had one (see the module docstring)
 
     def p_hat(self) -> np.ndarray:  # [W]; nan where nothing was tried
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -83,7 +101,7 @@ class Snapshot:
         half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
         return np.clip(centre - half, 0.0, 1.0), np.clip(centre + half, 0.0, 1.0)
 
-    def enough(self) -> np.ndarray:  # [W] bool: ranks whose estimate is used (settled once, kept after decay)
+    def enough(self) -> np.ndarray:  # [W] bool: ranks whose estimate is used (settled, kept when not tried)
         return self.settled | (self.tried >= self.settings.min_samples)
 
     def estimate(self, prior: tuple[float, ...]) -> AcceptanceVector:
@@ -124,10 +142,11 @@ class Snapshot:
         return bool(np.any(out & (self.tried >= self.settings.min_samples)))
 
 
-# A rank's counts stop decaying once its effective trials fall below this. Halved forever (a rank the plan no
-# longer tries), they would sink into the subnormals (< 2.2e-308), where a[k] / m[k] loses its digits (1.0 for
-# a p̂ of 0.2) and then becomes 0 / 0. Frozen here, p̂ keeps the value decay leaves it (decay scales a[k] and
-# m[k] alike); a count this small weighs nothing beside one new trial.
+# An unsettled rank's counts stop decaying once its effective trials fall below this (a settled rank's at
+# min_samples). Halved forever (a rank the plan no longer tries), they would sink into the subnormals
+# (< 2.2e-308), where a[k] / m[k] loses its digits (1.0 for a p̂ of 0.2) and then becomes 0 / 0. Frozen here, p̂
+# keeps the value decay leaves it (decay scales a[k] and m[k] alike); a count this small weighs nothing beside
+# one new trial.
 FROZEN = 1e-200
 
 
@@ -137,23 +156,41 @@ class _Counts:
         self.tried, self.accepted = np.zeros(0), np.zeros(0)  # [W], grown on demand
         self.settled = np.zeros(0, dtype=bool)  # [W]
         self.keep = 2.0 ** (-1.0 / settings.half_life)
+        self.blind = 0  # verdicts with no inner node since the last trial
 
     def add(self, children: int, rank: int) -> None:
         if children > len(self.tried):
             grow = children - len(self.tried)
             self.tried, self.accepted = np.pad(self.tried, (0, grow)), np.pad(self.accepted, (0, grow))
             self.settled = np.pad(self.settled, (0, grow))
-        fading = self.tried >= FROZEN  # [W] bool; below it a rank's counts stop decaying
+        floor = np.where(self.settled, self.settings.min_samples, FROZEN)  # [W]; below it a rank stops decaying
+        fading = self.tried >= floor
         np.multiply(self.tried, self.keep, out=self.tried, where=fading)
         np.multiply(self.accepted, self.keep, out=self.accepted, where=fading)
         self.tried[:children] += 1.0
         if rank:
             self.accepted[rank - 1] += 1.0
-        self.samples += 1
+        self.settled |= self.tried >= self.settings.min_samples
+        self.samples, self.blind = self.samples + 1, 0
+
+    def fade(self) -> None:
+        """A blind step (no inner node verified): past ``half_life`` of them in a row, every rank's counts are
+        cut to min_samples x 2 ** -(blind steps beyond half_life / half_life), p̂ kept, and unsettled below
+        min_samples (see the module docstring)."""
+        self.blind += 1
+        beyond = self.blind - self.settings.half_life
+        if beyond < 0:
+            return
+        limit = max(FROZEN, self.settings.min_samples * self.keep ** beyond)
+        cut = self.tried > limit
+        self.accepted[cut] *= limit / self.tried[cut]
+        self.tried[cut] = limit
+        self.settled &= self.tried >= self.settings.min_samples
 
     def snapshot(self) -> Snapshot:
         self.settled |= self.tried >= self.settings.min_samples
-        return Snapshot(self.tried.copy(), self.accepted.copy(), self.settled.copy(), self.samples, self.settings)
+        return Snapshot(self.tried.copy(), self.accepted.copy(), self.settled.copy(), self.samples, self.settings,
+                        self.blind)
 
 
 class LiveAcceptance:
@@ -165,16 +202,19 @@ class LiveAcceptance:
         self._counts: dict[str, _Counts] = {}
 
     def observe(self, temperature: float, ranks: Iterable[tuple[int, int]]) -> None:
-        """``ranks``: a verdict's (children, accepted rank) per visited inner node."""
+        """``ranks``: a verdict's (children, accepted rank) per visited inner node; none: a blind step (the
+        target alone), which fades the counts after ``half_life`` in a row (see the module docstring)."""
         ranks = list(ranks)
         for children, rank in ranks:
             if not 0 <= rank <= children or children < 1:
                 raise ValueError(f"observation (children {children}, rank {rank}) needs 0 <= rank <= children, "
                                  "children >= 1; pass Verdict.ranks")
-        if not ranks:
-            return
         name = temperature_bucket(temperature)
         with self._lock:
+            if not ranks:
+                if name in self._counts:  # nothing to fade before the first trial
+                    self._counts[name].fade()
+                return
             counts = self._counts.setdefault(name, _Counts(self.settings))
             for children, rank in ranks:
                 counts.add(children, rank)
@@ -227,14 +267,20 @@ def measured_alone(planned: PlannedTree) -> bool:
 def check(live: LiveAcceptance, temperature: float, current: dict[int, PlannedTree],
           profile: HardwareProfile | None, max_depth: int) -> dict[int, PlannedTree] | None:
     """The re-planned buckets when the served plan's vector (``compared_vector``, root row) has left the live
-    estimate's bound at ``temperature``, else None (also when the re-plan changes no bucket)."""
+    estimate's bound at ``temperature``, else None (also when the re-plan changes no bucket). Also, once no
+    tree has been verified there for ``half_life`` steps, the re-plan of the faded estimate when it gives a
+    tree to a bucket served by the target alone by the model (see the module docstring)."""
     snap = live.snapshot(temperature)
     if snap is None or not current:
         return None
     prior = compared_vector(current).row(0)
-    if not snap.departs(prior):
+    if snap.departs(prior):
+        return replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth) or None
+    alone = [b for b, planned in current.items() if planned.plan.n == 1 and not measured_alone(planned)]
+    if not alone or snap.blind < snap.settings.half_life:
         return None
-    return replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth) or None
+    fresh = replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth)
+    return fresh if any(b in fresh and fresh[b].plan.n > 1 for b in alone) else None
 
 
 def compared_vector(current: dict[int, PlannedTree]) -> AcceptanceVector:

@@ -16,6 +16,7 @@ from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree, Provenance, expected_tokens
+from sequoia_ray.tree.planning import plan_for
 
 P_TRUE = (0.6, 0.25, 0.1)  # rank 4 and beyond: never accepted
 NO_DECAY = math.inf  # keep = 2 ** 0 = 1 exactly
@@ -244,7 +245,7 @@ def test_a_bucket_measured_to_serve_the_target_alone_does_not_re_plan_every_chec
 def test_a_rank_no_longer_tried_keeps_its_estimate_however_long_it_decays():
     """Wide trees settle ranks 2 and 3, then the plan becomes a chain and never tries them again. Their counts
     were halved forever: in the subnormals a[k] / m[k] came out 1.0 (p̂ 0.2 before), then 0 / 0. They stop
-    decaying at FROZEN now, and p̂ stays what the wide trees measured."""
+    decaying now (settled: at min_samples), and p̂ stays what the wide trees measured."""
     rng, live = np.random.default_rng(0), LiveAcceptance(LiveSettings(min_samples=4, half_life=8.0))
     live.observe(0.0, [(3, draw(rng, (0.5, 0.2, 0.1), 3)) for _ in range(200)])
     wide = live.snapshot(0.0).p_hat()
@@ -255,3 +256,49 @@ def test_a_rank_no_longer_tried_keeps_its_estimate_however_long_it_decays():
         assert snap.p_hat()[1:] == pytest.approx(wide[1:], rel=1e-9) and np.all(snap.tried[1:] > 0), fed
         assert snap.tried[1] > 1e-300  # far from the subnormals
         assert snap.estimate((0.5, 0.2, 0.1)).rows[0][1:] == pytest.approx(tuple(wide[1:] * snap.scale()))
+
+
+def test_a_settled_rank_the_plan_stopped_trying_is_not_set_by_one_new_trial():
+    """3-wide roots settle rank 3 (p 0.1), then 2-wide ones never try it for 25 half-lives. Its counts decayed
+    to ~1e-5 trials, so one 3-wide node that accepted rank 3 set p̂[3] to 1.0: the estimate scaled every rank
+    by 1 / 1.7 and the bound departed from the true vector. Its counts stop decaying at min_samples now: the
+    trial moves p̂[3] by ~1 / min_samples."""
+    rng, p = np.random.default_rng(0), (0.5, 0.2, 0.1)
+    live = LiveAcceptance(LiveSettings(min_samples=50, half_life=200))
+    live.observe(0.6, [(3, draw(rng, p, 3)) for _ in range(2_000)])
+    settled = live.snapshot(0.6).p_hat()[2]
+    live.observe(0.6, [(2, draw(rng, p, 2)) for _ in range(5_000)])
+    live.observe(0.6, [(3, 3)])
+    snap = live.snapshot(0.6)
+    assert snap.p_hat()[2] == pytest.approx(settled, abs=1 / 50)
+    assert snap.scale() == 1.0
+    assert snap.estimate(p).rows[0] == pytest.approx(p, abs=0.05)
+    assert not snap.departs(p)
+
+
+def test_a_re_plan_to_the_target_alone_is_undone_when_acceptance_recovers():
+    """A burst of low acceptance (p[1] 0.1) re-plans every bucket to the target alone by the model. Its verdicts
+    try no rank, so the estimate froze and no check ever re-planned, even once acceptance was back at 0.7.
+    Now, after half_life blind steps in a row, the counts fade and their upper bound grows until the model
+    gives a bucket a tree; its trials settle the ranks again. While acceptance stays low the target alone
+    still serves most steps (a tree is tried now and then); once it recovers, trees serve and stay. A check
+    every 100 verdicts (the service's tick), each verdict on bucket 1's plan."""
+    profile = HardwareProfile("test-hw", {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 16: 1.8},
+                              {1: 0.3, 2: 0.34, 4: 0.4, 8: 0.5, 16: 0.7}, 0.1, 64, "float32")
+    live = LiveAcceptance(LiveSettings(min_samples=50, half_life=200))
+    current = {1: plan_for(AcceptanceVector.from_p([0.7, 0.15]), 8, 4, Provenance())[0]}
+    live.observe(0.6, [(2, 1)] * 10 + [(2, 2)] * 5 + [(2, 0)] * 85)
+    current = check(live, 0.6, current, profile, 4)
+    assert current is not None and all(planned.plan.n == 1 for planned in current.values())
+    rng, served = np.random.default_rng(0), {}
+    for p, ticks in (((0.1, 0.05), 30), ((0.7, 0.15), 30)):
+        served[p] = []
+        for _ in range(ticks):
+            for _ in range(100):
+                live.observe(0.6, walk(current[1].plan, p, rng))
+            current.update(check(live, 0.6, current, profile, 4) or {})
+            served[p].append(current[1].plan.n)
+    low, high = served[(0.1, 0.05)], served[(0.7, 0.15)]
+    assert 0 < sum(n > 1 for n in low) <= len(low) // 3  # the target alone serves; a tree is tried again
+    assert all(n > 1 for n in high[3:])  # recovered: trees from the first checks on
+    assert live.snapshot(0.6).p_hat()[0] == pytest.approx(0.7, abs=0.05)

@@ -321,3 +321,29 @@ def _served_plan_tags(source: str, temperature: float) -> dict:
 def test_the_plan_gauge_is_tagged_with_the_plans_kind_not_its_path(source, kind):
     """A path is new at every publish and live re-plan: as a tag, one time series per plan ever served."""
     assert _served_plan_tags(source, 0.6) == {"hardware": HW, "source": kind, "temperature": "0.6"}
+
+
+def test_a_live_re_plan_to_the_target_alone_is_undone_when_acceptance_recovers(tmp_path):
+    """Acceptance falls to p[1] 0.1 and the live re-plan serves the target alone at every batch size (the
+    profile's draft costs 0.3 of a target step a level). Its verdicts carry no ranks, and the service never
+    re-planned again. Now they are blind steps: after half_life of them the estimate fades, a tick gives
+    batch 1 a tree again, and once acceptance is back at P_TRUE the live plans speculate and stay."""
+    from sequoia_ray.hardware import HardwareProfile
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(builtin_plan(0.0), KEY)
+    t = {n: 1 + 0.01 * (n - 1) for n in (1, 2, 4, 8, 16)}
+    store.publish_profile(HardwareProfile(HW, t, {w: 0.3 for w in t}, 0.1, 64, "float32"))
+    cfg = config(str(tmp_path), live_acceptance=True, live_min_samples=50, live_half_life=200)
+    plans = PlanProvider(cfg, HW)
+    planner, rng, params = LivePlanner(cfg, plans), np.random.default_rng(0), SamplingParams(seed=1)
+    for p, ticks in (((0.1, 0.05), 4), (P_TRUE, 8)):
+        for _ in range(ticks):
+            for _ in range(100):
+                plan = plans.get(0.0).planned.plan
+                planner.observe(plan, Verdict([0], [1], tuple(walk(plan, p, rng))), params)
+            planner.tick()
+        if p != P_TRUE:
+            assert all(plans.get(0.0, b).planned.plan.n == 1 for b in (1, 2, 4, 8, 16))  # speculation stopped
+    assert plans.get(0.0).source.startswith("live:/") and plans.get(0.0).planned.plan.n > 1
+    assert store.fetch_plan(KEY)[0].plan.n > 1
