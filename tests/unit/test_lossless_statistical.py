@@ -104,6 +104,67 @@ def test_first_two_tokens_follow_the_target_exactly(batch, dynamic, vocab):
     assert two_in_one_step > n // 10, "accepted paths must really produce both tokens in one step"
 
 
+def nucleus_law(model, tokens: list[int], temperature: float, top_p: float) -> torch.Tensor:  # [V] float64
+    """The target's sampling law, computed here apart from ``sampling.target_probs``: softmax(logits / T) in
+    float64, then the smallest most-probable set whose mass reaches ``top_p``, renormalised."""
+    with torch.inference_mode():
+        probs = torch.softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1].double() / temperature, -1)
+    out, mass = torch.zeros_like(probs), 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -float(probs[i])):
+        if mass >= top_p:
+            break
+        out[i], mass = probs[i], mass + float(probs[i])
+    return out / out.sum()
+
+
+def test_first_two_tokens_follow_the_target_at_a_temperature_and_nucleus_with_a_truncated_draft():
+    """N = 3000 requests (seeds 0..2999) through the engine at T = 0.6, top_p = 0.8, the draft's D cut to its
+    top 3 tokens (``support``: the verifier is sent only those), a 13-node tree whose nodes have 3 children: the
+    64 cells of the joint law of (token 1, token 2) against the law computed apart (``nucleus_law``), each within
+    5 SE + 0.004 (SE = sqrt(p (1 - p) / N); false-failure chance below ~1e-4). The T = 1 test above cannot see a
+    verifier that drops the temperature or the nucleus (the target alone goes through the same verifier), nor
+    draws and uniforms from one stream (its draft is 0.99 sure of one token, so the draw order barely varies):
+    here the draft's top token has less than 0.6 of its law, and the nucleus holds 5 of the 8 ids."""
+    target = sharpen(tiny_model("qwen2", seed=11, vocab=V), 3.0)
+    draft = noisy_copy(target, scale=0.6, seed=12)
+    prompt, temperature, top_p = [1, 5, 2], 0.6, 0.8
+    p1 = nucleus_law(target, prompt, temperature, top_p)
+    exact = torch.stack([p1[a] * nucleus_law(target, prompt + [a], temperature, top_p) for a in range(V)])
+    q1 = nucleus_law(draft, prompt, temperature, top_p)
+    assert int((p1 > 0).sum()) >= 4 and float(q1.max()) < 0.6, "power: a wide nucleus and an unsure draft"
+    plan = k_ary(3, 2)
+    params = SamplingParams(max_tokens=2, temperature=temperature, top_p=top_p, ignore_eos=True)
+    spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft, support=3), plan)
+    n, counts, two_in_one_step = 3000, torch.zeros(V, V), 0
+    for seed in range(n):
+        out = spec.generate(prompt, params.model_copy(update={"seed": seed}))
+        counts[out.token_ids[0], out.token_ids[1]] += 1
+        two_in_one_step += out.stats.steps == 1
+    freq, se = counts / n, torch.sqrt(exact * (1 - exact) / n)
+    assert torch.all((freq - exact).abs() <= 5 * se + 0.004), (freq - exact).abs().max()
+    assert two_in_one_step > n // 10, "accepted paths must really produce both tokens in one step"
+
+
+def test_a_requests_draws_and_verifier_uniforms_are_independent_streams():
+    """The engine seeds the draft and the verifier of a request apart (``_salt``): on one stream, the uniforms
+    that accept a child would be the numbers that drew it (a node of 3 children, 40,000 trials: token 0 came out
+    at 0.181 for 0.300, review helper's script)."""
+    from sequoia_ray import engine
+
+    target = sharpen(tiny_model("qwen2", seed=11, vocab=V), 3.0)
+    tw, dw = TargetWorker(target), DraftWorker(noisy_copy(target, scale=0.6, seed=12))
+    seeds = {}
+    for worker, name in ((tw, "verify"), (dw, "draft")):
+        start = worker.start
+        worker.start = lambda rid, prompt, params, seed, _start=start, _name=name: (
+            seeds.__setitem__(_name, seed) or _start(rid, prompt, params, seed))
+    SpeculativeDecoder(tw, dw, k_ary(3, 2)).generate([1, 5, 2], SamplingParams(max_tokens=4, temperature=1.0, seed=9))
+    assert seeds == {"verify": engine._salt(9, "verify"), "draft": engine._salt(9, "draft")}
+    assert len({engine._salt(s, stream) for s in range(200) for stream in ("draft", "verify")}) == 400
+    first = [torch.rand(4, generator=torch.Generator().manual_seed(seeds[k])) for k in ("verify", "draft")]
+    assert not torch.equal(*first)
+
+
 def context_free(model, seed: int):
     """Every token embeds to the same vector, so the next-token law is the same in every context."""
     gen = torch.Generator().manual_seed(seed)
