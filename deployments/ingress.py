@@ -333,7 +333,7 @@ class OpenAIIngress:
                                param=field, code="context_length_exceeded")
         if params.max_tokens > self.cfg.max_tokens_limit:
             raise api.APIError(400, f"{req.length_param} {params.max_tokens} > limit {self.cfg.max_tokens_limit}",
-                               param=req.length_param)
+                               param=req.length_param, code="invalid_value")
         return prompt, params
 
     def _encode(self, req, chat: bool) -> list[int]:

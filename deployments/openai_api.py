@@ -73,7 +73,7 @@ Float = Annotated[float, BeforeValidator(_json_number)]
 # that this server does not implement: each is accepted only at a value that changes nothing.
 NO_OP_VALUES: dict[str, tuple] = {
     # OpenAI (``logprobs: 0`` is not a no-op: a completion then returns each token's logprob)
-    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "auto", "none"),
     "function_call": (None, "none"), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "reasoning_effort": (None,),
@@ -111,7 +111,6 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: Int | None = Field(None, ge=1, le=1, description="Only n = 1 is supported.")
     speculative: StrictBool = Field(True, description="sequoia-ray extension: false = the target alone (for A/B).")
     ignore_eos: StrictBool = Field(False, description="vLLM's extension: keep generating past end-of-sequence.")
     max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")

@@ -33,6 +33,7 @@ def api_error(body: dict, model=api.CompletionRequest) -> api.APIError:
     ("logprobs", True), ("top_logprobs", 2), ("best_of", 2), ("echo", True), ("suffix", "end"),
     ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 3), ("use_beam_search", True),
     ("best_of", True),  # not read as 1
+    ("n", 2), ("n", True),  # one choice per request: more is refused as the README says, not as a bad value
     ("logprobs", 0),  # a completion then returns each token's logprob
     ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"}),
     ("stop_token_ids", [5]), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
@@ -48,7 +49,7 @@ def test_a_field_that_would_change_the_output_is_refused_by_name(name, value):
 
 @pytest.mark.parametrize("name,value", [
     ("presence_penalty", 0), ("frequency_penalty", 0.0), ("logit_bias", {}), ("response_format", {"type": "text"}),
-    ("tool_choice", "none"), ("tool_choice", "auto"), ("logprobs", False), ("logprobs", None), ("best_of", 1),
+    ("tool_choice", "none"), ("tool_choice", "auto"), ("logprobs", False), ("logprobs", None), ("best_of", 1), ("n", 1),
     ("top_k", -1), ("min_p", 0), ("repetition_penalty", 1.0), ("user", "someone"), ("metadata", {"k": "v"}),
     ("prediction", {"type": "content", "content": "x"}),  # a speed hint: the output does not depend on it
 ])
