@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -56,6 +57,16 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     if store and not is_uri(store):  # actors do not share the launcher's working directory
         args["plan_store"] = str(Path(store).expanduser().resolve())
     return args
+
+
+def check_api_key_env(cfg: ServeConfig, address: str | None) -> None:
+    """An ``api_key_env`` unset here, when this command starts Ray: the ingress replicas inherit this environment
+    and would refuse to start (``ingress.api_key_header``), which Serve reports as a deploy failure with a
+    traceback after the models have loaded. Said at once instead (a cluster elsewhere has its own environment)."""
+    if cfg.api_key_env and cfg.api_key is None and address in (None, "local") and not os.environ.get(cfg.api_key_env):
+        raise ValueError(f"api_key_env {cfg.api_key_env!r}: that environment variable is unset or empty here, and "
+                         "the service started here reads it; export it, or give api_key, or drop api_key_env for "
+                         "an open API")
 
 
 def http_options(config: Path) -> tuple[str, int]:
@@ -333,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = http_options(opts.config)
     host, port = opts.host or host, opts.port or port  # the command line over the config file
     cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
+    check_api_key_env(cfg, opts.address)
     if str(cfg.draft or "").startswith("default") or cfg.target.startswith("default"):
         from sequoia_ray.models.fetch import fetch_default_pair
 

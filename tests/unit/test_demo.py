@@ -87,3 +87,19 @@ def test_serve_passes_host_to_the_proxy(monkeypatch):
     monkeypatch.setattr("deployments.app.build_app", lambda args: object())
     url = launch.start({}, 8123, "ray://10.0.0.5:10001", host="0.0.0.0")
     assert started == {"host": "0.0.0.0", "port": 8123} and url == "http://10.0.0.5:8123"
+
+
+def test_an_unset_api_key_env_is_refused_before_ray_starts(monkeypatch, capsys):
+    """The replicas of a service started here inherit this environment: an unset api_key_env made every ingress
+    replica refuse to start, a deploy failure with a traceback (exit 1) after the models had loaded."""
+    from cli.main import main
+    from deployments import launch
+
+    monkeypatch.delenv("SEQ_TEST_KEY", raising=False)
+    monkeypatch.setattr(launch, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    code = main(["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=tiny-target",
+                 "--set", "api_key_env=SEQ_TEST_KEY", "--exit"])
+    assert code == 2 and "api_key_env 'SEQ_TEST_KEY'" in capsys.readouterr().err
+    launch.check_api_key_env(launch.ServeConfig(api_key_env="SEQ_TEST_KEY"), "ray://10.0.0.5:10001")  # theirs
+    monkeypatch.setenv("SEQ_TEST_KEY", "k")
+    launch.check_api_key_env(launch.ServeConfig(api_key_env="SEQ_TEST_KEY"), None)
