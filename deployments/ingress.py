@@ -183,6 +183,8 @@ async def _sse(events: AsyncIterator[dict]):
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
+    HEALTH_WAIT_S = 2.0  # /health's wait for the target's first answer before it says "loading"
+
     def __init__(self, config: dict, draft, target) -> None:
         from sequoia_ray.models.loading import load_tokenizer
 
@@ -203,6 +205,7 @@ class OpenAIIngress:
         self.metrics = ServiceMetrics()
         self.pairs: dict[str, str | None] = {}  # draft actor id -> why it cannot serve this target (None: it can)
         self.background: list[asyncio.Task] = []  # the plan refresh and live re-plan loops; ``__del__`` ends them
+        self.warming: asyncio.Task | None = None  # /health's look for the target, until it has answered
         self.expected_auth = api_key_header(self.cfg)
 
     @property
@@ -211,8 +214,18 @@ class OpenAIIngress:
         return self.in_flight.count
 
     # ---- HTTP -----------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health(self) -> dict:
+    @app.get("/health", responses={503: {"description": "the target model is not loaded yet (status: loading)"}})
+    async def health(self):
+        """Ready (200, ``ok``) once the target has answered: its model is loaded. Until then 503, ``loading``
+        (a readiness probe sent traffic 7 s before the models were up), while one background call finds out,
+        waited for up to ``HEALTH_WAIT_S`` (a loaded target answers in milliseconds)."""
+        if self.plans is None:
+            if self.warming is None or self.warming.done():
+                self.warming = asyncio.get_running_loop().create_task(self._plans())
+                self.warming.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
+            await asyncio.wait([self.warming], timeout=self.HEALTH_WAIT_S)  # never cancels it
+        if self.plans is None:
+            return JSONResponse({"status": "loading", "active_requests": self.active}, status_code=503)
         return {"status": "ok", "active_requests": self.active}
 
     @app.get("/v1/models")

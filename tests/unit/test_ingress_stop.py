@@ -58,3 +58,46 @@ def test_an_ingress_whose_constructor_failed_stops_quietly():
     wrapper, replica = _stopping_ingress()
     del replica.background  # the constructor raised before it set them
     asyncio.run(wrapper.__del__(replica))  # nothing to end, and no AttributeError
+
+
+def test_health_is_ready_once_the_target_has_answered():
+    """``/health`` said ok while the models were still loading (a readiness probe sent traffic 7 s early, the
+    request then hung 23 s): now 503 ``loading`` until the target's first answer, found by one background call."""
+    wrapper, replica = _stopping_ingress()
+    replica.plans, replica.warming, replica.HEALTH_WAIT_S = None, None, 0.05
+    replica.in_flight = SimpleNamespace(count=0)
+    calls, loaded = [], asyncio.Event()
+
+    async def plans():
+        calls.append(1)
+        await loaded.wait()  # the target's replica still loading its model
+        replica.plans = _Plans()
+        return replica.plans
+
+    replica._plans = plans
+
+    async def scenario():
+        first = await wrapper.health(replica)
+        again = await wrapper.health(replica)  # the look already under way: not a second one
+        await asyncio.sleep(0)
+        loaded.set()
+        await replica.warming
+        return first, again, await wrapper.health(replica)
+
+    first, again, ready = asyncio.run(scenario())
+    assert (first.status_code, again.status_code) == (503, 503) and b'"loading"' in first.body
+    assert ready == {"status": "ok", "active_requests": 0} and len(calls) == 1
+
+
+def test_health_of_a_loaded_target_is_ok_at_the_first_call():
+    """A replica's first /health waits (briefly) for the target's answer: a loaded target is ready at once."""
+    wrapper, replica = _stopping_ingress()
+    replica.plans, replica.warming, replica.HEALTH_WAIT_S = None, None, 5.0
+    replica.in_flight = SimpleNamespace(count=0)
+
+    async def plans():
+        replica.plans = _Plans()
+        return replica.plans
+
+    replica._plans = plans
+    assert asyncio.run(wrapper.health(replica)) == {"status": "ok", "active_requests": 0}
