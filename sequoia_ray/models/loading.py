@@ -159,9 +159,14 @@ def _named(where: str) -> Iterator[None]:
     except OSError as exc:
         if Path(where).exists():
             raise
+        import difflib
+
+        names = (DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET)
+        close = difflib.get_close_matches(where, names, n=1)
         raise OSError(f"model source {where!r} is neither a path on this machine nor a hub id that can be reached "
-                      f"({' '.join(str(exc).split()).split('. ')[0]}); give a checkpoint directory, a .gguf file, or "
-                      f"{DEFAULT_DRAFT} / {DEFAULT_TARGET}") from None
+                      f"({' '.join(str(exc).split()).split('. ')[0]}); "
+                      + (f"did you mean {close[0]!r}? " if close else "")
+                      + f"give a checkpoint directory, a .gguf file, or one of {', '.join(names)}") from None
 
 
 @contextmanager

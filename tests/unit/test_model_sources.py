@@ -55,3 +55,12 @@ def test_a_users_gguf_file_loads_dense(tmp_path, monkeypatch):
     model, _ = loading._from_pretrained(str(tmp_path / "model.gguf"), "float32", "sdpa", None, progress=False)
     assert seen["gguf_file"] == "model.gguf" and seen["quantization_config"].dequantize is True
     assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
+
+
+def test_a_mistyped_built_in_name_is_pointed_at(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"did you mean 'tiny-draft'\? give .* one of default-draft, default-target, "
+                                      r"tiny-draft, tiny-target"):
+        loading.load_tokenizer("tiny-drafts", progress=False)
