@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
 from deployments import openai_api as api
 from deployments.config import ServeConfig
-from deployments.metrics import ServiceMetrics
+from deployments.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from deployments.service import GrowRules, LivePlanner, PlanProvider, Runner, TreeFamilies
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
@@ -366,6 +366,7 @@ class OpenAIIngress:
             if self.plans is None:  # another request may have got here first
                 self.plans = PlanProvider(self.cfg, target["hardware_id"])
                 self._start(self._refresh_plans())
+                self._start(self._keep_gauges())
                 if self.cfg.request_trees:
                     self.families = TreeFamilies(self.plans, self.cfg.live_max_depth, self.cfg.request_trees_max_batch)
                 if self.cfg.dynamic_trees:
@@ -394,6 +395,16 @@ class OpenAIIngress:
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead or missing replica: all retryable
             logger.error("no target replica: %s: %s", type(exc).__name__, exc)
             raise _unavailable("no target model replica is ready (it may be restarting)") from None
+
+    async def _keep_gauges(self) -> None:
+        """The gauges' last values, set again every GAUGE_REFRESH_S: Ray drops a value not set for two report
+        intervals (``metrics.HeldGauge``)."""
+        while True:
+            await asyncio.sleep(GAUGE_REFRESH_S)
+            try:
+                self.metrics.refresh()
+            except Exception:  # noqa: BLE001 - metrics must never kill serving; logged
+                logger.exception("refreshing the gauges failed")
 
     async def _refresh_plans(self) -> None:
         reported = 0

@@ -21,6 +21,33 @@ def plan_kind(source: str) -> str:
     return kind if kind in PLAN_KINDS else "other"
 
 
+GAUGE_REFRESH_S = 5.0  # how often the ingress sets its gauges' last values again (``ServiceMetrics.refresh``)
+
+
+class HeldGauge:
+    """A gauge whose last value per series is set again by ``refresh``. Ray's metrics agent drops a gauge value
+    two report intervals after it was set (~20 s with Ray's defaults): a value set per request or per live
+    check (60 s) was mostly gone when Prometheus scraped (a new user's 17 minutes of scrapes never saw
+    ``sequoia_plan_nodes`` nor the live estimate, and saw ``sequoia_active_requests`` vanish when idle).
+    ``series``: the tags naming a series (default: all); a value set with other values of the rest replaces
+    the one held (the plan-size gauge keeps one source per temperature: the kind served last)."""
+
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = (), *,
+                 series: tuple[str, ...] | None = None) -> None:
+        self.gauge = metrics.Gauge(name, description, tag_keys=tag_keys)
+        self.series, self.held = series, {}
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        tags = dict(tags or {})
+        self.held[tuple(sorted((k, v) for k, v in tags.items() if self.series is None or k in self.series))] = (
+            value, tags)
+        self.gauge.set(value, tags=tags or None)
+
+    def refresh(self) -> None:
+        for value, tags in list(self.held.values()):  # a snapshot: a request may set one meanwhile
+            self.gauge.set(value, tags=tags or None)
+
+
 class ServiceMetrics:
     def __init__(self) -> None:
         self.requests = metrics.Counter("sequoia_requests", "Requests by route and HTTP status.",
@@ -31,32 +58,38 @@ class ServiceMetrics:
         self.tree_nodes = metrics.Histogram("sequoia_tree_nodes_per_step", "Tree nodes verified per target call (root "
                                             "included; dynamic trees as grown), per request.",
                                             boundaries=[1, 2, 4, 6, 8, 12, 16, 24, 32, 64])
-        self.acceptance = metrics.Gauge("sequoia_acceptance_rate",
-                                        "Share of verification steps that accepted >= 1 draft token (last request).")
+        self.acceptance = HeldGauge("sequoia_acceptance_rate",
+                                    "Share of verification steps that accepted >= 1 draft token (last request).")
         self.ttft = metrics.Histogram("sequoia_time_to_first_token_s", "Seconds to the first token.",
                                       boundaries=STEP_BOUNDS)
         self.draft_step = metrics.Histogram("sequoia_draft_step_s", "Draft seconds per step.", boundaries=STEP_BOUNDS)
         self.verify_step = metrics.Histogram("sequoia_verify_step_s", "Verify seconds per step.",
                                              boundaries=STEP_BOUNDS)
-        self.active = metrics.Gauge("sequoia_active_requests", "Requests in flight on this ingress replica.")
-        self.plan = metrics.Gauge("sequoia_plan_nodes", "Nodes of the plan in use (tags: hardware, source = its kind: "
-                                  "store | live | builtin, temperature bucket).",
-                                  tag_keys=("hardware", "source", "temperature"))
+        self.active = HeldGauge("sequoia_active_requests", "Requests in flight on this ingress replica.")
+        self.plan = HeldGauge("sequoia_plan_nodes", "Nodes of the plan in use (tags: hardware, source = its kind: "
+                              "store | live | builtin, temperature bucket).",
+                              tag_keys=("hardware", "source", "temperature"), series=("hardware", "temperature"))
         self.store_errors = metrics.Counter("sequoia_plan_store_errors", "Plan store reads that failed.")
-        self.live_p = metrics.Gauge("sequoia_live_acceptance", "Live estimate of p[k] per temperature bucket and rank k.",
-                                    tag_keys=("temperature", "rank"))
-        self.live_trials = metrics.Gauge("sequoia_live_trials", "Effective trials (decayed) behind the live p[k].",
-                                         tag_keys=("temperature", "rank"))
-        self.live_samples = metrics.Gauge("sequoia_live_samples", "Inner-node observations since the start.",
-                                          tag_keys=("temperature",))
+        self.live_p = HeldGauge("sequoia_live_acceptance", "Live estimate of p[k] per temperature bucket and rank k.",
+                                tag_keys=("temperature", "rank"))
+        self.live_trials = HeldGauge("sequoia_live_trials", "Effective trials (decayed) behind the live p[k].",
+                                     tag_keys=("temperature", "rank"))
+        self.live_samples = HeldGauge("sequoia_live_samples", "Inner-node observations since the start.",
+                                      tag_keys=("temperature",))
         self.live_replans = metrics.Counter("sequoia_live_replans", "Plans re-planned from live acceptance.",
                                             tag_keys=("temperature",))
-        self.step_rate = metrics.Gauge("sequoia_step_rate", "Measured tokens/s per request with the tree or the target "
-                                       "alone (arm), per temperature and batch bucket.",
-                                       tag_keys=("temperature", "batch", "arm"))
-        self.speculating = metrics.Gauge("sequoia_speculating", "1 where the tree measures faster than the target "
-                                         "alone and is served, per temperature and batch bucket.",
-                                         tag_keys=("temperature", "batch"))
+        self.step_rate = HeldGauge("sequoia_step_rate", "Measured tokens/s per request with the tree or the target "
+                                   "alone (arm), per temperature and batch bucket.",
+                                   tag_keys=("temperature", "batch", "arm"))
+        self.speculating = HeldGauge("sequoia_speculating", "1 where the tree measures faster than the target "
+                                     "alone and is served, per temperature and batch bucket.",
+                                     tag_keys=("temperature", "batch"))
+
+    def refresh(self) -> None:
+        """Every gauge's last values set again (``HeldGauge``); the ingress calls it every GAUGE_REFRESH_S."""
+        for gauge in vars(self).values():
+            if isinstance(gauge, HeldGauge):
+                gauge.refresh()
 
     @staticmethod
     def plan_tags(hardware: str, source: str, temperature: float) -> dict[str, str]:

@@ -347,3 +347,32 @@ def test_a_live_re_plan_to_the_target_alone_is_undone_when_acceptance_recovers(t
             assert all(plans.get(0.0, b).planned.plan.n == 1 for b in (1, 2, 4, 8, 16))  # speculation stopped
     assert plans.get(0.0).source.startswith("live:/") and plans.get(0.0).planned.plan.n > 1
     assert store.fetch_plan(KEY)[0].plan.n > 1
+
+
+def test_gauges_are_set_again_with_their_last_values(monkeypatch):
+    """Ray drops a gauge value two report intervals (~20 s) after it was set: values set per request or per live
+    check were mostly gone at a scrape. ``refresh`` sets every gauge's last value per series again; the plan
+    size keeps one series per hardware and temperature, the kind served last."""
+    from deployments import metrics as metrics_module
+
+    sets = []
+
+    class Gauge:
+        def __init__(self, name, description, tag_keys=()):
+            self.name = name
+
+        def set(self, value, tags=None):
+            sets.append((self.name, value, tags))
+
+    monkeypatch.setattr(metrics_module.metrics, "Gauge", Gauge)
+    m = ServiceMetrics()
+    m.active.set(3)
+    m.plan.set(16, tags=m.plan_tags("hw", "store:/p/1.json", 0.0))
+    m.plan.set(8, tags=m.plan_tags("hw", "live:/p/2.json", 0.0))  # a live re-plan replaces the store's series
+    m.plan.set(12, tags=m.plan_tags("hw", "builtin", 0.6))
+    sets.clear()
+    m.refresh()
+    assert sorted(sets, key=str) == sorted([
+        ("sequoia_active_requests", 3, None),
+        ("sequoia_plan_nodes", 8, {"hardware": "hw", "source": "live", "temperature": "0.0"}),
+        ("sequoia_plan_nodes", 12, {"hardware": "hw", "source": "builtin", "temperature": "0.6"})], key=str)
