@@ -231,7 +231,9 @@ def _call_probe():
 def init_ray(address: str | None, quiet: bool = True) -> None:
     """Ray at ``address``, else a new local Ray, its idle timers slowed unless ``quiet`` is False
     (``actors.quiet_ray``: on the 2-core Xeon the idle app cost a decoder beside it 11-17% with Ray's
-    defaults, 4% with these)."""
+    defaults, 4% with these), and its workers (the model actors) at nice 0: at Ray's default 15 any other
+    process of the machine came first (a new user's main job beside a busy core: the target alone at 1.30
+    tokens/s for the README's 5.29, the profile 293 s for its budget of 120)."""
     import ray
 
     from actors.quiet_ray import quiet_ray_environ
@@ -243,8 +245,8 @@ def init_ray(address: str | None, quiet: bool = True) -> None:
     else:
         # a new local Ray with the machine's real CPUs (what `serve run` gets too); a bare ray.init() would
         # attach to any Ray already running here (another job's, a test's) and replace its "sequoia" app
-        with quiet_ray_environ(quiet):
-            ray.init(address="local", include_dashboard=False)
+        with quiet_ray_environ(quiet):  # workers at nice 0, not Ray's 15: the service is this machine's work
+            ray.init(address="local", include_dashboard=False, _system_config={"worker_niceness": 0})
 
 
 def start(args: dict, port: int, address: str | None, quiet: bool = True, host: str = "127.0.0.1") -> str:

@@ -103,3 +103,16 @@ def test_an_unset_api_key_env_is_refused_before_ray_starts(monkeypatch, capsys):
     launch.check_api_key_env(launch.ServeConfig(api_key_env="SEQ_TEST_KEY"), "ray://10.0.0.5:10001")  # theirs
     monkeypatch.setenv("SEQ_TEST_KEY", "k")
     launch.check_api_key_env(launch.ServeConfig(api_key_env="SEQ_TEST_KEY"), None)
+
+
+def test_a_local_ray_of_the_service_runs_its_workers_at_nice_0(monkeypatch):
+    """Ray's workers default to nice 15: the model actors then lost the CPU to anything else on the machine."""
+    import ray
+
+    from deployments import launch
+
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
+    launch.init_ray(None)
+    assert seen["address"] == "local" and seen["_system_config"] == {"worker_niceness": 0}
