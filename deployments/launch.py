@@ -348,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
     check_api_key_env(cfg, opts.address)
     if str(cfg.draft or "").startswith("default") or cfg.target.startswith("default"):
-        from sequoia_ray.models.fetch import fetch_default_pair
+        from sequoia_ray.models.fetch import DEFAULT_DRAFT, DEFAULT_TARGET, fetch_default_pair, is_fetched
 
-        print("fetching the default model pair (first run: ~3 minutes, then cached) ...", flush=True)
+        if not (is_fetched(DEFAULT_DRAFT) and is_fetched(DEFAULT_TARGET)):  # said only when it takes minutes
+            print("fetching the default model pair (first run: ~3 minutes, then cached) ...", flush=True)
         fetch_default_pair()
     # first: the profile measures the actor calls a served step makes
     init_ray(opts.address, quiet=not opts.ray_default_timers)

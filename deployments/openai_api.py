@@ -45,8 +45,26 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     if not loc and "param" in first.get("ctx", {}):  # a whole-body check that names its field (``_unsupported``)
         return APIError(400, first["msg"], param=first["ctx"]["param"],
                         code=first["ctx"].get("code", "unsupported_parameter"))
-    message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}" + (f" (got {got!r:.80})" if got is not None else "")
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    if first.get("type") == "missing":  # ``input`` is then the whole body: no value of the field to show
+        message = f"{'.'.join(loc) or 'body'}: {msg}" + _other_route(tuple(loc), got)
+    else:
+        shown = repr(got)
+        message = f"{'.'.join(loc) or 'body'}: {msg}" + (
+            f" (got {shown[:80]}{'…' if len(shown) > 80 else ''})" if got is not None else "")
     return APIError(400, message, param=".".join(loc) or None, code="invalid_value")
+
+
+def _other_route(loc: tuple, body: Any) -> str:
+    """The hint for a body sent to the other route: a chat body (``messages``) at /v1/completions, or a
+    completion body (``prompt``) at /v1/chat/completions."""
+    if not isinstance(body, dict):
+        return ""
+    if loc == ("prompt",) and "messages" in body:
+        return "; a body with 'messages' goes to /v1/chat/completions"
+    if loc == ("messages",) and "prompt" in body:
+        return "; a body with 'prompt' goes to /v1/completions"
+    return ""
 
 
 def _field_path(error: dict) -> list[str]:

@@ -348,3 +348,17 @@ def test_retrieve_model_answers_for_the_served_model_only():
     with pytest.raises(api.APIError) as info:
         asyncio.run(replica.model("org/other", _Request(b"")))
     assert (info.value.status, info.value.code) == (404, "model_not_found")
+
+
+def test_validation_messages_read_as_ours_and_point_at_the_other_route():
+    """Found by a new user: a chat body sent to /v1/completions said only "prompt: Field required (got {'model':
+    ..., 'm)" (the whole body, cut without a mark); validators' messages began with pydantic's "Value error,"."""
+    chat_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    err = api_error(chat_body)
+    assert err.message == "prompt: Field required; a body with 'messages' goes to /v1/chat/completions"
+    err = api_error({"model": "m", "prompt": "hi"}, api.ChatCompletionRequest)
+    assert err.message.endswith("; a body with 'prompt' goes to /v1/completions") and "got" not in err.message
+    err = api_error({**COMPLETION, "stop": ["a"] * 5})
+    assert "Value error" not in err.message and err.message.startswith("stop: at most 4 stop strings")
+    err = api_error({**COMPLETION, "temperature": "x" * 200})
+    assert err.message.endswith("…)") and err.param == "temperature"
