@@ -324,15 +324,21 @@ def heatmap_png(grid: list[tuple[int, int, float]], title: str) -> bytes:
 def format_results(results: list[TrialResult]) -> str:
     """One row per temperature and batch bucket B: the published plan (n, d), G, the predicted step time and
     batch throughput, the predicted and measured speedup over the target alone at that batch size, and the
-    cost model's own pick when the measured choice published another."""
-    head = (f"{'hardware':28s} {'T':>4s} {'B':>3s} {'n':>4s} {'d':>3s} {'G':>6s} {'step ms':>8s} {'tok/s':>7s} "
+    cost model's own pick when the measured choice published another. A figure not measured shows "-"."""
+    width = max([28, *(len(r.hardware) for r in results)])  # a hardware id may be longer than the header's 28
+
+    def cell(value: float, size: int, digits: int = 2) -> str:
+        return f"{'-':>{size}s}" if math.isnan(value) else f"{value:{size}.{digits}f}"
+
+    head = (f"{'hardware':{width}s} {'T':>4s} {'B':>3s} {'n':>4s} {'d':>3s} {'G':>6s} {'step ms':>8s} {'tok/s':>7s} "
             f"{'pred':>6s} {'meas':>6s} {'tok/step':>8s} {'model':>7s}")
     lines = [head, "-" * len(head)]
     for r in results:
         model = "same" if (r.model_n, r.model_d) in ((r.n, r.d), (0, 0)) else f"{r.model_n}/{r.model_d}"
-        lines.append(f"{r.hardware:28s} {r.temperature:4.1f} {r.batch:3d} {r.n:4d} {r.d:3d} {r.expected_tokens:6.2f} "
-                     f"{1e3 * r.step_s:8.1f} {r.throughput:7.1f} {r.predicted_speedup:6.2f} {r.measured_speedup:6.2f} "
-                     f"{r.measured_tokens_per_step:8.2f} {model:>7s}")
+        lines.append(f"{r.hardware:{width}s} {r.temperature:4.1f} {r.batch:3d} {r.n:4d} {r.d:3d} "
+                     f"{cell(r.expected_tokens, 6)} {cell(1e3 * r.step_s, 8, 1)} {cell(r.throughput, 7, 1)} "
+                     f"{cell(r.predicted_speedup, 6)} {cell(r.measured_speedup, 6)} "
+                     f"{cell(r.measured_tokens_per_step, 8)} {model:>7s}")
     return "\n".join(lines)
 
 

@@ -665,3 +665,17 @@ def test_the_profile_job_publishes_and_plans_on_a_non_decreasing_profile(tmp_pat
     published = PlanStore(cfg.storage).fetch_profile("cpu-test")
     assert list(published.t.values()) == sorted(published.t.values()) and published.t[1] == 1.0
     assert published.t[4] == published.t[8] and published.c[1] == published.c[2]  # pooled violators
+
+
+def test_the_results_table_lines_up_and_shows_a_dash_where_nothing_was_measured():
+    """A hardware id longer than the header's 28 characters pushed its rows out of line, and unmeasured cells
+    printed "nan" (new-user walkthrough)."""
+    from sequoia_ray.profiling import TrialResult, format_results
+
+    hw = "cpu-Intel-R-Xeon-R-Processor-avx512bf16-2c"
+    rows = [TrialResult(hw, 0.0, 8, 4, 3.1, 1.9, math.nan, math.nan, "p", "q"),
+            TrialResult(hw, 0.6, 16, 6, 3.4, 2.1, 1.8, 3.0, "p", "q", batch=2, step_s=0.1, throughput=68.0)]
+    lines = format_results(rows).splitlines()
+    assert len({len(line) for line in lines}) == 1, lines  # header, rule and rows of one width
+    cells = lines[2].split()  # hardware T B n d G step tok/s pred meas tok/step model
+    assert "nan" not in lines[2] and [cells[i] for i in (6, 7, 9, 10)] == ["-"] * 4 and cells[8] == "1.90"
