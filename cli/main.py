@@ -160,8 +160,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         return 0
     for chunk in decoder.stream(prompt, params):
         print(chunk.text, end="", flush=True)
+    print(flush=True)  # the text's line ends on stdout (a shell prompt was glued to it)
     st = chunk.stats
-    print(f"\n--- {st.tokens} tokens in {st.total_s:.2f}s ({st.tokens_per_second:.2f} tok/s), "
+    print(f"--- {st.tokens} tokens in {st.total_s:.2f}s ({st.tokens_per_second:.2f} tok/s), "
           f"{st.tokens_per_step:.2f} tokens/step, plan {plan.n} nodes / {plan.num_levels} levels, "
           f"finish: {chunk.finish_reason}", file=sys.stderr)
     return 0

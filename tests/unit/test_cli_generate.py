@@ -72,3 +72,12 @@ def test_generate_bad_input(pair, capsys, args, needle):
     assert main(base + args) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_streams_its_text_as_a_line_and_the_summary_apart(pair, capsys):
+    target, draft = pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "abc",
+                 "--max-tokens", "6", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and out.count("\n") >= 1  # the shell prompt starts on a line of its own
+    assert err.splitlines()[-1].startswith("--- ") and "tokens/step" in err
