@@ -32,8 +32,7 @@ from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
 from sequoia_ray.in_flight import InFlight
 from sequoia_ray.live_cost import CostSettings, StepRates
-from sequoia_ray.local import encode
-from sequoia_ray.local import pair_refusal as local_pair_refusal
+from sequoia_ray.local import encode, pair_refusal as local_pair_refusal
 
 logger = logging.getLogger("sequoia_ray.serve")
 app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")

@@ -53,26 +53,20 @@ def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, float]:
 def absolute_paths(cfg: ProfileJobConfig) -> ProfileJobConfig:
     """``cfg`` with its local paths (store, prompts, acceptance files) absolute: Tune runs each trial in a
     directory of its own, where a relative path would name another file (or publish plans into the trial's
-    directory while the driver reports them under the path given). Acceptance values are checked here too
-    (``acceptance_value``)."""
+    directory while the driver reports them under the path given)."""
     return cfg.model_copy(update={
         "storage": join_uri(cfg.storage), "prompts": cfg.prompts and _local(cfg.prompts),
-        "acceptance": {t: acceptance_value(t, v) for t, v in cfg.acceptance.items()}})
+        "acceptance": {t: acceptance_value(v) for t, v in cfg.acceptance.items()}})
 
 
-def acceptance_value(temperature: float, text: str) -> str:
+def acceptance_value(text: str) -> str:
     """An ``--acceptance`` value as the trials read it (``AcceptanceVector.parse``): a list of numbers as given
-    (made a path, ``0.8,0.1`` became ``/cwd/0.8,0.1``, which no trial could read), a file's path absolute. Read
-    here once, so a bad value fails the command (a ValueError naming it) instead of every trial, after loading
+    (made a path, ``0.8,0.1`` became ``/cwd/0.8,0.1``, which no trial could read), a file's path absolute. The
+    value was read once already, by ``job_config``: a bad one fails the command, not every trial after loading
     its models."""
-    from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector, is_number_list
+    from sequoia_ray.tree.acceptance_vector import is_number_list
 
-    value = text if is_number_list(text) else _local(text)
-    try:
-        AcceptanceVector.parse(value)
-    except AcceptanceError as exc:
-        raise ValueError(f"--acceptance {temperature}={text}: {exc}") from None
-    return value
+    return text if is_number_list(text) else _local(text)
 
 
 def _local(path: str) -> str:
