@@ -61,10 +61,12 @@ class TargetUnavailable(RuntimeError):
 
 class ActorDraft:
     """The Draft protocol over one DraftActor handle; a call slower than its deadline fails (and the engine
-    goes on without the draft, after an ``abandon`` that frees the request once the actor gets to it)."""
+    goes on without the draft, after an ``abandon`` that frees the request once the actor gets to it).
+    ``max_context``: the positions the actor's model reads (its ``info``), None for no limit."""
 
-    def __init__(self, actor, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None) -> None:
-        self.actor, self.timeout_s = actor, timeout_s
+    def __init__(self, actor, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None,
+                 max_context: int | None = None) -> None:
+        self.actor, self.timeout_s, self.max_context = actor, timeout_s, max_context
         self.deadlines = PrefillDeadlines(timeout_s, prefill_chunk)  # the draft prefills at the first grow
 
     def _call(self, method: str, request_id: str, *args, timeout_s: float | None = None):

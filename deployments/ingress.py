@@ -203,6 +203,7 @@ class OpenAIIngress:
                                ) if self.cfg.live_cost else None  # the tree or the target alone, measured
         self.metrics = ServiceMetrics()
         self.pairs: dict[str, str | None] = {}  # draft actor id -> why it cannot serve this target (None: it can)
+        self.draft_contexts: dict[str, int | None] = {}  # draft actor id -> the positions its model reads
         self.background: list[asyncio.Task] = []  # the plan refresh and live re-plan loops; ``__del__`` ends them
         self.warming: asyncio.Task | None = None  # /health's look for the target, until it has answered
         self.expected_auth = api_key_header(self.cfg)
@@ -479,6 +480,8 @@ class OpenAIIngress:
             target, draft = await asyncio.gather(self._target_actors(), self._draft_actor(timeout))
             if draft is not None and await self._pair_refusal(draft.actor, target, timeout):
                 draft = None
+            elif draft is not None:  # a request longer than the draft's context goes on with the target alone
+                draft.max_context = self.draft_contexts.get(draft.actor._actor_id.hex())
         else:
             target, draft = await self._target_actors(), None
         policy = self._policy(family) if draft is not None else None
@@ -513,6 +516,7 @@ class OpenAIIngress:
                                "alone", type(exc).__name__)
                 return "no answer"
             self.pairs[key] = reason = pair_refusal(target, meta)
+            self.draft_contexts[key] = meta.get("max_context")
             if reason:
                 logger.error("%s; every request runs on the target alone until the draft is replaced", reason)
         return self.pairs[key]

@@ -315,10 +315,11 @@ def _settle(item: _Call, run: Callable[[], object]) -> None:
 
 
 class BatchedWorker:
-    """The engine's Draft / Target protocol over a ``Batcher``: each method is one queued call."""
+    """The engine's Draft / Target protocol over a ``Batcher``: each method is one queued call. ``max_context``:
+    the positions its worker's model reads (the engine's ``draft_levels``), None for no limit."""
 
-    def __init__(self, batcher: Batcher) -> None:
-        self.batcher = batcher
+    def __init__(self, batcher: Batcher, max_context: int | None = None) -> None:
+        self.batcher, self.max_context = batcher, max_context
 
     def __getattr__(self, method: str):
         if method.startswith("_") or method not in ("start", "grow", "verify", "commit", "finish"):

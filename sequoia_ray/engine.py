@@ -46,6 +46,8 @@ class Draft(Protocol):
     def finish(self, request_id: str) -> None: ...
     # optional: ``abandon(request_id)``, a finish that neither waits nor raises (a draft behind a remote call),
     # sent after a failed call so the draft frees the request's state; without it the engine calls ``finish``
+    # optional: ``max_context``, the positions the draft model reads (None or absent: no limit, see
+    # ``draft_levels``)
 
 
 class StepPolicy(Protocol):
@@ -154,6 +156,12 @@ class _DraftLink:
     def finish(self) -> None:
         if self.started:
             self.call("finish")
+
+    def retire(self) -> None:
+        """Stop speculating for this request (not a failure): the draft frees it now, the target goes on alone."""
+        if self.draft is not None:
+            self.finish()
+            self.draft = None
 
     def call(self, method: str, *args):
         if self.starting is not None:  # a call never overtakes the start (its failure is the draft's, handled)
@@ -276,6 +284,11 @@ class SpeculativeDecoder:
         self.on_verdict, self.policy, self.dynamic = on_verdict, policy, dynamic
 
     @property
+    def draft_context(self) -> int | None:
+        """The positions the draft model reads (its ``max_context``), None for no limit or no draft."""
+        return getattr(self.draft, "max_context", None)
+
+    @property
     def plan(self) -> TreePlan:
         """The tree the next step would grow."""
         return self.plan_for_step()
@@ -297,7 +310,9 @@ class SpeculativeDecoder:
         try:
             # inside the try: a start that failed after it ran (a timeout) leaves state the finish below frees
             self.target.start(rid, prompt, params, _salt(seed, "verify"))
-            draft = _DraftLink(self.draft, rid, (prompt, params, _salt(seed, "draft")), early=self.first_step_alone)
+            fits = draft_levels(self.draft_context, len(prompt)) > 1  # else the draft could read none of its trees
+            draft = _DraftLink(self.draft if fits else None, rid, (prompt, params, _salt(seed, "draft")),
+                               early=self.first_step_alone)
             yield from self._loop(rid, params, prompt, draft, policy)
         finally:
             policy.finish()
@@ -323,9 +338,13 @@ class SpeculativeDecoder:
             planned = policy.plan(self.plan_for_step())
             stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
             left = params.max_tokens - stats.tokens
+            room = draft_levels(self.draft_context, length)
+            if room <= 1 and draft.alive:
+                draft.retire()  # the request has outgrown the draft's context: it goes on with the target alone
+            levels = min(left, room)
             speculate = draft.alive and (stats.steps > 0 or not self.first_step_alone)
-            plan = first_levels(planned, left) if speculate else ROOT_ONLY
-            rule = rules.of(plan, left)
+            plan = first_levels(planned, levels) if speculate else ROOT_ONLY
+            rule = rules.of(plan, levels)
             verdict, plan = self._step(rid, plan, stats, last_token, draft, commits, rule)
             commits.append((verdict.path, verdict.tokens, length))
             length += len(verdict.tokens)
@@ -451,6 +470,15 @@ def _root_rank(plan: TreePlan, verdict: Verdict) -> int:
     if verdict.ranks:
         return verdict.ranks[0][1]
     return plan.rank[verdict.path[1]] if len(verdict.path) > 1 else 0
+
+
+def draft_levels(draft_context: int | None, length: int) -> int:
+    """The tree levels (root included) a draft reading ``draft_context`` positions can grow for a request of
+    ``length`` tokens: every node's position (the root's is ``length - 1``) stays below ``draft_context``. A
+    draft past its context would read positions it was never trained on (rotary embeddings: trees it guesses
+    badly) or none at all (a learnt position table: an index error); the request goes on with the target alone,
+    as vLLM skips speculation for sequences longer than its draft's ``max_model_len``. A huge number: no limit."""
+    return 1 << 30 if draft_context is None else draft_context - length + 1
 
 
 def with_seed(params: SamplingParams) -> SamplingParams:

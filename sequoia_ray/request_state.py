@@ -55,6 +55,11 @@ class RequestTable:
         return self.model.device
 
     @property
+    def max_context(self) -> int | None:
+        """The positions the model reads (its config's ``max_position_embeddings``; None: the config has none)."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
     def generator_device(self) -> torch.device:
         """Where this worker's sampling ops run; the request generators are created there."""
         return self.device

@@ -543,3 +543,49 @@ def test_early_starts_do_not_queue_behind_a_draft_that_stopped_answering():
     for link in links:
         link.call("finish")
     assert all(link.alive for link in links)
+
+
+class _ContextDraft(DraftWorker):
+    """A draft reading ``context`` positions that records the deepest position of every tree it grows."""
+
+    def __init__(self, model, context: int) -> None:
+        super().__init__(model)
+        self.context, self.deepest, self.started = context, [], 0
+
+    @property
+    def max_context(self) -> int:
+        return self.context
+
+    def start(self, request_id, prompt, params, seed) -> None:
+        self.started += 1
+        super().start(request_id, prompt, params, seed)
+
+    def grow(self, request_id, plan, commits=(), rule=None):
+        tree = super().grow(request_id, plan, commits, rule)
+        root = len(self.requests[request_id].committed) - 1  # the root's position: the last committed token's
+        self.deepest.append(root + plan.num_levels - 1)
+        return tree
+
+
+def test_a_request_outgrowing_the_drafts_context_goes_on_with_the_target_alone(models):
+    target, good, _ = models
+    t, d = TargetWorker(target), _ContextDraft(good, context=20)
+    stream = SpeculativeDecoder(t, d, chain(4)).stream([3, 1, 4, 1, 5], SamplingParams(max_tokens=40, ignore_eos=True))
+    ids, held = [], []
+    for chunk in stream:
+        ids += chunk.token_ids
+        held.append(len(d.requests))
+    assert ids == target_greedy(target, [3, 1, 4, 1, 5], 40)
+    assert d.deepest and max(d.deepest) == 19  # trees right up to the draft's last position, never past it
+    assert chunk.stats.draft_failures == 0  # not a failure: the draft was retired
+    assert held[-1] == 0 and 0 in held[:-1]  # the draft freed the request long before it ended
+    assert chunk.stats.steps > 40 - 20  # the last ~20 tokens came from the target alone, a step each
+
+
+def test_a_prompt_past_the_drafts_context_never_starts_the_draft(models):
+    target, good, _ = models
+    d = _ContextDraft(good, context=6)
+    out = SpeculativeDecoder(TargetWorker(target), d, chain(4), first_step_alone=True).generate(
+        list(range(2, 10)), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert out.token_ids == target_greedy(target, list(range(2, 10)), 5)
+    assert (d.started, d.deepest, out.stats.draft_failures) == (0, [], 0)

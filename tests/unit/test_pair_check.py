@@ -64,13 +64,14 @@ class _Actor:
         return self.meta
 
 
-def test_each_draft_actor_is_asked_once_and_a_refusal_is_kept(caplog):
-    class Held(OpenAIIngress.func_or_class):  # Serve awaits ``__del__``; garbage collection would not
-        def __del__(self) -> None:
-            pass
+class _Held(OpenAIIngress.func_or_class):  # Serve awaits ``__del__``; garbage collection would not
+    def __del__(self) -> None:
+        pass
 
-    ingress = object.__new__(Held)
-    ingress.pairs = {}
+
+def test_each_draft_actor_is_asked_once_and_a_refusal_is_kept(caplog):
+    ingress = object.__new__(_Held)
+    ingress.pairs, ingress.draft_contexts = {}, {}
     good, bad = _Actor(dict(QWEN_SMALL), "good"), _Actor({"vocab": 152064, "tokenizer": "abc"}, "bad")
 
     async def steps():
@@ -81,3 +82,26 @@ def test_each_draft_actor_is_asked_once_and_a_refusal_is_kept(caplog):
     assert verdicts[1] == verdicts[3] and "152064" in verdicts[1]
     assert (good.asked, bad.asked) == (1, 1)
     assert sum("target alone" in r.message for r in caplog.records) == 1  # logged once, not per request
+
+
+def test_the_decoder_knows_the_draft_actors_context():
+    """A request longer than the draft's context goes on with the target alone (``engine.draft_levels``): the
+    ingress hands the draft actor's ``max_context`` to the decoder."""
+    from actors.adapters import ActorDraft
+    from deployments.config import ServeConfig
+
+    ingress = object.__new__(_Held)
+    ingress.pairs, ingress.draft_contexts, ingress.tokenizer, ingress.live = {}, {}, None, None
+    ingress.cfg, ingress.draft_deployment, ingress.rates = ServeConfig(), object(), None
+    actor = _Actor(dict(QWEN_SMALL, max_context=2048), "short")
+    target = dict(QWEN_SMALL, ranks=[], eos_ids=[1], max_context=32768)
+
+    async def target_actors():
+        return target
+
+    async def draft_actor(timeout):
+        return ActorDraft(actor, timeout)
+
+    ingress._target_actors, ingress._draft_actor = target_actors, draft_actor
+    decoder = asyncio.run(ingress._decoder(lambda: None, True))
+    assert (decoder.draft_context, decoder.max_context) == (2048, 32768)
