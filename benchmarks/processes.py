@@ -84,8 +84,8 @@ class PipeWorker:
             raise RuntimeError(f"the {role} process did not start")
 
     def __getattr__(self, method: str):
-        if method.startswith("_"):
-            raise AttributeError(method)
+        if method not in ("start", "grow", "verify", "commit", "finish"):
+            raise AttributeError(method)  # only the protocol's calls go over the pipe
 
         def call(*args):
             self.conn.send((method, args))
@@ -105,6 +105,7 @@ def apart(pair: LocalPair, args, env: dict[str, str] | None = None) -> tuple[Spe
     ``env`` set in those processes."""
     target = PipeWorker("target", args.target, args.dtype, None, args.threads, env)
     draft = PipeWorker("draft", args.draft, args.dtype, args.draft_quantize, args.threads, env, args.draft_vocab)
+    draft.max_context = pair.draft.max_context  # the draft's context, as the in-process pair's DraftWorker has it
     t = pair.target
     return SpeculativeDecoder(target, draft, builtin_plan(0.0).plan, tokenizer=t.tokenizer, eos_ids=t.eos_ids,
                               max_context=t.max_context), [target, draft]

@@ -286,7 +286,10 @@ class SpeculativeDecoder:
     @property
     def draft_context(self) -> int | None:
         """The positions the draft model reads (its ``max_context``), None for no limit or no draft."""
-        return getattr(self.draft, "max_context", None)
+        value = getattr(self.draft, "max_context", None)
+        if value is not None and not isinstance(value, int):  # e.g. a proxy answering every attribute with a call
+            raise TypeError(f"the draft's max_context is {value!r}: give it an int (positions) or None (no limit)")
+        return value
 
     @property
     def plan(self) -> TreePlan:

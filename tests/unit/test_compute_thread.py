@@ -67,6 +67,8 @@ class _Calls:
         self.actor = actor
 
     def __getattr__(self, method):
+        if method not in ("start", "grow", "verify", "commit", "finish"):
+            raise AttributeError(method)  # e.g. the optional max_context: absent
         return lambda request_id, *args: self.actor.call(method, request_id, *args)
 
 

@@ -589,3 +589,16 @@ def test_a_prompt_past_the_drafts_context_never_starts_the_draft(models):
         list(range(2, 10)), SamplingParams(max_tokens=5, ignore_eos=True))
     assert out.token_ids == target_greedy(target, list(range(2, 10)), 5)
     assert (d.started, d.deepest, out.stats.draft_failures) == (0, [], 0)
+
+
+def test_a_draft_whose_max_context_is_no_number_is_refused_by_name(models):
+    """A proxy draft answering every attribute (``max_context`` too) with a call: a clear TypeError naming the
+    value, not an arithmetic error deep in the step loop (CI failure of stop 58)."""
+    target, good, _ = models
+
+    class Proxy(DraftWorker):
+        max_context = staticmethod(lambda *args: None)
+
+    decoder = SpeculativeDecoder(TargetWorker(target), Proxy(good), chain(2))
+    with pytest.raises(TypeError, match="the draft's max_context is .*an int"):
+        decoder.generate([3, 1, 4], SamplingParams(max_tokens=4))

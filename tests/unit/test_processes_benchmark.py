@@ -89,7 +89,8 @@ def test_the_worker_draft_has_the_in_process_drafts_head(monkeypatch):
 
     args = SimpleNamespace(tiny=False, threads=torch.get_num_threads())  # serve_worker sets it here
     processes.pair_args(args)
-    processes.apart(SimpleNamespace(target=SimpleNamespace(tokenizer=None, eos_ids=(1,), max_context=64)), args)
+    processes.apart(SimpleNamespace(target=SimpleNamespace(tokenizer=None, eos_ids=(1,), max_context=64),
+                                    draft=SimpleNamespace(max_context=64)), args)
 
     loaded = {}
     monkeypatch.setattr(sequoia_ray.models.loading, "load_model",
