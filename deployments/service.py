@@ -5,8 +5,8 @@ the request's draft actor and the TP ranks of its target replica. The loop runs 
 a worker thread (each step blocks on the actors); the async side awaits one chunk at a time, so a client
 disconnect (task cancellation) lands between steps and closing the generator frees the request's KV state
 on every actor. Plans come from the plan store (latest for this hardware, pair, temperature bucket and batch
-bucket), refreshed in the background; missing or broken store -> the last good plan, the batch-1 plan (for a
-batch bucket with no plan of its own) or the built-in one. ``LivePlanner`` learns the acceptance vector from
+bucket), refreshed in the background; missing or broken store -> the last good plan, else a neighbour's (a
+smaller batch bucket's, the nearest profiled temperature's) or the built-in one. ``LivePlanner`` learns the acceptance vector from
 the verdicts and swaps in (and publishes) a re-planned tree when the served one's vector leaves its bound.
 """
 
@@ -28,7 +28,7 @@ from sequoia_ray.dynamic_rules import DynamicRules
 from sequoia_ray.engine import Chunk, SpeculativeDecoder
 from sequoia_ray.hardware import BATCH_BUCKETS, HardwareProfile, batch_bucket
 from sequoia_ray.live_acceptance import LiveAcceptance, LiveSettings
-from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, plan_bucket
+from sequoia_ray.plan_store import PlanKey, PlanNotFound, PlanStore, parse_bucket, plan_bucket
 from sequoia_ray.request_trees import RequestTrees
 from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.plan import TreePlan
@@ -49,18 +49,25 @@ class ActivePlan:
 
 class PlanProvider:
     """The plan per temperature bucket and batch bucket: the store's latest for that bucket, else the last
-    good one, else (a batch bucket > 1 with no plan of its own) the batch-1 plan, else built-in. No store
-    fault (unreachable, a bad URI, a corrupt or invalid plan file) ever reaches a request: it is logged,
-    counted in ``errors`` (exported as a metric and in /v1/models) and the current plan stays.
+    good one; a bucket with no plan of its own follows another (``_leader``): a batch bucket > 1 its
+    temperature's largest smaller bucket with a plan, a temperature the store has no plan at the nearest
+    temperature that has one (the same batch bucket), else the built-in plan. No store fault (unreachable, a bad URI, a corrupt or invalid
+    plan file) ever reaches a request: it is logged, counted in ``errors`` (exported as a metric and in
+    /v1/models) and the current plan stays.
 
-    ``get`` runs at every step of a batch: once a bucket is loaded it is a dict lookup, no I/O. ``plans``
-    is keyed by the store's folder name (``t0.0``, ``t0.0-b4``)."""
+    ``get`` runs at every step of a batch: once a bucket is loaded it is a dict lookup, no I/O. ``refresh`` lists
+    the pair's folders once and fetches only the buckets the store has, so clients asking many temperatures
+    (each a bucket held) do not multiply the store's reads. ``plans`` is keyed by the store's folder name
+    (``t0.0``, ``t0.0-b4``)."""
 
     def __init__(self, cfg: ServeConfig, hardware: str) -> None:
         self.cfg, self.hardware = cfg, hardware
         self.store: PlanStore | None = None
         self.plans: dict[str, ActivePlan] = {}
         self.keys: dict[str, tuple[float, int]] = {}  # folder name -> (temperature, batch bucket)
+        self.follows: dict[str, str | None] = {}  # a bucket without a plan of its own -> the bucket it serves the
+        # plan of (None: the built-in plan); every other bucket held has its own (the store's, or a live plan)
+        self.folders: set[str] | None = None  # the bucket folders the store held at the last listing (None: unknown)
         self.seen: dict[str, str] = {}  # folder name -> the store's latest plan when last looked ("store:<path>")
         self.errors, self.last_error = 0, None
         self.warned: set[str] = set()  # what was warned about once (``_first``): plans measured otherwise, no plan
@@ -75,41 +82,99 @@ class PlanProvider:
         name = plan_bucket(temperature, bucket)
         active = self.plans.get(name)
         if active is None:
-            fetched = self._fetch(temperature, bucket)
-            if fetched is not None:
-                self.seen[name] = fetched.source
-            active = fetched or self._fallback(temperature, bucket)
-            self.plans[name], self.keys[name] = active, (temperature, bucket)
+            active = self._load(name, temperature, bucket)
             logger.info("plan for %s T=%s batch bucket %d: %s (%d nodes)", self.hardware, temperature, bucket,
                         active.source, active.planned.plan.n)
         return active
 
-    def _fallback(self, temperature: float, bucket: int) -> ActivePlan:
-        if bucket > 1:
-            return self.get(temperature, 1)
-        return ActivePlan(builtin_plan(temperature), "builtin")
+    def _load(self, name: str, temperature: float, bucket: int) -> ActivePlan:
+        """A bucket asked for the first time: its own plan from the store, else the plan it follows."""
+        self.keys[name] = (temperature, bucket)
+        if self.folders is None and not self._list():  # no store, or it cannot say what it has (counted)
+            return self._follow(name)
+        fetched = self._fetch(temperature, bucket) if name in self.folders else None
+        if fetched is None:
+            return self._follow(name)
+        self.seen[name], self.plans[name] = fetched.source, fetched
+        return fetched
+
+    def _follow(self, name: str) -> ActivePlan:
+        temperature, bucket = self.keys[name]
+        leader = self.follows[name] = self._leader(temperature, bucket)
+        if leader is not None:
+            active = self.get(*parse_bucket(leader))
+        elif (current := self.plans.get(name)) is not None and current.source == "builtin":
+            active = current  # the same built-in plan as before: nothing to swap
+        else:
+            active = ActivePlan(builtin_plan(temperature), "builtin")
+        if self.folders is not None and (leader is None or parse_bucket(leader)[0] != parse_bucket(name)[0]):
+            what = "the built-in plan" if leader is None else f"the plan of the nearest temperature it has ({leader})"
+            message = (f"no plan for hardware {self.hardware!r}, pair {self.cfg.draft or ''!r} -> {self.cfg.target!r},"
+                       f" temperature {parse_bucket(name)[0]} in the store: serving {what}; run tuning/profile.py "
+                       f"(`sequoia-ray profile --temperatures {parse_bucket(name)[0]}`) for a plan of its own")
+            (logger.warning if self._first(f"no plan {plan_bucket(temperature)}") else logger.debug)("%s", message)
+        self._swap(name, active)
+        return active
+
+    def _leader(self, temperature: float, bucket: int) -> str | None:
+        """The bucket whose plan a bucket without its own serves (None: the built-in plan): the largest smaller
+        batch bucket of its temperature with a plan (the store's or a live re-plan's: priced nearest its batch),
+        else the nearest temperature's with a batch-1 plan (its batch bucket ``bucket``, ties to the lower), else
+        built-in. Only buckets with a plan of their own lead, so no bucket ever follows itself."""
+        own = [parse_bucket(n) for n in (set(self.keys) | (self.folders or set())) - set(self.follows)]
+        here = parse_bucket(plan_bucket(temperature))[0]
+        smaller = [b for t, b in filter(None, own) if t == here and b < bucket]
+        if smaller:
+            return plan_bucket(here, max(smaller))
+        others = [t for t, b in filter(None, own) if b == 1 and t != here]
+        if others:
+            return plan_bucket(min(others, key=lambda t: (abs(t - here), t)), bucket)
+        return None
 
     def refresh(self) -> None:
         """Every bucket held: its own plan if the store has a new one (newer than the one last seen there, so
-        a live plan that could not be published is not undone by the older one); a bucket > 1 still without
-        one follows the batch-1 plan (refreshed first)."""
+        a live plan that could not be published is not undone by the older one); a bucket still without one
+        follows its leader's current plan (or a new leader: a temperature profiled since)."""
         with self.updating:
             self._refresh()
 
     def _refresh(self) -> None:
+        if not self._list():
+            return
         for name, (temperature, bucket) in sorted(self.keys.items(), key=lambda kv: kv[1][1]):
-            current = self.plans[name]
+            if name not in self.folders:
+                continue  # the store has nothing here: no read (a held bucket keeps its plan or follows)
             fresh = self._fetch(temperature, bucket)
             if fresh is not None and fresh.source != self.seen.get(name):
                 self.seen[name] = fresh.source
+                self.follows.pop(name, None)
                 self._swap(name, fresh)
-            elif fresh is None and current.bucket != bucket:  # a fallback: follow the batch-1 plan
-                self._swap(name, self.plans[plan_bucket(temperature, 1)])
+        self._refollow()
+
+    def _refollow(self) -> None:
+        """Re-point every bucket without a plan of its own (leaders first: batch-1 buckets before the others)."""
+        for name in sorted(self.follows, key=lambda n: self.keys[n][1]):
+            self._follow(name)
+
+    def _list(self) -> bool:
+        """Read which bucket folders the store has (``folders``); False when it cannot say (no store, a fault:
+        counted, and every bucket keeps its plan)."""
+        if not self.cfg.plan_store:
+            return False
+        try:
+            self.store = self.store or PlanStore(self.cfg.plan_store)
+            self.folders = self.store.plan_folders(self.hardware, self.cfg.draft or "", self.cfg.target)
+        except Exception as exc:  # noqa: BLE001 - whatever the store does, serving goes on with a good plan
+            self._store_error(exc, 0)
+            return False
+        return True
 
     def _swap(self, name: str, fresh: ActivePlan) -> None:
         current = self.plans.get(name)  # None: a bucket not served yet (a live re-plan covers every profiled one)
-        if current is None or fresh.source != current.source:
-            logger.info("new plan for %s: %s", name, fresh.source)
+        if current is None or fresh.source != current.source or fresh.planned is not current.planned:
+            # the tree too: live re-plans not published (no writable store) all have source "live"
+            if current is not None:
+                logger.info("new plan for %s: %s", name, fresh.source)
             self.plans[name] = fresh
 
     def measured_otherwise(self) -> dict[str, str]:
@@ -136,7 +201,7 @@ class PlanProvider:
 
     def adopt(self, temperature: float, planned: dict[int, PlannedTree]) -> None:
         """Serve ``planned`` (a re-plan per batch bucket) from the next step on, publishing each to the store
-        as a live plan; buckets that were following the batch-1 plan follow the new one."""
+        as a live plan; buckets that were following this temperature's plans follow the new ones."""
         with self.updating:
             self._adopt(temperature, planned)
 
@@ -147,10 +212,9 @@ class PlanProvider:
             if path is not None:
                 self.seen[name] = f"store:{path}"  # the store's latest is this one: refresh keeps it
             self.keys[name] = (temperature, bucket)
+            self.follows.pop(name, None)
             self._swap(name, ActivePlan(tree, f"live:{path}" if path else "live", bucket))
-        for name, (t, bucket) in list(self.keys.items()):  # request threads may add buckets meanwhile
-            if plan_bucket(t, 1) == plan_bucket(temperature, 1) and self.plans[name].bucket != bucket:
-                self._swap(name, self.plans[plan_bucket(temperature, 1)])
+        self._refollow()  # buckets that followed this temperature's plans follow the new ones
 
     def _publish(self, planned: PlannedTree, temperature: float, bucket: int) -> str | None:
         if not self.cfg.plan_store:
@@ -160,9 +224,10 @@ class PlanProvider:
             key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature, bucket)
             return self.store.publish_plan(planned, key)
         except Exception as exc:  # noqa: BLE001 - the live plan is served anyway; the store is optional
-            logger.error("could not publish the live plan for T=%s bucket %d: %s: %s", temperature, bucket,
-                         type(exc).__name__, exc)
-            self.errors, self.last_error = self.errors + 1, f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}"
+            (logger.error if error != self.last_error else logger.debug)(  # once per cause: each re-plan tries
+                "could not publish the live plan for T=%s bucket %d (serving it anyway): %s", temperature, bucket, error)
+            self.errors, self.last_error = self.errors + 1, error
             return None
 
     def profile(self) -> HardwareProfile | None:
@@ -188,11 +253,7 @@ class PlanProvider:
             (logger.warning if bucket == 1 and self._first(str(exc)) else logger.debug)("%s", exc)
             return None
         except Exception as exc:  # noqa: BLE001 - whatever the store does, serving goes on with a good plan
-            error = f"{type(exc).__name__}: {exc}"
-            log = logger.error if error != self.last_error else logger.debug  # once per distinct error
-            log("plan store error, keeping the current plan: %s", error)
-            skipped = self.store.skips - skips if self.store else 0  # the files it tried, each counted below
-            self.errors, self.last_error = self.errors + max(1, skipped), error
+            self._store_error(exc, self.store.skips - skips if self.store else 0)  # the files it tried
             return None
         if self.store.skips > skips:  # newer files that did not read, skipped for an older good plan (logged)
             self.errors, self.last_error = self.errors + self.store.skips - skips, self.store.last_skip
@@ -203,6 +264,13 @@ class PlanProvider:
                            "`sequoia-ray profile --dtype %s%s`)", path, temperature, bucket, why, self.cfg.dtype,
                            f" --draft-quantize {self.cfg.draft_quantize}" if self.cfg.draft_quantize else "")
         return ActivePlan(planned, f"store:{path}", bucket, why)
+
+    def _store_error(self, exc: Exception, skipped: int) -> None:
+        """A store fault: logged (once per distinct error), counted (each of the ``skipped`` files it tried)."""
+        error = f"{type(exc).__name__}: {exc}"
+        log = logger.error if error != self.last_error else logger.debug
+        log("plan store error, keeping the current plan: %s", error)
+        self.errors, self.last_error = self.errors + max(1, skipped), error
 
     def _first(self, key: str) -> bool:
         """Whether ``key`` (a message, a plan's path) is met for the first time, recording it: ``refresh`` looks

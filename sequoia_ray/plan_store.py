@@ -99,6 +99,14 @@ def plan_bucket(temperature: float, batch: int = 1) -> str:
     return temperature_bucket(temperature) + ("" if batch == 1 else f"-b{batch}")
 
 
+def parse_bucket(name: str) -> tuple[float, int] | None:
+    """``plan_bucket``'s inverse: ``t0.6-b4`` -> (0.6, 4); None for a name that is not a plan folder's."""
+    match = re.fullmatch(r"t(\d+\.\d)(?:-b(\d+))?", name)
+    if match is None or int(match[2] or 1) not in BATCH_BUCKETS:
+        return None
+    return float(match[1]), int(match[2] or 1)
+
+
 @dataclass(frozen=True)
 class PlanKey:
     hardware: str
@@ -172,6 +180,12 @@ class PlanStore:
     def list_plans(self) -> list[str]:
         return [p for p in self._files("plans") if p.endswith(".json")]
 
+    def plan_folders(self, hardware: str, draft: str, target: str) -> set[str]:
+        """The bucket folders (``t0.6``, ``t0.6-b4``) a hardware and pair have plans in: one listing of the pair's
+        folder, not of its files (a server looks every ``plan_refresh_s``). StoreError if unreachable."""
+        folder = "/".join(["plans", _safe(hardware, "hardware id"), pair_key(draft, target)])
+        return {i.base_name for i in self._infos(folder, recursive=False) if i.type == pafs.FileType.Directory}
+
     # ---- profiles ------------------------------------------------------------------------------
     def publish_profile(self, profile: HardwareProfile) -> str:
         return self._publish(f"profiles/{_safe(profile.hardware_id, 'hardware id')}",
@@ -241,12 +255,14 @@ class PlanStore:
         return sorted(p for p in self._files(folder) if p.rsplit("/", 1)[-1][:1].isdigit() and p.endswith(".json"))
 
     def _files(self, folder: str) -> list[str]:
-        selector = pafs.FileSelector(f"{self.root}/{folder}", recursive=True, allow_not_found=True)
+        return sorted(i.path for i in self._infos(folder, recursive=True) if i.type == pafs.FileType.File)
+
+    def _infos(self, folder: str, *, recursive: bool) -> list:
+        selector = pafs.FileSelector(f"{self.root}/{folder}", recursive=recursive, allow_not_found=True)
         try:
-            infos = self.fs.get_file_info(selector)
+            return self.fs.get_file_info(selector)
         except OSError as exc:
             raise StoreError(f"plan store {self.uri!r} is unreachable: {exc}") from None
-        return sorted(i.path for i in infos if i.type == pafs.FileType.File)
 
     def _read(self, path: str) -> bytes:
         try:

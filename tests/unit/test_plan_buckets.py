@@ -1,6 +1,7 @@
 """PlanProvider per batch bucket: a batch of B requests gets its bucket's plan (the largest bucket <= B);
-a bucket without a plan of its own uses the batch-1 plan (store or built-in), store faults never reach a
-request, refresh picks up every bucket's new plan, and a loaded bucket costs no I/O."""
+a bucket without a plan of its own follows its temperature's largest smaller bucket with one, else the nearest
+profiled temperature's, else built-in; store faults never reach a request, refresh picks up every bucket's new
+plan reading only what the store has, and a loaded bucket costs no I/O."""
 
 from __future__ import annotations
 
@@ -207,3 +208,98 @@ def test_reading_the_plans_while_a_request_adds_a_bucket_does_not_fail():
         plans.plans = {"t0.0": Racing()}
         read()
     assert set(plans.sources()) == {"t0.0", "t0.6"}
+
+
+def test_a_temperature_without_a_plan_serves_the_nearest_temperatures(store, caplog):
+    """A client's temperature the store has no plan for served the built-in plan, however near a profiled one;
+    it serves the nearest profiled temperature's (ties: the lower), each batch bucket its own, warned once."""
+    zero, six, six_b4 = publish(store, 16, 1), publish(store, 8, 1, 0.6), publish(store, 6, 4, 0.6)
+    plans = provider(store.uri)
+    with caplog.at_level("DEBUG", logger="sequoia_ray.serve"):
+        assert plans.get(0.7).source == f"store:{six}"
+        assert plans.get(0.2).source == plans.get(0.3).source == f"store:{zero}"  # 0.3: a tie, the lower
+        assert plans.get(0.7, 4).source == f"store:{six_b4}"  # 0.6's bucket 4, not 0.7's batch 1 plan
+        assert plans.get(0.2, 4).source == f"store:{zero}"  # 0.0 has no bucket 4: its batch-1 plan
+        assert plans.get(1.7, 5).source == f"store:{six_b4}"  # batch 5 is bucket 4
+        plans.refresh()
+    assert plans.get(0.6).source == f"store:{six}" and plans.errors == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 4 and all("nearest temperature" in w for w in warned), warned  # 0.7, 0.2, 0.3, 1.7
+    assert "temperature 0.7 in the store: serving the plan of the nearest temperature it has (t0.6)" in warned[0]
+
+
+def test_a_large_batch_bucket_without_a_plan_follows_the_largest_smaller_one(store):
+    """Bucket 16 without a plan (a short profile priced up to batch 8) serves bucket 8's plan, the one measured
+    nearest its batch, not batch 1's (which would speculate as if alone at batch 16)."""
+    publish(store, 16, 1)
+    eight = publish(store, 4, 8)
+    plans = provider(store.uri)
+    assert (plans.get(0.0, 16).source, plans.get(0.0, 32).source) == (f"store:{eight}", f"store:{eight}")
+
+
+def test_refresh_reads_only_the_buckets_the_store_has(store, monkeypatch):
+    """Clients at every temperature hold 105 buckets (21 temperatures x 5 batch buckets): each refresh read
+    them all from the store (every plan_refresh_s, per replica). It lists the pair's folders once and reads the
+    one bucket the store has."""
+    one = publish(store, 16, 1)
+    plans = provider(store.uri)
+    for t in range(21):
+        for batch in (1, 2, 4, 8, 16):
+            plans.get(t / 10, batch)
+    reads, listings = [], []
+    monkeypatch.setattr(PlanStore, "fetch_plan", lambda self, key, fetch=PlanStore.fetch_plan: (
+        reads.append(key.folder()) or fetch(self, key)))
+    monkeypatch.setattr(PlanStore, "plan_folders", lambda self, *a, listing=PlanStore.plan_folders: (
+        listings.append(a) or listing(self, *a)))
+    plans.refresh()
+    assert len(plans.plans) == 105 and len(reads) == 1 and reads[0].endswith("/t0.0") and len(listings) == 1
+    assert all(active.source == f"store:{one}" for active in plans.plans.values())
+
+
+def test_a_temperature_profiled_later_takes_over_on_refresh(store):
+    """A temperature that followed its nearest serves its own plan once one is published, and the buckets
+    nearer it than before follow it."""
+    zero = publish(store, 16, 1)
+    plans = provider(store.uri)
+    assert plans.get(0.7).source == plans.get(0.6, 4).source == plans.get(1.0).source == f"store:{zero}"
+    seven = publish(store, 8, 1, 0.7)
+    plans.refresh()
+    assert plans.get(0.7).source == plans.get(0.6, 4).source == plans.get(1.0).source == f"store:{seven}"
+    assert plans.get(0.0).source == f"store:{zero}" and plans.get(0.3).source == f"store:{zero}"
+
+
+def test_corrupt_temperatures_are_passed_over_without_a_loop(store):
+    """A nearest temperature whose folder holds no plan that reads is passed over (counted) for the next one; with
+    none that reads, built-in. No bucket ends up following itself or a follower (a loop: recursion)."""
+    zero = publish(store, 16, 1)
+    for temperature in (0.6, 0.8):
+        Path(publish(store, 8, 1, temperature)).write_text("{")  # the folder's only file is corrupt
+    plans = provider(store.uri)
+    assert plans.get(0.7).source == plans.get(0.7, 4).source == f"store:{zero}" and plans.errors == 2
+    plans.refresh()
+    assert plans.get(0.7).source == plans.get(0.8, 2).source == f"store:{zero}" and plans.errors == 4
+    Path(zero).write_text("{")
+    fresh = provider(store.uri)
+    assert fresh.get(0.7).source == fresh.get(0.0, 4).source == "builtin" and fresh.errors == 3
+
+
+def test_every_live_replan_is_served_without_a_store(caplog):
+    """Live re-plans that cannot be published (no store) all have source "live": the second and later ones were
+    taken for the plan already served and never swapped in, though counted as re-plans."""
+    plans = provider(None)
+    first, second = (builtin_plan(0.0, budget=budget) for budget in (4, 6))
+    with caplog.at_level("INFO", logger="sequoia_ray.serve"):
+        plans.adopt(0.0, {1: first})
+        assert plans.get(0.0).planned is first and plans.get(0.0, 4).planned is first
+        plans.adopt(0.0, {1: second})
+        assert plans.get(0.0).planned is second and plans.get(0.0, 4).planned is second
+        plans.refresh()
+    assert plans.get(0.0).planned is second and plans.get(0.0).source == "live"
+    assert not any("new plan" in r.getMessage() and "builtin" in r.getMessage() for r in caplog.records)
+
+
+def test_parse_bucket_inverts_plan_bucket():
+    from sequoia_ray.plan_store import parse_bucket, plan_bucket
+
+    assert parse_bucket(plan_bucket(0.64, 4)) == (0.6, 4) and parse_bucket(plan_bucket(1.0)) == (1.0, 1)
+    assert [parse_bucket(n) for n in ("t0.6-b3", "t0.6-b", "profiles", "t1-b4")] == [None] * 4
