@@ -1,6 +1,7 @@
 """Start the service on local Ray (or a cluster), optionally send a demo request, keep serving.
 
     sequoia-ray serve [--config deployments/config.yaml] [--port 8000] [--demo] [--exit] [--set key=value ...]
+                      [--address A [--replace]]
                       [--profile-seconds 120] [--no-profile]
 
 Before Serve starts, when the local plan store holds no plan for this machine's hardware id, the pair and
@@ -14,6 +15,9 @@ store, ``--address`` (the actors run elsewhere) or tensor parallelism skip it.
 
 A local Ray starts with its idle processes' timers slowed (``actors/quiet_ray.py``; ``--ray-default-timers``
 keeps Ray's): on a 2-core host they cost the models' forwards 11-17%.
+
+A local service refuses a port something already listens on (Serve's proxy would share it with the running one:
+SO_REUSEPORT), and ``--address`` a cluster already serving the ``sequoia`` app unless ``--replace``.
 
 ``--demo`` sends a real chat request twice (tree speculation, then the target alone, via the
 ``speculative: false`` request extension) and prints the answer and the speedup. ``--exit`` stops the
@@ -37,6 +41,7 @@ from sequoia_ray.config import ProfileJobConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000  # Serve's proxy when neither the config nor the command line says
+APP_NAME = "sequoia"  # the Serve application this command runs
 PROFILE_SECONDS = 120.0
 SERVED_TEMPERATURES = ProfileJobConfig.model_fields["temperatures"].default  # the buckets profiling plans for
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
@@ -109,6 +114,32 @@ def port_number(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..65535)")
     return int(text)
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why Serve's proxy could not have ``host``:``port`` to itself, None when it can. Serve's proxy binds with
+    SO_REUSEPORT, so a second local service on the port of a running one did not fail: both listened and the
+    kernel split the clients between them (a user's requests answered by the other service's models). A bind
+    without that option fails where anything already listens (SO_REUSEADDR: not where connections of a service
+    just stopped linger in TIME_WAIT)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed service's TIME_WAIT is no owner
+            sock.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def running_app(address: str | None) -> bool:
+    """Whether the cluster at ``address`` (connected) already serves an app named ``APP_NAME``: ``serve.run``
+    would replace it (its clients' requests cut off) without a word."""
+    from ray import serve
+
+    return address not in (None, "local") and APP_NAME in serve.status().applications
 
 
 def serving_hardware_id(cfg: ServeConfig) -> str:
@@ -257,7 +288,7 @@ def start(args: dict, port: int, address: str | None, quiet: bool = True, host: 
 
     init_ray(address, quiet)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(args), name="sequoia", route_prefix="/")
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     return service_url(host, port, address)
 
 
@@ -334,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start local Ray)")
     p.add_argument("--host", help="the interface Serve's HTTP proxy listens on (0.0.0.0: other machines too; "
                                   f"default: the config's http_options, else {DEFAULT_HOST})")
+    p.add_argument("--replace", action="store_true",
+                   help=f"with --address: replace the cluster's running {APP_NAME!r} app (default: refuse)")
     p.add_argument("--demo", action="store_true", help="send a demo request and print answer and speedup")
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
     p.add_argument("--profile-seconds", type=nonneg_float, default=PROFILE_SECONDS,
@@ -347,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     host, port = opts.host or host, opts.port or port  # the command line over the config file
     cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
     check_api_key_env(cfg, opts.address)
+    if opts.address in (None, "local") and (why := port_taken(host, port)):  # a new local Ray: its proxy binds here
+        p.error(f"port {port} on {host} is taken ({why}): another service listens there (a `sequoia-ray serve` "
+                f"still running? `ray stop` ends a local one); pick another with --port")
     if str(cfg.draft or "").startswith("default") or cfg.target.startswith("default"):
         from sequoia_ray.models.fetch import DEFAULT_DRAFT, DEFAULT_TARGET, fetch_default_pair, is_fetched
 
@@ -355,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         fetch_default_pair()
     # first: the profile measures the actor calls a served step makes
     init_ray(opts.address, quiet=not opts.ray_default_timers)
+    if not opts.replace and running_app(opts.address):
+        p.error(f"the cluster at {opts.address} already serves an app {APP_NAME!r}: starting would replace it and cut "
+                f"off its clients; pass --replace to do so, or `serve shutdown` / `serve delete` it first")
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
     url = start(args, port, opts.address, host=host)
@@ -367,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.address in (None, "local"):
             serve.shutdown()  # the Serve instance this command started
         else:
-            serve.delete("sequoia")  # only this app: the cluster's other Serve apps go on
+            serve.delete(APP_NAME)  # only this app: the cluster's other Serve apps go on
         return 0
     print(f"try: curl {url}/v1/completions -H 'content-type: application/json' "
           f"-d '{json.dumps({'model': cfg.model_name, 'prompt': 'def add(a, b):', 'max_tokens': 32})}'")

@@ -116,3 +116,55 @@ def test_a_local_ray_of_the_service_runs_its_workers_at_nice_0(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
     launch.init_ray(None)
     assert seen["address"] == "local" and seen["_system_config"] == {"worker_niceness": 0}
+
+
+def test_a_second_local_service_on_a_taken_port_is_refused_before_ray_starts(monkeypatch, capsys):
+    """Serve's proxy binds with SO_REUSEPORT: a second `serve` on the port of a running one (which listens the
+    same way) started and shared it, the kernel handing each client to either service. Refused (exit 2)."""
+    import socket
+
+    from cli.main import main
+    from deployments import launch
+
+    monkeypatch.setattr(launch, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    with socket.socket() as running:  # the running service's proxy
+        running.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        running.bind(("127.0.0.1", 0))
+        running.listen()
+        port = running.getsockname()[1]
+        code = main(["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=tiny-target",
+                     "--set", "plan_store=null", "--port", str(port), "--exit"])
+        assert code == 2 and f"port {port} on 127.0.0.1 is taken" in capsys.readouterr().err
+        assert launch.port_taken("127.0.0.1", port) is not None
+    assert launch.port_taken("127.0.0.1", port) is None  # closed: free again
+
+
+@pytest.mark.parametrize("apps, replace, starts", [({"sequoia": None}, False, False), ({"sequoia": None}, True, True),
+                                                   ({"other": None}, False, True)])
+def test_a_cluster_already_serving_the_app_is_not_replaced_unless_asked(monkeypatch, capsys, apps, replace, starts):
+    """`serve --address` to a cluster already serving "sequoia" replaced it without a word (its clients cut off):
+    refused unless --replace; another app of the cluster is no reason."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from cli.main import main
+    from deployments import launch
+
+    class Started(Exception):
+        pass
+
+    def start(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(launch, "init_ray", lambda address, quiet: None)
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications=apps))
+    monkeypatch.setattr(launch, "ensure_plans", lambda cfg, seconds, address=None: "skipped")
+    monkeypatch.setattr(launch, "start", start)
+    argv = ["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=tiny-target",
+            "--address", "ray://10.0.0.5:10001", *(["--replace"] if replace else [])]
+    if starts:
+        with pytest.raises(Started):
+            main(argv)
+    else:
+        assert main(argv) == 2 and "already serves an app 'sequoia'" in capsys.readouterr().err
