@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
 from deployments import openai_api as api
@@ -31,6 +33,7 @@ from deployments.service import GrowRules, LivePlanner, PlanProvider, Runner, Tr
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
 from sequoia_ray.in_flight import InFlight
+from sequoia_ray.hardware import batch_bucket
 from sequoia_ray.live_cost import CostSettings, StepRates
 from sequoia_ray.local import encode, pair_refusal as local_pair_refusal
 
@@ -65,11 +68,35 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(api.APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
 
 
+# A client that went away: Serve cancels its request's task (a Ray call awaited then raises TaskCancelledError),
+# or the body stops mid-read. Nobody reads the answer, nothing failed: no traceback at ERROR, status 499 (nginx's
+# "client closed request") in the request counts.
+GONE = (TaskCancelledError, ClientDisconnect)  # and asyncio.CancelledError (no Exception: it passes through)
+CLIENT_GONE = "499"
+
+
 @app.exception_handler(Exception)
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, GONE):
+        logger.debug("request ended: the client went away (%s)", type(exc).__name__)
+        return JSONResponse(api.APIError(int(CLIENT_GONE), "the client went away").body(), status_code=int(CLIENT_GONE))
     logger.exception("unexpected error")
     return JSONResponse(api.APIError(500, "internal error; see the server log", type="server_error").body(),
                         status_code=500)
+
+
+def log_where_serve_does() -> None:
+    """In a replica: the service's log lines (``sequoia_ray.*``: plans chosen, store faults, failed requests) go
+    where Serve's own go, at its level: the replica's log file and stderr, with time, replica and request id.
+    Without a handler of their own INFO lines were dropped and warnings printed bare by Python's last resort.
+    Idempotent (a replica may be built again in its process)."""
+    ours, serves = logging.getLogger("sequoia_ray"), logging.getLogger("ray.serve")
+    for handler in serves.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    if serves.handlers:
+        ours.setLevel(serves.level or logging.INFO)
+        ours.propagate = False  # Serve's handlers only: a root handler would print each line twice
 
 
 def _unavailable(what: str) -> api.APIError:
@@ -167,16 +194,29 @@ async def _prepend(first, chunks):
             yield chunk
 
 
-async def _sse(events: AsyncIterator[dict]):
+async def _sse(events: AsyncIterator[dict], ended=lambda status: None):
+    """``events`` as server-sent events; ``ended(status)`` once the stream is over: "200" when it ran to its end,
+    an error event's status, or "499" when the client went away (the response started as a 200 whatever follows:
+    counting it there hid every stream that failed or was cut off)."""
+    status = CLIENT_GONE  # unless it ends: the stream was closed or cancelled under it
     try:
-        async for event in events:
-            yield f"data: {json.dumps(event)}\n\n"
-    except api.APIError as exc:
-        yield f"data: {json.dumps(exc.body())}\n\n"
-    except Exception:  # noqa: BLE001 - a stream must end with an error event, never a stack trace
-        logger.exception("stream failed")
-        yield f"data: {json.dumps(api.APIError(503, 'generation failed; retry', type='server_error').body())}\n\n"
-    yield "data: [DONE]\n\n"
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+            status = "200"
+        except api.APIError as exc:
+            status = str(exc.status)
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except GONE:  # (a cancelled task's CancelledError goes on up, counted 499 below)
+            logger.debug("stream ended: the client went away")
+            return
+        except Exception:  # noqa: BLE001 - a stream must end with an error event, never a stack trace
+            status = "503"
+            logger.exception("stream failed")
+            yield f"data: {json.dumps(api.APIError(503, 'generation failed; retry', type='server_error').body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        ended(status)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -187,6 +227,7 @@ class OpenAIIngress:
     def __init__(self, config: dict, draft, target) -> None:
         from sequoia_ray.models.loading import load_tokenizer
 
+        log_where_serve_does()
         self.cfg = ServeConfig.model_validate(config)
         self.draft_deployment, self.target_deployment = draft, target
         self.tokenizer = load_tokenizer(self.cfg.target, progress=False)
@@ -261,18 +302,30 @@ class OpenAIIngress:
         return await self._counted("chat", request, api.ChatCompletionRequest, chat=True)
 
     async def _counted(self, route: str, request: Request, model, chat: bool):
-        status = "200"
+        """A request, counted by route and status once it is over (a stream when its last event is sent)."""
+        def count(status: str) -> None:
+            self.metrics.requests.inc(tags={"route": route, "status": status})
+
+        status: str | None = "200"
         try:
             self._authorize(request)
-            return await self._serve(await _parse(request, model, self.cfg.max_body_bytes), chat=chat)
+            response = await self._serve(await _parse(request, model, self.cfg.max_body_bytes), chat=chat,
+                                         ended=count)
+            if isinstance(response, StreamingResponse):
+                status = None  # counted when it ends (``_sse``)
+            return response
         except api.APIError as exc:
             status = str(exc.status)
+            raise
+        except (asyncio.CancelledError, *GONE):
+            status = CLIENT_GONE
             raise
         except Exception:  # becomes the 500 of ``_unexpected``
             status = "500"
             raise
         finally:
-            self.metrics.requests.inc(tags={"route": route, "status": status})
+            if status is not None:
+                count(status)
 
     def _authorize(self, request: Request) -> None:
         if self.expected_auth is None:
@@ -308,7 +361,8 @@ class OpenAIIngress:
             yield event
 
     # ---- internals --------------------------------------------------------------------------------
-    async def _serve(self, req, chat: bool):
+    async def _serve(self, req, chat: bool, ended=lambda status: None):
+        """The response to ``req``: a completion, or a stream whose end calls ``ended(status)`` (``_sse``)."""
         prompt, params = await self._prepared(req, chat)
         if not req.stream:
             return await self._complete(req, prompt, params, chat)
@@ -316,7 +370,7 @@ class OpenAIIngress:
         chunks = self._chunks(prompt, params, rid, req, chat)
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
         events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
-        return StreamingResponse(_sse(events), media_type="text/event-stream")
+        return StreamingResponse(_sse(events, ended), media_type="text/event-stream")
 
     async def _prepared(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
         """``_prepare`` off the event loop: rendering a chat template and tokenising up to ``max_body_bytes`` of
@@ -402,6 +456,8 @@ class OpenAIIngress:
         while True:
             await asyncio.sleep(GAUGE_REFRESH_S)
             try:
+                if self.plans is not None:
+                    self.metrics.plans(self.plans.hardware, self.plans.held())
                 self.metrics.refresh()
             except Exception:  # noqa: BLE001 - metrics must never kill serving; logged
                 logger.exception("refreshing the gauges failed")
@@ -447,8 +503,8 @@ class OpenAIIngress:
         try:
             plans = await self._plans()
             active = await asyncio.to_thread(plans.get, params.temperature, self.active)  # a first fetch may be slow
-            self.metrics.plan.set(active.planned.plan.n,
-                                  tags=self.metrics.plan_tags(plans.hardware, active.source, params.temperature))
+            self.metrics.plan.set(active.planned.plan.n, tags=self.metrics.plan_tags(
+                plans.hardware, active.source, params.temperature, batch_bucket(max(1, self.active))))
             family = await asyncio.to_thread(self.families.get, params.temperature) if self.families else None
             rules = self.rules.for_request(params.temperature, self.in_flight.batch) if self.rules else None
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,

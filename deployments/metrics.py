@@ -7,7 +7,7 @@ from ray.serve import metrics
 
 from sequoia_ray.engine import Stats
 from sequoia_ray.live_acceptance import LiveAcceptance
-from sequoia_ray.plan_store import temperature_bucket
+from sequoia_ray.plan_store import parse_bucket, temperature_bucket
 
 STEP_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 PLAN_KINDS = ("store", "live", "builtin")  # what ``ActivePlan.source`` begins with (deployments.service)
@@ -67,8 +67,9 @@ class ServiceMetrics:
                                              boundaries=STEP_BOUNDS)
         self.active = HeldGauge("sequoia_active_requests", "Requests in flight on this ingress replica.")
         self.plan = HeldGauge("sequoia_plan_nodes", "Nodes of the plan in use (tags: hardware, source = its kind: "
-                              "store | live | builtin, temperature bucket).",
-                              tag_keys=("hardware", "source", "temperature"), series=("hardware", "temperature"))
+                              "store | live | builtin, temperature bucket, batch bucket).",
+                              tag_keys=("hardware", "source", "temperature", "batch"),
+                              series=("hardware", "temperature", "batch"))
         self.store_errors = metrics.Counter("sequoia_plan_store_errors", "Plan store reads that failed.")
         self.live_p = HeldGauge("sequoia_live_acceptance", "Live estimate of p[k] per temperature bucket and rank k.",
                                 tag_keys=("temperature", "rank"))
@@ -92,10 +93,21 @@ class ServiceMetrics:
                 gauge.refresh()
 
     @staticmethod
-    def plan_tags(hardware: str, source: str, temperature: float) -> dict[str, str]:
-        """``sequoia_plan_nodes``'s tags for the plan from ``source`` served at ``temperature``: bounded values
-        only (the hardware, the plan's kind, the temperature bucket as the store names it: ``t0.6`` -> "0.6")."""
-        return {"hardware": hardware, "source": plan_kind(source), "temperature": temperature_bucket(temperature)[1:]}
+    def plan_tags(hardware: str, source: str, temperature: float, batch: int = 1) -> dict[str, str]:
+        """``sequoia_plan_nodes``'s tags for the plan from ``source`` served at ``temperature`` and batch bucket
+        ``batch``: bounded values only (the hardware, the plan's kind, the temperature bucket as the store names
+        it: ``t0.6`` -> "0.6", the batch bucket)."""
+        return {"hardware": hardware, "source": plan_kind(source), "temperature": temperature_bucket(temperature)[1:],
+                "batch": str(batch)}
+
+    def plans(self, hardware: str, held) -> None:
+        """``sequoia_plan_nodes`` for every bucket held (``PlanProvider.held()``: (folder name, ActivePlan)), set
+        with the gauges' refresh: set per request only, it went on showing a plan a refresh or a live re-plan had
+        replaced until the bucket's next request."""
+        for name, active in held:
+            temperature, batch = parse_bucket(name) or (None, None)
+            if temperature is not None:
+                self.plan.set(active.planned.plan.n, tags=self.plan_tags(hardware, active.source, temperature, batch))
 
     def step_rates(self, summary: dict[str, dict]) -> None:
         """Export ``StepRates.summary()``: per key, each arm's measured tokens/s per request and the arm served."""

@@ -320,7 +320,7 @@ def _served_plan_tags(source: str, temperature: float) -> dict:
                                          ("live", "live"), ("builtin", "builtin")])
 def test_the_plan_gauge_is_tagged_with_the_plans_kind_not_its_path(source, kind):
     """A path is new at every publish and live re-plan: as a tag, one time series per plan ever served."""
-    assert _served_plan_tags(source, 0.6) == {"hardware": HW, "source": kind, "temperature": "0.6"}
+    assert _served_plan_tags(source, 0.6) == {"hardware": HW, "source": kind, "temperature": "0.6", "batch": "1"}
 
 
 def test_a_live_re_plan_to_the_target_alone_is_undone_when_acceptance_recovers(tmp_path):
@@ -374,5 +374,33 @@ def test_gauges_are_set_again_with_their_last_values(monkeypatch):
     m.refresh()
     assert sorted(sets, key=str) == sorted([
         ("sequoia_active_requests", 3, None),
-        ("sequoia_plan_nodes", 8, {"hardware": "hw", "source": "live", "temperature": "0.0"}),
-        ("sequoia_plan_nodes", 12, {"hardware": "hw", "source": "builtin", "temperature": "0.6"})], key=str)
+        ("sequoia_plan_nodes", 8, {"hardware": "hw", "source": "live", "temperature": "0.0", "batch": "1"}),
+        ("sequoia_plan_nodes", 12, {"hardware": "hw", "source": "builtin", "temperature": "0.6", "batch": "1"})],
+        key=str)
+
+
+def test_the_plan_gauge_follows_every_held_bucket_without_a_request(monkeypatch):
+    """A refresh or a live re-plan replaces a bucket's plan between requests: the gauge, set per request only,
+    showed the old plan until the bucket's next request. Every refresh of the gauges sets each bucket held."""
+    from deployments import metrics as metrics_module
+    from deployments.service import ActivePlan
+
+    sets = []
+
+    class Gauge:
+        def __init__(self, name, description, tag_keys=()):
+            self.name = name
+
+        def set(self, value, tags=None):
+            sets.append((self.name, value, tags))
+
+    monkeypatch.setattr(metrics_module.metrics, "Gauge", Gauge)
+    m, plans = ServiceMetrics(), PlanProvider(config(None), HW)
+    plans.get(0.6, 4)
+    plans.adopt(0.0, {1: builtin_plan(0.0, budget=4), 8: builtin_plan(0.0, budget=2)})
+    m.plans(HW, plans.held())
+    m.refresh()
+    shown = {(tags["temperature"], tags["batch"]): (value, tags["source"]) for name, value, tags in sets
+             if name == "sequoia_plan_nodes"}
+    assert shown == {("0.0", "1"): (4, "live"), ("0.0", "8"): (2, "live"),  # and 0.6's bucket 4 follows 0.0's
+                     ("0.6", "4"): (4, "live"), ("0.0", "4"): (4, "live")}  # (its nearest), which follows batch 1
