@@ -401,18 +401,54 @@ def main(argv: list[str] | None = None) -> int:
     if opts.demo:
         demo(url, cfg.model_name)
     if opts.exit:
-        from ray import serve
-
-        if opts.address in (None, "local"):
-            serve.shutdown()  # the Serve instance this command started
-        else:
-            serve.delete(APP_NAME)  # only this app: the cluster's other Serve apps go on
+        stop(opts.address)
         return 0
     print(f"try: curl {url}/v1/completions -H 'content-type: application/json' "
           f"-d '{json.dumps({'model': cfg.model_name, 'prompt': 'def add(a, b):', 'max_tokens': 32})}'")
     print("Ctrl-C stops the service.")
+    return serve_until_stopped(opts.address, cfg.drain_timeout_s)
+
+
+def stop(address: str | None) -> None:
+    """Stop what this command started, its replicas draining (each waits for the requests it holds, up to its
+    graceful_shutdown_timeout_s: ``drain_timeout_s``): a local Ray's whole Serve, else only this app (the
+    cluster's other Serve apps go on)."""
+    from ray import serve
+
+    if address in (None, "local"):
+        serve.shutdown()
+    else:
+        serve.delete(APP_NAME)
+
+
+class _Stop(KeyboardInterrupt):
+    """SIGTERM (Kubernetes, systemd, `kill`), taken as Ctrl-C."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Stop
+
+
+def serve_until_stopped(address: str | None, drain_s: float, wait=time.sleep) -> int:
+    """Serve until Ctrl-C or SIGTERM, then stop draining: requests in flight finish first. Before, either ended the
+    process at once (every stream cut; SIGTERM an exit 15 with Ray's stack dump). A second Ctrl-C stops without
+    waiting (exit 130). ``wait(seconds)``: tests pass their own."""
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+        try:
+            while True:
+                wait(3600)
+        except KeyboardInterrupt as why:
+            print(f"{'SIGTERM' if isinstance(why, _Stop) else 'Ctrl-C'}: stopping; requests in flight finish first "
+                  f"(up to drain_timeout_s = {drain_s:g} s; Ctrl-C again to stop now) ...", flush=True)
+        try:
+            stop(address)
+        except KeyboardInterrupt:
+            print("stopped without waiting for the requests in flight", flush=True)
+            return 130
+        print("stopped", flush=True)
         return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -168,3 +168,49 @@ def test_a_cluster_already_serving_the_app_is_not_replaced_unless_asked(monkeypa
             main(argv)
     else:
         assert main(argv) == 2 and "already serves an app 'sequoia'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("address, stopped", [(None, "shutdown"), ("ray://10.0.0.5:10001", "delete sequoia")])
+def test_ctrl_c_or_sigterm_stops_the_service_draining(monkeypatch, capsys, signal_name, address, stopped):
+    """Ctrl-C returned at once (the local Ray torn down under the streams in flight) and SIGTERM killed the
+    launcher with Ray's stack dump (exit 15). Both now stop Serve gracefully (its replicas drain) and exit 0."""
+    import os
+    import signal
+
+    from ray import serve
+
+    from deployments import launch
+
+    calls = []
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(f"delete {name}"))
+
+    def wait(seconds):  # the signal arrives while the launcher waits
+        os.kill(os.getpid(), getattr(signal, signal_name))
+        time.sleep(1)  # the handler runs here (the main thread's next bytecode)
+        pytest.fail("the signal did not stop the wait")
+
+    import time
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert launch.serve_until_stopped(address, 300.0, wait=wait) == 0
+    assert calls == [stopped] and signal.getsignal(signal.SIGTERM) is before
+    assert "requests in flight finish first (up to drain_timeout_s = 300 s" in capsys.readouterr().out
+
+
+def test_a_second_ctrl_c_stops_without_waiting(monkeypatch, capsys):
+    from ray import serve
+
+    from deployments import launch
+
+    def interrupted_again():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve, "shutdown", interrupted_again)
+
+    def wait(seconds):
+        raise KeyboardInterrupt
+
+    assert launch.serve_until_stopped(None, 300.0, wait=wait) == 130
+    assert "stopped without waiting" in capsys.readouterr().out
