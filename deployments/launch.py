@@ -411,14 +411,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def stop(address: str | None) -> None:
     """Stop what this command started, its replicas draining (each waits for the requests it holds, up to its
-    graceful_shutdown_timeout_s: ``drain_timeout_s``): a local Ray's whole Serve, else only this app (the
-    cluster's other Serve apps go on)."""
+    graceful_shutdown_timeout_s: ``drain_timeout_s``): the app (a cluster's other Serve apps go on), then a local
+    Ray's Serve. ``serve.shutdown`` alone killed the HTTP proxy first: every stream in flight was cut."""
     from ray import serve
 
+    serve.delete(APP_NAME)  # first: the HTTP proxy stays up while the app's replicas drain (shutdown kills it)
     if address in (None, "local"):
         serve.shutdown()
-    else:
-        serve.delete(APP_NAME)
 
 
 class _Stop(KeyboardInterrupt):
