@@ -404,3 +404,23 @@ def test_the_plan_gauge_follows_every_held_bucket_without_a_request(monkeypatch)
              if name == "sequoia_plan_nodes"}
     assert shown == {("0.0", "1"): (4, "live"), ("0.0", "8"): (2, "live"),  # and 0.6's bucket 4 follows 0.0's
                      ("0.6", "4"): (4, "live"), ("0.0", "4"): (4, "live")}  # (its nearest), which follows batch 1
+
+
+def test_a_slow_first_token_lands_in_a_bucket_of_its_own(monkeypatch):
+    """TTFT shared the step histograms' bounds (up to 5 s): every first token of a long prompt under load on CPU
+    (tens of seconds) fell in +Inf, where no quantile can be read. Measured values up to two minutes resolve."""
+    from bisect import bisect_left
+
+    from deployments import metrics as metrics_module
+
+    made = {}
+
+    class Histogram:
+        def __init__(self, name, description, boundaries=(), tag_keys=()):
+            made[name] = list(boundaries)
+
+    monkeypatch.setattr(metrics_module.metrics, "Histogram", Histogram)
+    ServiceMetrics()
+    bounds = made["sequoia_time_to_first_token_s"]
+    buckets = [bisect_left(bounds, seconds) for seconds in (0.004, 3.0, 8.0, 25.0, 45.0, 100.0)]
+    assert buckets == sorted(set(buckets)) and buckets[-1] < len(bounds)  # each its own, none past the last bound
