@@ -12,6 +12,11 @@ runs the batch-1 plan for real, and publishes one plan per bucket, the profile a
 store; the printed table has a row per temperature and bucket. A tensor-parallel trial's target is a group
 of rank actors: its profile has no batch tables and the buckets are extrapolated (``sequoia_ray.hardware``). Tune's own
 results go under <storage>/tune. ``sequoia-ray profile`` runs the same trial in-process without Ray.
+
+A ``--hardware`` type no node of the cluster has is refused before any trial starts (exit code 2: its trial
+would wait for ever), unless ``--no-check-placement`` (worker groups that scale from zero: the autoscaler
+starts the node). A trial that fails does not stop the others: each publishes its own plans, the table shows
+those that succeeded, a line ``failed: <hardware>: <error>`` each that did not, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -33,21 +38,40 @@ from sequoia_ray.config import ProfileJobConfig  # noqa: E402
 
 ACCEL_PREFIX = "accelerator_type:"
 CPU = "cpu"
+EXIT_TRIAL_FAILED = 1  # some trial failed (the others' plans are published)
+
+
+@dataclass(frozen=True)
+class TrialOptions:
+    """The driver's own options, beside the job config every trial gets."""
+
+    cpus: float  # logical CPUs of each of a trial's bundles
+    check_placement: bool = True  # refuse a hardware type no node has now (off: the autoscaler may start one)
+
+
+class MissingHardware(ValueError):
+    """A hardware type to profile that no node of the cluster has: its trial would wait for ever."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="tuning/profile.py", description=__doc__.splitlines()[0])
     add_job_args(p)
     p.add_argument("--hardware", default="", help="comma-separated accelerator types (default: all in cluster)")
     p.add_argument("--cpus-per-trial", type=float, default=1.0)
+    p.add_argument("--no-check-placement", dest="check_placement", action="store_false",
+                   help="start trials for --hardware types no node has yet (worker groups that scale from zero: the "
+                        "autoscaler starts them), as the Serve config's check_placement: false; by default such a "
+                        "type is refused, since its trial would wait for ever")
     return p
 
 
-def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, float]:
+def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, TrialOptions]:
     """The job config from the command line; bad input raises ValueError (or SystemExit(2) from argparse)."""
     args = build_parser().parse_args(argv)
     if args.cpus_per_trial <= 0:
         raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} must be > 0")
     cfg = job_config(args, hardware=tuple(h for h in args.hardware.split(",") if h))
-    return absolute_paths(cfg), args.cpus_per_trial
+    return absolute_paths(cfg), TrialOptions(args.cpus_per_trial, args.check_placement)
 
 
 def absolute_paths(cfg: ProfileJobConfig) -> ProfileJobConfig:
@@ -77,6 +101,40 @@ def discover_hardware(resources: dict[str, float]) -> list[str]:
     """Accelerator types present in the cluster (``accelerator_type:A100`` -> ``A100``), else ``[cpu]``."""
     types = sorted(k[len(ACCEL_PREFIX):] for k in resources if k.startswith(ACCEL_PREFIX))
     return types or [CPU]
+
+
+def hardware_resource(hw: str) -> str:
+    """The cluster resource a trial of hardware type ``hw`` needs a node with (``trial_bundles`` pins it there)."""
+    return "CPU" if hw == CPU else ACCEL_PREFIX + hw
+
+
+def check_hardware(types: list[str], resources: dict[str, float]) -> None:
+    """MissingHardware naming the ``types`` whose resource (``hardware_resource``) the cluster's ``resources`` lack,
+    the types it has and the fix: Tune would keep such a trial pending for ever, without an error."""
+    missing = [hw for hw in types if not resources.get(hardware_resource(hw), 0) > 0]
+    if not missing:
+        return
+    present = ", ".join(discover_hardware(resources))
+    raise MissingHardware(
+        f"--hardware {','.join(missing)}: no node of the cluster has the resource "
+        f"{', '.join(map(hardware_resource, missing))} (its hardware types: {present}), so a trial would wait for "
+        f"ever; name types the cluster has, or leave --hardware out to profile them all; if worker groups of that "
+        "type scale from zero, pass --no-check-placement to let the autoscaler start their nodes")
+
+
+def root_cause(error: BaseException | str) -> str:
+    """A failed trial's own error in one line (``ProfileError: timing noise ...``) from what Tune kept of it: a
+    ``RayTaskError`` wrapping it (its ``cause``, unwrapped through nested actor errors), else the text of its
+    trace (an error that could not be pickled), whose last line names it."""
+    from ray.exceptions import RayError
+    from ray.tune.error import TuneError
+
+    while isinstance(getattr(error, "cause", None), BaseException):
+        error = error.cause
+    if isinstance(error, BaseException) and not isinstance(error, (RayError, TuneError)):
+        return f"{type(error).__name__}: {one_line(error)}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def trial_bundles(hw: str, tp_size: int, cpus: float) -> list[dict[str, float]]:
@@ -134,42 +192,54 @@ def trainable(config: dict) -> None:
                  "best_predicted_speedup": max(r.predicted_speedup for r in results)})
 
 
-def run(cfg: ProfileJobConfig, cpus: float) -> list[dict]:
+def run(cfg: ProfileJobConfig, options: TrialOptions) -> tuple[list[dict], list[str]]:
+    """The result rows of the trials that succeeded (each published its own plans) and a line
+    ``<hardware>: <error>`` per trial that failed; MissingHardware before any trial starts (``check_hardware``)."""
     import ray
     from ray import tune
     from ray.tune import RunConfig
 
     ray.init(ignore_reinit_error=True, log_to_driver=True)
-    types = list(cfg.hardware) or discover_hardware(ray.cluster_resources())
+    resources = ray.cluster_resources()
+    types = list(cfg.hardware) or discover_hardware(resources)
+    if options.check_placement:
+        check_hardware(types, resources)
     print(f"profiling hardware types: {types}", flush=True)
-    resources = tune.with_resources(
-        trainable, lambda spec: trial_resources(spec["hw"], cfg.tp_size, cpus))
+    placed = tune.with_resources(
+        trainable, lambda spec: trial_resources(spec["hw"], cfg.tp_size, options.cpus))
     tuner = tune.Tuner(
-        resources, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump(), "cpus": cpus},
+        placed, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump(), "cpus": options.cpus},
         run_config=RunConfig(name="sequoia-profile", storage_path=join_uri(cfg.storage, "tune"), verbose=1))
-    grid = tuner.fit()
-    rows = []
-    for result in grid:
+    rows, failed = [], []
+    for result in tuner.fit():
         if result.error:
-            raise RuntimeError(f"trial {result.config.get('hw')} failed: {result.error}")
-        rows += json.loads(result.metrics["results"])
-    return rows
+            failed.append(f"{result.config.get('hw')}: {root_cause(result.error)}")
+        else:
+            rows += json.loads(result.metrics["results"])
+    return rows, failed
 
 
 def main(argv: list[str] | None = None) -> int:
     from sequoia_ray.profiling import TrialResult, format_results
 
     try:
-        cfg, cpus = parse_config(argv)
+        cfg, options = parse_config(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     except ValueError as exc:
         print(f"tuning/profile.py: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    rows = run(cfg, cpus)
-    print(format_results([TrialResult(**r) for r in rows]))
-    print(f"plans published under {cfg.storage}")
-    return 0
+    try:
+        rows, failed = run(cfg, options)
+    except MissingHardware as exc:
+        print(f"tuning/profile.py: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if rows:
+        print(format_results([TrialResult(**r) for r in rows]))
+        print(f"plans published under {cfg.storage}")
+    for line in failed:
+        print(f"failed: {line}")
+    return EXIT_TRIAL_FAILED if failed else 0
 
 
 if __name__ == "__main__":

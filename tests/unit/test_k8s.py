@@ -75,11 +75,11 @@ def test_a_profiling_trial_fits_one_node_of_every_gpu_group():
     from tuning.profile import parse_config, trial_bundles
 
     job = load("rayjob.yaml")["spec"]
-    cfg, cpus = parse_config(shlex.split(job["entrypoint"])[2:])
+    cfg, options = parse_config(shlex.split(job["entrypoint"])[2:])
     for group in job["rayClusterSpec"]["workerGroupSpecs"]:
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         if limits.get("nvidia.com/gpu"):
-            wanted = trial_bundles("GPU", cfg.tp_size, cpus)
+            wanted = trial_bundles("GPU", cfg.tp_size, options.cpus)
             assert sum(b.get("GPU", 0) for b in wanted) <= int(limits["nvidia.com/gpu"]), group["groupName"]
             assert sum(b["CPU"] for b in wanted) <= float(limits["cpu"]), group["groupName"]
 

@@ -1,10 +1,16 @@
-"""tuning/profile.py's command line: local paths made absolute for the trials, URIs and number lists kept."""
+"""tuning/profile.py's command line (local paths made absolute for the trials, URIs and number lists kept) and its
+driver on a stubbed Ray (hardware no node has refused up front, a failed trial reported beside the others)."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 
-from tuning.profile import join_uri, parse_config
+from sequoia_ray.arguments import EXIT_BAD_INPUT
+from tuning.profile import (EXIT_TRIAL_FAILED, MissingHardware, check_hardware, join_uri, main, parse_config,
+                            root_cause)
 
 
 def test_a_uri_with_any_scheme_is_kept_and_a_relative_path_made_absolute(tmp_path, monkeypatch):
@@ -43,3 +49,74 @@ def test_a_tensor_parallel_trial_keeps_its_ranks_on_its_node():
     group = trial_resources("A100", 2, 4.0)
     assert group.strategy == "STRICT_PACK" and group.bundles == trial_bundles("A100", 2, 4.0)
     assert trial_resources("cpu", 1, 2.0).strategy == "PACK"
+
+
+# ---- the driver, on a stubbed Ray: what it does before and after the trials -------------------------------------
+A_ROW = {"hardware": "A", "temperature": 0.0, "n": 8, "d": 4, "expected_tokens": 3.1, "predicted_speedup": 1.9,
+         "measured_speedup": 1.7, "measured_tokens_per_step": 3.0, "plan_key": "p", "profile_key": "q"}
+
+
+@pytest.fixture
+def stub_ray(monkeypatch):
+    """``ray.init`` a no-op, a cluster of one CPU node and one node of accelerator type A, and a Tuner that records
+    that it ran and returns the trials ``stub_ray.results`` says: no Ray cluster is started."""
+    import ray
+    from ray import tune
+
+    stub = SimpleNamespace(results=[], tuners=[])
+
+    class Tuner:
+        def __init__(self, trainable, *, param_space, run_config):
+            stub.tuners.append(param_space["hw"])
+
+        def fit(self):
+            return stub.results
+
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0, "accelerator_type:A": 1.0})
+    monkeypatch.setattr(tune, "Tuner", Tuner)
+    return stub
+
+
+def test_a_hardware_type_no_node_has_is_refused_before_any_trial(tmp_path, capsys, stub_ray):
+    """Its trial waited for ever for a resource ``accelerator_type:H100`` no node offers (Tune logs no error)."""
+    argv = ["--storage", str(tmp_path), "--temperatures", "0"]
+    assert main([*argv, "--hardware", "A,H100"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--hardware H100: no node of the cluster has the resource accelerator_type:H100" in err
+    assert "(its hardware types: A)" in err and "--no-check-placement" in err and not stub_ray.tuners
+    with pytest.raises(MissingHardware, match="--hardware cpu: .* resource CPU "):
+        check_hardware(["cpu"], {"GPU": 1.0, "accelerator_type:A": 1.0})
+    check_hardware(["A", "cpu"], {"CPU": 1.0, "accelerator_type:A": 1.0})
+    assert main([*argv, "--hardware", "H100", "--no-check-placement"]) == 0  # the autoscaler may start one
+    assert stub_ray.tuners == [{"grid_search": ["H100"]}]
+
+
+def test_a_failed_trial_is_a_line_and_the_others_plans_are_reported(tmp_path, capsys, stub_ray):
+    """One failing trial raised RuntimeError with the trial's whole traceback, and no table of the trials that
+    succeeded (whose plans were published)."""
+    from ray.exceptions import RayTaskError
+
+    from sequoia_ray.hardware import ProfileError
+
+    cause = ProfileError("profile of B: timing noise 31% exceeds the bound 25%")
+    error = RayTaskError("train", "Traceback (most recent call last):\n  ...\nProfileError: profile of B: ...", cause,
+                         proctitle="ray::ImplicitFunc.train()", pid=1, ip="10.0.0.2").as_instanceof_cause()
+    stub_ray.results = [SimpleNamespace(error=None, config={"hw": "A"}, metrics={"results": json.dumps([A_ROW])}),
+                        SimpleNamespace(error=error, config={"hw": "B"}, metrics={})]
+    assert main(["--storage", str(tmp_path), "--temperatures", "0", "--hardware", "A"]) == EXIT_TRIAL_FAILED == 1
+    out = capsys.readouterr().out
+    assert [line.split()[:5] for line in out.splitlines() if line.startswith("A ")] == [["A", "0.0", "1", "8", "4"]]
+    assert f"plans published under {tmp_path}" in out
+    assert "failed: B: ProfileError: profile of B: timing noise 31% exceeds the bound 25%\n" in out
+    assert "Traceback" not in out and "ray::" not in out
+
+
+@pytest.mark.parametrize("error", [
+    "Failure # 1 (occurred at 2026-12-06)\nray::ImplicitFunc.train() (pid=1)\n  File \"x.py\", line 3\n"
+    "sequoia_ray.hardware.ProfileError: profile of B: timing noise 31% exceeds the bound 25%\n",  # error.txt
+    ValueError("profile of B: timing noise 31% exceeds the bound 25%")])
+def test_a_failed_trial_is_named_by_its_own_error(error):
+    """Tune keeps a trial's error pickled (a ``RayTaskError`` wrapping it: see above) or, when it cannot be
+    pickled, as the text of its trace."""
+    assert root_cause(error).endswith("Error: profile of B: timing noise 31% exceeds the bound 25%")
