@@ -117,7 +117,7 @@ def given(args: argparse.Namespace, names: list[str]) -> dict:
 
 # ---- the profiling job (``sequoia-ray profile`` and ``tuning/profile.py``) -------------------------
 _JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "linears", "layers",
-              "draft_vocab", "device", "tp_size"]
+              "draft_vocab", "device", "tp_size", "max_noise"]
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +142,8 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=vocab_size, help=doc("draft_vocab"))
     p.add_argument("--device", choices=DEVICE_CHOICES, help=doc("device"))
     p.add_argument("--tp-size", type=int, help=doc("tp_size"))
+    p.add_argument("--max-noise", type=field_type(ProfileJobConfig, "max_noise"), metavar="FRACTION",
+                   help=doc("max_noise"))
     p.add_argument("--smoke-test", action="store_true", help=ProfileJobConfig.model_fields["smoke_test"].description)
 
 

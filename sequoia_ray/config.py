@@ -94,7 +94,7 @@ class ProfileJobConfig(BaseModel):
     measure_rounds: int = Field(3, ge=1, le=20, description="Round-robin rounds of the measured choice and overhead runs.")
     max_noise: float = Field(0.25, gt=0.0, description="Refuse a profile whose timing noise (median relative MAD of "
                              "the repeats) or drift between rounds (sequoia_ray.hardware.round_drift) exceeds this "
-                             "fraction; raise it on a shared machine.")
+                             "fraction (e.g. 0.25, not 25); raise it on a shared machine.")
     dtype: str = Field("bfloat16", description="Model dtype on this hardware: float32 | bfloat16 | float16.")
     draft_quantize: DraftQuantize = Field(None, description="'int8' for a dynamically quantised CPU draft.")
     linears: Literal["auto", "packed", "aten"] = Field("auto", description="Linear layers on weights packed once for "
@@ -139,9 +139,19 @@ class ProfileJobConfig(BaseModel):
     @field_validator("temperatures")
     @classmethod
     def _temps(cls, value):
+        from sequoia_ray.plan_store import temperature_bucket
+
         if not value or not all(0 <= t <= MAX_TEMPERATURE for t in value):  # nan fails both comparisons
             raise ValueError(f"temperatures {value} must be from 0 to {MAX_TEMPERATURE:g} (SamplingParams' range)")
-        return tuple(dict.fromkeys(value))  # each bucket once, in the order given
+        value = tuple(dict.fromkeys(value))  # each bucket once, in the order given
+        first: dict[str, float] = {}  # bucket -> the temperature given for it
+        for t in value:  # two in one bucket would publish to one plan folder, the later overwriting the earlier
+            earlier = first.setdefault(temperature_bucket(t), t)
+            if earlier != t:
+                raise ValueError(f"temperatures {earlier} and {t} both fall in the plan bucket {temperature_bucket(t)} "
+                                 "(plans are stored per temperature rounded to 0.1), so one's plans would overwrite "
+                                 "the other's; keep one of them")
+        return value
 
     @field_validator("device")
     @classmethod

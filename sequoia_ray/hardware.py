@@ -266,11 +266,16 @@ def _optional_float(x) -> float:
 
 
 def check_noise(prof: HardwareProfile, bound: float) -> None:
-    """ProfileError when ``prof``'s timings are noisier, or drifted more, than ``bound`` (a fraction, e.g. 0.1 = 10%)."""
+    """ProfileError when ``prof``'s timings are noisier, or drifted more, than ``bound`` (a fraction, e.g. 0.1 = 10%),
+    or their noise or drift is nan (not measured: nothing says they are within the bound)."""
     for name, value in (("noise", prof.noise), ("drift between rounds", prof.drift)):
+        if math.isnan(value):
+            raise ProfileError(f"profile of {prof.hardware_id}: timing {name} is nan (not measured: every size must "
+                               "be timed 2 or more times), so nothing bounds it; profile again with repeats >= 2")
         if value > bound:
             raise ProfileError(f"profile of {prof.hardware_id}: timing {name} {value:.0%} exceeds the bound {bound:.0%}; "
-                               f"profile again on a quieter machine (nothing else running) or raise the bound (max_noise)")
+                               "profile again on a quieter machine (nothing else running) or raise the bound "
+                               f"(--max-noise, the job config's max_noise; now {bound:g})")
 
 
 def _batched(row: dict[int, float], one: dict[int, float], x: int, name: str) -> float:
@@ -550,21 +555,20 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
     T_B and C_B at B·s total tokens for the sizes s of ``budgets`` with B·s <= ``batch_total`` (default: the
     largest size; s = 1 always). With the target in process (``target`` not None) every forward is timed in
     one round-robin loop, so a burst of load on a shared machine hits all sizes and batches alike instead of
-    one table; else ``time_target(sizes, context, repeats)`` times the target (e.g. a whole tensor-parallel
-    group, every rank in lockstep) and the profile has no batch tables. In process, a timing whose rounds drift
-    apart by more than ``max_drift`` is taken again, up to ``retries`` times, and the least drifting kept."""
+    one table; else ``time_target(sizes, context, 1)`` times the target once a round (e.g. a whole
+    tensor-parallel group, every rank in lockstep: ``_time_group``) and the profile has no batch tables. Either
+    way the noise and drift are measured, and a timing whose rounds drift apart by more than ``max_drift`` is
+    taken again, up to ``retries`` times, and the least drifting kept."""
     sizes = sorted(set(budgets) | {1})
-    noise = drift = math.nan  # a target timed elsewhere (a group of ranks) reports its quiet times only
     if target is None:
-        target_s = time_target(sizes, context, repeats)
-        draft_s = time_forward(draft, widths, context=context, repeats=repeats)
-        timed = {}
+        time_all = functools.partial(_time_group, time_target, draft, sizes, widths, context=context, repeats=repeats)
     else:
         grid = {b: per_request_sizes(b, sizes, batch_total) for b in batches if b > 1}
-        rounds, drift = _calm_rounds(lambda: _time_all(target, draft, sizes, widths, context=context,
-                                                       repeats=repeats, grid=grid), hardware, max_drift, retries)
-        timed, noise = {k: quiet(v) for k, v in rounds.items()}, relative_noise(rounds)
-        target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
+        time_all = functools.partial(_time_all, target, draft, sizes, widths, context=context, repeats=repeats,
+                                     grid=grid)
+    rounds, drift = _calm_rounds(time_all, hardware, max_drift, retries)
+    timed, noise = {k: quiet(v) for k, v in rounds.items()}, relative_noise(rounds)
+    target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
     one = target_s[1]
     batch_t, batch_c = ({b: {k: v / one for (m, bb, k), v in timed.items() if (m, bb) == (name, b)}
                          for b in {b for (m, b, _) in timed if b > 1}} for name in "tc")
@@ -606,6 +610,20 @@ def _time_all(target, draft, sizes, widths, *, context: int, repeats: int, grid:
     steps = {(name, b, k): f for name, model, b, per in plan
              for k, f in batch_steps(model, b, per, context=context, gen=gen).items()}
     return timed_rounds(steps, repeats=repeats, anchor=("t", 1, 1), every=ANCHOR_EVERY)
+
+
+def _time_group(time_target: Callable, draft, sizes, widths, *, context: int, repeats: int
+                ) -> dict[tuple[str, int, int], list[float]]:
+    """``_time_all``'s rounds for a target timed elsewhere: each round one ``time_target(sizes, context, 1)`` (every
+    size once, after its own warm-up) and the draft's widths once. Until it timed round by round, a group's
+    profile held only its quiet times, noise and drift nan, and ``check_noise`` let any noise through."""
+    rounds: dict[tuple[str, int, int], list[float]] = {}
+    for _ in range(repeats):
+        timed = {"t": time_target(sizes, context, 1), "c": time_forward(draft, widths, context=context, repeats=1)}
+        for name, times in timed.items():
+            for k, seconds in times.items():
+                rounds.setdefault((name, 1, k), []).append(seconds)
+    return rounds
 
 
 def library_versions() -> dict[str, str]:

@@ -56,3 +56,18 @@ def test_usage_error_is_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         parse("--storage")
     assert exc.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_max_noise_is_a_job_option_checked_as_the_model_checks_it(capsys):
+    """``check_noise``'s refusal says to raise the bound, but no option set it: only the model's default 0.25."""
+    assert job_config(parse("--storage", "s", "--max-noise", "0.5")).max_noise == 0.5
+    assert job_config(parse("--storage", "s")).max_noise == ProfileJobConfig.model_fields["max_noise"].default
+    p = Parser(prog="test")
+    add_job_args(p)
+    assert "--max-noise FRACTION" in p.format_help()  # argparse %-formats help: a '%' in a description breaks it
+    for bad in ("0", "-0.1", "nan", "lots"):
+        with pytest.raises(SystemExit) as out:
+            parse("--storage", "s", "--max-noise", bad)
+        err = capsys.readouterr().err
+        assert out.value.code == 2 and len(err.strip().splitlines()) == 1
+        assert f"argument --max-noise: '{bad}': input should be " in err, err  # greater than 0 / a valid number

@@ -112,6 +112,17 @@ def test_profiled_temperatures_are_a_requests_and_each_once():
     assert job("--temperatures", "0,0,0.6").temperatures == (0.0, 0.6)
 
 
+def test_profiled_temperatures_in_one_plan_bucket_are_refused():
+    """0.6 and 0.64 are both stored as bucket t0.6: the plans of the one profiled last overwrote the other's."""
+    for temps, needle in [((0.6, 0.64), "0.6 and 0.64 both fall in the plan bucket t0.6"),
+                          ((0.0, 0.7, 0.04), "0.0 and 0.04 both fall in the plan bucket t0.0")]:
+        with pytest.raises(ValueError, match=needle + r" .*keep one of them"):
+            ProfileJobConfig(storage="s", temperatures=temps)
+    with pytest.raises(ValueError, match="0.6 and 0.64 both fall in the plan bucket t0.6"):
+        job("--temperatures", "0.6,0.64")
+    assert ProfileJobConfig(storage="s", temperatures=(0.64, 0.66)).temperatures == (0.64, 0.66)  # t0.6, t0.7
+
+
 @pytest.mark.parametrize("value", ["150", "inf", "nan"])
 def test_measure_refuses_a_temperature_no_request_may_ask_for(files, capsys, no_models, value):
     assert main(["measure", "--prompts", "prompts.txt", "--out", "a.json", "--temperature", value]) == 2

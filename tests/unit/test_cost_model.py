@@ -89,11 +89,44 @@ def test_relative_noise_is_the_median_relative_mad():
 
 
 def test_a_noisy_profile_is_refused_with_the_bound_and_the_fix():
-    prof = HardwareProfile("hw", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32", noise=0.3)
+    prof = HardwareProfile("hw", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32", noise=0.3, drift=0.0)
     check_noise(prof, 0.35)
-    with pytest.raises(ProfileError, match=r"noise 30% exceeds the bound 20%.*quieter machine.*max_noise"):
+    with pytest.raises(ProfileError, match=r"noise 30% exceeds the bound 20%.*quieter machine.*--max-noise.*now 0.2\)"):
         check_noise(prof, 0.2)
-    check_noise(HardwareProfile("hw", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32"), 0.01)  # nan: not measured
+
+
+@pytest.mark.parametrize("noise, drift, name", [(math.nan, 0.0, "noise"), (0.0, math.nan, "drift between rounds")])
+def test_a_profile_whose_noise_was_not_measured_is_refused(noise, drift, name):
+    """nan passed every bound (``nan > bound`` is False): a tensor-parallel group's profile, which measured neither,
+    went through ``check_noise`` unread, however noisy its timings."""
+    prof = HardwareProfile("hw-tp2", {1: 1.0}, {1: 0.1}, 0.1, 64, "float32", noise=noise, drift=drift)
+    with pytest.raises(ProfileError, match=rf"profile of hw-tp2: timing {name} is nan \(not measured"):
+        check_noise(prof, 0.25)
+    with pytest.raises(ProfileError, match="is nan"):
+        check_noise(prof, math.inf)  # not even the smoke test's bound lets it through
+
+
+def test_a_target_timed_as_a_group_measures_its_noise_and_drift(monkeypatch):
+    """A tensor-parallel target is timed by its ranks (``time_target``): it is now timed a round per call, so the
+    profile carries a noise and a drift that ``check_noise`` can judge (they were nan)."""
+    factors = [1.0, 1.1, 0.9]  # the group's speed in each round
+    calls = []
+
+    def time_target(sizes, context, repeats):
+        calls.append((tuple(sizes), context, repeats))
+        return {n: factors[len(calls) - 1] * 0.1 * (1 + 0.1 * n) for n in sizes}
+
+    monkeypatch.setattr(hardware, "time_forward", lambda model, widths, *, context, repeats: {w: 0.01 for w in widths})
+    prof = profile(None, object(), hardware="hw-tp2", budgets=(1, 2, 4), widths=(1, 2), context=8, repeats=3,
+                   time_target=time_target, retries=0)
+    assert calls == [((1, 2, 4), 8, 1)] * 3  # one call a round, every size once
+    # per size: repeats (1, 1.1, 0.9)·x -> relative MAD 0.1; the draft's widths: 0. Median of (.1, .1, .1, 0, 0)
+    assert prof.noise == pytest.approx(0.1)
+    assert prof.drift == pytest.approx(1.1 / 0.9 - 1)  # round factors (1, 1.1, 0.9) over the target's sizes
+    assert prof.t == pytest.approx({1: 1.0, 2: 1.2 / 1.1, 4: 1.4 / 1.1}) and prof.batch_t == {}
+    assert prof.target_step_s == pytest.approx(0.9 * 0.11)  # the quiet (fastest) round
+    with pytest.raises(ProfileError, match="drift between rounds 22% exceeds the bound 15%"):
+        check_noise(prof, 0.15)
 
 
 def test_noise_round_trips_and_a_missing_noise_loads_as_nan(tmp_path):
@@ -151,7 +184,7 @@ def test_a_profile_still_drifting_keeps_its_least_drifting_timing_and_is_refused
     prof = profile(object(), object(), hardware="hw", budgets=(1, 2), widths=(1, 2), context=8, repeats=3)
     assert not attempts and prof.drift == pytest.approx(1.0)
     assert prof.target_step_s == pytest.approx(0.1)  # the first timing's fastest of (0.1, 0.2, 0.2); not 0.15
-    with pytest.raises(ProfileError, match=r"drift between rounds 100% exceeds the bound 25%.*max_noise"):
+    with pytest.raises(ProfileError, match=r"drift between rounds 100% exceeds the bound 25%.*--max-noise"):
         check_noise(prof, 0.25)
     monkeypatch.setattr(hardware, "_time_all", lambda *a, **k: _rounds(slow_after=1))
     calls = []
