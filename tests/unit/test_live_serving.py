@@ -349,10 +349,9 @@ def test_a_live_re_plan_to_the_target_alone_is_undone_when_acceptance_recovers(t
     assert store.fetch_plan(KEY)[0].plan.n > 1
 
 
-def test_gauges_are_set_again_with_their_last_values(monkeypatch):
-    """Ray drops a gauge value two report intervals (~20 s) after it was set: values set per request or per live
-    check were mostly gone at a scrape. ``refresh`` sets every gauge's last value per series again; the plan
-    size keeps one series per hardware and temperature, the kind served last."""
+@pytest.fixture
+def gauge_sets(monkeypatch) -> list[tuple]:
+    """Every gauge value set, as (name, value, tags): Ray's Gauge recorded."""
     from deployments import metrics as metrics_module
 
     sets = []
@@ -365,6 +364,14 @@ def test_gauges_are_set_again_with_their_last_values(monkeypatch):
             sets.append((self.name, value, tags))
 
     monkeypatch.setattr(metrics_module.metrics, "Gauge", Gauge)
+    return sets
+
+
+def test_gauges_are_set_again_with_their_last_values(gauge_sets):
+    """Ray drops a gauge value two report intervals (~20 s) after it was set: values set per request or per live
+    check were mostly gone at a scrape. ``refresh`` sets every gauge's last value per series again; the plan
+    size keeps one series per hardware and temperature, the kind served last."""
+    sets = gauge_sets
     m = ServiceMetrics()
     m.active.set(3)
     m.plan.set(16, tags=m.plan_tags("hw", "store:/p/1.json", 0.0))
@@ -379,22 +386,10 @@ def test_gauges_are_set_again_with_their_last_values(monkeypatch):
         key=str)
 
 
-def test_the_plan_gauge_follows_every_held_bucket_without_a_request(monkeypatch):
+def test_the_plan_gauge_follows_every_held_bucket_without_a_request(gauge_sets):
     """A refresh or a live re-plan replaces a bucket's plan between requests: the gauge, set per request only,
     showed the old plan until the bucket's next request. Every refresh of the gauges sets each bucket held."""
-    from deployments import metrics as metrics_module
-    from deployments.service import ActivePlan
-
-    sets = []
-
-    class Gauge:
-        def __init__(self, name, description, tag_keys=()):
-            self.name = name
-
-        def set(self, value, tags=None):
-            sets.append((self.name, value, tags))
-
-    monkeypatch.setattr(metrics_module.metrics, "Gauge", Gauge)
+    sets = gauge_sets
     m, plans = ServiceMetrics(), PlanProvider(config(None), HW)
     plans.get(0.6, 4)
     plans.adopt(0.0, {1: builtin_plan(0.0, budget=4), 8: builtin_plan(0.0, budget=2)})
