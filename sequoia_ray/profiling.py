@@ -28,7 +28,7 @@ from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_acceptance
 from sequoia_ray.tree.dp import solve
 from sequoia_ray.tree.plan import TreePlan, chain
-from sequoia_ray.tree.plan_file import BUILTIN_ACCEPTANCE, PlannedTree, Provenance
+from sequoia_ray.tree.plan_file import ACCEPTANCE_FILE, BUILTIN_ACCEPTANCE, PlannedTree, Provenance
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
     tokens = 12 if cfg.smoke_test else cfg.validate_tokens
     results, grids = [], {}
     for temperature in cfg.temperatures:
-        acceptance = _acceptance(cfg, pair, prompts, temperature, progress)
+        acceptance, measured_on = _acceptance(cfg, pair, prompts, temperature, progress)
         table = solve(acceptance, max(budgets), depth)
         params = SamplingParams(max_tokens=tokens, temperature=temperature)
         if target_model(pair) is None:
@@ -108,7 +108,7 @@ def run_trial(cfg: ProfileJobConfig, hardware: str, *, progress: bool = True, pa
         grids[temperature] = [(c.n, c.d, c.predicted_speedup) for c in picks[1].predicted]
         for batch, picked in sorted(picks.items(), key=lambda item: -item[0]):  # batch 1 last: see _publish_all
             key = PlanKey(hardware, _name(cfg, "draft"), _name(cfg, "target"), temperature, batch)
-            prov = _provenance(cfg, pair, picked, batch, prompts=len(prompts), tokens=cfg.measure_tokens)
+            prov = _provenance(cfg, pair, picked, batch, **measured_on)
             planned = PlannedTree(picked.choice.plan, acceptance, picked.choice.n, picked.choice.d,
                                   table.value(picked.choice.n, picked.choice.d), prov)
             result = _result(prof, temperature, picked)
@@ -269,13 +269,18 @@ def profile_prompts(cfg: ProfileJobConfig) -> list[Prompt]:
     return prompts[: 2 if cfg.smoke_test else cfg.max_prompts]
 
 
-def _acceptance(cfg, pair: LocalPair, prompts, temperature: float, progress: bool) -> AcceptanceVector:
+def _acceptance(cfg, pair: LocalPair, prompts, temperature: float, progress: bool
+                ) -> tuple[AcceptanceVector, dict]:
+    """p at ``temperature`` and what it was measured on, as ``_provenance``'s ``prompts``, ``tokens`` and
+    ``source``: the prompts and tokens per prompt measured, or none for a vector the job was given
+    (``--acceptance T=FILE``; ``source`` ACCEPTANCE_FILE), which its plans claimed measured on every prompt."""
     if temperature in cfg.acceptance:
-        return AcceptanceVector.parse(cfg.acceptance[temperature])
+        return AcceptanceVector.parse(cfg.acceptance[temperature]), {"prompts": 0, "tokens": 0,
+                                                                     "source": ACCEPTANCE_FILE}
     tokens = 16 if cfg.smoke_test else cfg.measure_tokens
     acceptance, _ = measure(pair.decoder, prompts, width=cfg.width, temperature=temperature, max_tokens=tokens,
                             progress=progress)
-    return acceptance
+    return acceptance, {"prompts": len(prompts), "tokens": tokens}
 
 
 def validate(pair: LocalPair, best: Choice, prompts, temperature: float, max_tokens: int) -> tuple[float, float]:

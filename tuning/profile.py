@@ -13,6 +13,12 @@ store; the printed table has a row per temperature and bucket. A tensor-parallel
 of rank actors: its profile has no batch tables and the buckets are extrapolated (``sequoia_ray.hardware``). Tune's own
 results go under <storage>/tune. ``sequoia-ray profile`` runs the same trial in-process without Ray.
 
+Plans are filed under the hardware id of what was measured, the id serving looks them up by: the GPU type when
+the models ran on it, else the CPU's, which counts the torch threads (``--threads``, by default the target's in
+deployments/config.yaml; each bundle reserves as many CPUs unless ``--cpus-per-trial``). A ``--device cpu`` trial
+on a GPU node files the node's CPU, not its GPU. Relative local paths (store, prompts, acceptance files, model
+checkpoints) are made absolute first: each trial runs in a directory of its own.
+
 A ``--hardware`` type no node of the cluster has is refused before any trial starts (exit code 2: its trial
 would wait for ever), unless ``--no-check-placement`` (worker groups that scale from zero: the autoscaler
 starts the node). A trial that fails does not stop the others: each publishes its own plans, the table shows
@@ -33,12 +39,17 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-from sequoia_ray.arguments import EXIT_BAD_INPUT, Parser, add_job_args, is_uri, job_config, one_line  # noqa: E402
+from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, is_uri, job_config, one_line,  # noqa: E402
+                                   positive_int)
 from sequoia_ray.config import ProfileJobConfig  # noqa: E402
 
 ACCEL_PREFIX = "accelerator_type:"
 CPU = "cpu"
 EXIT_TRIAL_FAILED = 1  # some trial failed (the others' plans are published)
+SERVED_THREADS = 2  # the target's torch threads in the shipped Serve config, deployments/config.yaml (a test holds
+# them equal): a CPU hardware id counts threads, and the service looks plans up under its own
+# (``deployments.launch.serving_hardware_id``): the trial's 1 CPU, hence 1 thread, filed them under ``...-1c`` where
+# that config serves ``...-2c``. A constant, not read from the Serve app: the Tune job imports no sibling layer.
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class TrialOptions:
 
     cpus: float  # logical CPUs of each of a trial's bundles
     check_placement: bool = True  # refuse a hardware type no node has now (off: the autoscaler may start one)
+    threads: int | None = None  # torch threads of a trial's forwards (a CPU hardware id counts them); None: torch's
 
 
 class MissingHardware(ValueError):
@@ -57,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="tuning/profile.py", description=__doc__.splitlines()[0])
     add_job_args(p)
     p.add_argument("--hardware", default="", help="comma-separated accelerator types (default: all in cluster)")
-    p.add_argument("--cpus-per-trial", type=float, default=1.0)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads of each trial's forwards, and of a CPU trial's hardware id (cpu-<model>-<isa>-"
+                        "<threads>c): the target's threads in the Serve config that will serve the plans (default: "
+                        "deployments/config.yaml's, so that its service finds them)")
+    p.add_argument("--cpus-per-trial", type=float, default=None,
+                   help="logical CPUs each trial bundle reserves (default: --threads)")
     p.add_argument("--no-check-placement", dest="check_placement", action="store_false",
                    help="start trials for --hardware types no node has yet (worker groups that scale from zero: the "
                         "autoscaler starts them), as the Serve config's check_placement: false; by default such a "
@@ -68,19 +85,36 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, TrialOptions]:
     """The job config from the command line; bad input raises ValueError (or SystemExit(2) from argparse)."""
     args = build_parser().parse_args(argv)
-    if args.cpus_per_trial <= 0:
+    if args.cpus_per_trial is not None and not args.cpus_per_trial > 0:
         raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} must be > 0")
     cfg = job_config(args, hardware=tuple(h for h in args.hardware.split(",") if h))
-    return absolute_paths(cfg), TrialOptions(args.cpus_per_trial, args.check_placement)
+    threads = args.threads or SERVED_THREADS
+    cpus = args.cpus_per_trial or float(threads)
+    return absolute_paths(cfg), TrialOptions(cpus, args.check_placement, threads)
 
 
 def absolute_paths(cfg: ProfileJobConfig) -> ProfileJobConfig:
-    """``cfg`` with its local paths (store, prompts, acceptance files) absolute: Tune runs each trial in a
-    directory of its own, where a relative path would name another file (or publish plans into the trial's
-    directory while the driver reports them under the path given)."""
+    """``cfg`` with its local paths (store, prompts, acceptance files, draft and target checkpoints) absolute: Tune
+    runs each trial in a directory of its own, where a relative path would name another file (or publish plans
+    into the trial's directory while the driver reports them under the path given)."""
     return cfg.model_copy(update={
         "storage": join_uri(cfg.storage), "prompts": cfg.prompts and _local(cfg.prompts),
-        "acceptance": {t: acceptance_value(v) for t, v in cfg.acceptance.items()}})
+        "acceptance": {t: acceptance_value(v) for t, v in cfg.acceptance.items()},
+        "draft": model_source(cfg.draft), "target": model_source(cfg.target)})
+
+
+def model_source(source: str) -> str:
+    """A ``--draft``/``--target`` value as the trials read it (``sequoia_ray.models.loading.resolve``): a name it
+    knows (``default-draft``, ``tiny-target``) and a hub id (``Qwen/Qwen2.5-0.5B``) as given, a local path
+    absolute — one written as a path (``./m``, ``~/m``, ``/m``) or one that exists here (``m``, ``m/``,
+    ``m.gguf``), as ``resolve`` would have loaded it in this directory. Left relative, ``./m`` named nothing
+    in the trial's directory, and ``m`` was taken there for a hub id."""
+    from sequoia_ray.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
+
+    path = Path(source).expanduser()
+    if source in (DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET) or not source.strip():
+        return source  # names first, as resolve reads them; "" is resolve's to refuse (Path("") is here)
+    return str(path.resolve()) if source.startswith(("/", ".", "~")) or path.exists() else source
 
 
 def acceptance_value(text: str) -> str:
@@ -164,29 +198,42 @@ def join_uri(uri: str, *parts: str) -> str:
     return f"{path}?{query}" if query else path
 
 
+def trial_hardware_id(hw: str, device_type: str, tp_size: int, threads: int | None) -> str:
+    """The hardware id a trial of type ``hw`` publishes under: that of what it measured. Its GPU type (Ray's name,
+    as serving's) when the models ran on the GPU; else the CPU's id with the ``threads`` it ran
+    (``sequoia_ray.hardware.hardware_id``), as serving names CPU actors on a GPU node
+    (``ServeConfig.plan_hardware_id``): a ``--device cpu`` trial on an A100 node filed CPU timings under ``A100``,
+    where a GPU server would serve them."""
+    from sequoia_ray.hardware import hardware_id
+
+    return hardware_id(hw if device_type == "cuda" else None, tp_size, threads)
+
+
 def trainable(config: dict) -> None:
-    """One Tune trial: everything for one hardware type (runs on a node of that type)."""
+    """One Tune trial: everything for one hardware type (runs on a node of that type), at the job's torch
+    threads (``TrialOptions.threads``)."""
     from ray import tune
 
     from actors.base import assigned_device
-    from sequoia_ray.hardware import hardware_id
+    from sequoia_ray.hardware import torch_threads
     from sequoia_ray.profiling import publish_heatmaps, run_trial
 
     cfg = ProfileJobConfig(**config["job"])
-    hw = config["hw"]
-    hw_id = hardware_id(None if hw == CPU else hw, cfg.tp_size)
+    threads = config.get("threads")
     device = assigned_device(cfg.device)  # the GPU Ray gave this trial, else the CPU (never an unassigned GPU)
+    hw_id = trial_hardware_id(config["hw"], device.type, cfg.tp_size, threads)
     cfg = cfg.model_copy(update={"device": device.type})
-    pair = None
-    if cfg.tp_size > 1:  # the target as rank actors in this trial's bundles 1..tp
-        from tuning.tp_pair import GroupPair
+    with torch_threads(threads):
+        pair = None
+        if cfg.tp_size > 1:  # the target as rank actors in this trial's bundles 1..tp
+            from tuning.tp_pair import GroupPair
 
-        on_gpu = device.type == "cuda"
-        pair = GroupPair(cfg, backend="nccl" if on_gpu else "gloo", num_cpus=config.get("cpus", 1.0),
-                         num_gpus=1 if on_gpu else 0)
-    from actors.call_probe import measure_calls
+            on_gpu = device.type == "cuda"
+            pair = GroupPair(cfg, backend="nccl" if on_gpu else "gloo", num_cpus=config.get("cpus", 1.0),
+                             num_gpus=1 if on_gpu else 0, threads=threads)
+        from actors.call_probe import measure_calls
 
-    results, grids = run_trial(cfg, hw_id, progress=False, pair=pair, calls=measure_calls)
+        results, grids = run_trial(cfg, hw_id, progress=False, pair=pair, calls=measure_calls)
     publish_heatmaps(cfg, hw_id, grids)
     tune.report({"results": json.dumps([asdict(r) for r in results]),
                  "best_predicted_speedup": max(r.predicted_speedup for r in results)})
@@ -208,7 +255,8 @@ def run(cfg: ProfileJobConfig, options: TrialOptions) -> tuple[list[dict], list[
     placed = tune.with_resources(
         trainable, lambda spec: trial_resources(spec["hw"], cfg.tp_size, options.cpus))
     tuner = tune.Tuner(
-        placed, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump(), "cpus": options.cpus},
+        placed, param_space={"hw": tune.grid_search(types), "job": cfg.model_dump(), "cpus": options.cpus,
+                             "threads": options.threads},
         run_config=RunConfig(name="sequoia-profile", storage_path=join_uri(cfg.storage, "tune"), verbose=1))
     rows, failed = [], []
     for result in tuner.fit():

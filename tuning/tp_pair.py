@@ -16,13 +16,14 @@ from sequoia_ray.models.loading import TINY_DRAFT, TINY_TARGET, load_model
 
 
 class GroupPair:
-    def __init__(self, cfg: ProfileJobConfig, *, backend: str, num_cpus: float, num_gpus: float) -> None:
+    def __init__(self, cfg: ProfileJobConfig, *, backend: str, num_cpus: float, num_gpus: float,
+                 threads: int | None = None) -> None:
         draft, target = (TINY_DRAFT, TINY_TARGET) if cfg.smoke_test else (cfg.draft, cfg.target)
         dtype = "float32" if cfg.smoke_test else cfg.dtype
         self.draft = load_model(draft, dtype=dtype, quantize=cfg.draft_quantize, progress=False,
                                 device=assigned_device(cfg.device), linears=cfg.linears, layers=cfg.layers,
                                 draft_vocab=cfg.draft_vocab)
-        spec = ModelActorSpec(target, dtype=dtype, device=cfg.device, threads=max(1, int(num_cpus)),
+        spec = ModelActorSpec(target, dtype=dtype, device=cfg.device, threads=threads or max(1, int(num_cpus)),
                               linears=cfg.linears, layers=cfg.layers)
         self.group = TargetGroup(spec, cfg.tp_size, backend, ActorResources(num_cpus, num_gpus),
                                  first_bundle=1)

@@ -25,6 +25,7 @@ class PlanFormatError(ValueError):
 
 
 BUILTIN_ACCEPTANCE = "builtin-acceptance"  # Provenance.source of a plan whose p was not measured
+ACCEPTANCE_FILE = "acceptance-file"  # Provenance.source of a plan whose p was given (--acceptance T=FILE), not measured
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Provenance:
     overhead: dict | None = None  # the cost model's per-step overhead (hardware.StepOverhead.to_dict())
     source: str | None = None  # how the plan was made: "live" = re-planned from live traffic; BUILTIN_ACCEPTANCE =
     # this machine's profile with the built-in acceptance vector (a bounded profile had no time to measure p);
-    # None = profiled
+    # ACCEPTANCE_FILE = with the acceptance vector the job was given (prompts and tokens_measured 0); None = profiled
     live_samples: int | None = None  # inner-node observations behind a live plan's acceptance vector
 
 

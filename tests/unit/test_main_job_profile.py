@@ -667,6 +667,27 @@ def test_the_profile_job_publishes_and_plans_on_a_non_decreasing_profile(tmp_pat
     assert published.t[4] == published.t[8] and published.c[1] == published.c[2]  # pooled violators
 
 
+def test_a_plan_made_with_a_given_acceptance_vector_says_so(tmp_path, monkeypatch):
+    """With ``--acceptance 0=0.8,0.1`` the plan's provenance claimed p measured on every prompt (``prompts`` 2,
+    ``tokens_measured`` 48 in a smoke run); p came from the job's input, measured on nothing here."""
+    from sequoia_ray.tree.plan_file import ACCEPTANCE_FILE
+
+    prof = HardwareProfile("cpu-test", {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}, 0.01,
+                           64, "float32", noise=0.01, drift=0.01)
+    monkeypatch.setattr(profiling, "profile", lambda *args, **kwargs: prof)
+    monkeypatch.setattr(profiling, "validate", lambda pair, best, prompts, temperature, tokens: (1.2, 2.0))
+    model = SimpleNamespace(device="cpu")
+    pair = SimpleNamespace(encode=lambda text, chat: [1, 2], draft=SimpleNamespace(model=model),
+                           target=SimpleNamespace(model=None), time_target=None)
+    cfg = ProfileJobConfig(storage=str(tmp_path / "store"), temperatures=(0.0,), budgets=(1, 2, 4, 8),
+                           acceptance={0.0: "0.8,0.1"})
+    profiling.run_trial(cfg, "cpu-test", progress=False, pair=pair)
+    planned, _ = PlanStore(cfg.storage).fetch_plan(PlanKey("cpu-test", cfg.draft, cfg.target, 0.0))
+    prov = planned.provenance
+    assert (prov.source, prov.prompts, prov.tokens_measured) == (ACCEPTANCE_FILE, 0, 0)
+    assert planned.acceptance.rows == AcceptanceVector.parse("0.8,0.1").rows
+
+
 def test_the_results_table_lines_up_and_shows_a_dash_where_nothing_was_measured():
     """A hardware id longer than the header's 28 characters pushed its rows out of line, and unmeasured cells
     printed "nan" (new-user walkthrough)."""

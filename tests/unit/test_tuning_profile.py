@@ -40,6 +40,80 @@ def test_a_bad_acceptance_value_fails_the_command(tmp_path, monkeypatch, value, 
         parse_config(["--storage", str(tmp_path), "--acceptance", f"0={value}"])
 
 
+def test_relative_model_paths_are_made_absolute_and_registry_names_and_hub_ids_kept(tmp_path, monkeypatch):
+    """``--draft ./relmodel`` named nothing in the trial's own directory (``absolute_paths`` covered the store,
+    prompts and acceptance files only), and ``relmodel`` was taken there for a hub id. A folder named like a
+    registry name stays the name (``resolve`` reads names first)."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("relmodel", "default-draft", "models/t"):
+        (tmp_path / folder).mkdir(parents=True)
+    argv = ["--storage", "s", "--draft", "./relmodel", "--target", "models/t/"]
+    cfg, _ = parse_config(argv)
+    assert (cfg.draft, cfg.target) == (str(tmp_path / "relmodel"), str(tmp_path / "models/t"))
+    cfg, _ = parse_config(["--storage", "s", "--draft", "relmodel", "--target", "./missing.gguf"])
+    assert (cfg.draft, cfg.target) == (str(tmp_path / "relmodel"), str(tmp_path / "missing.gguf"))
+    cfg, _ = parse_config(["--storage", "s", "--draft", "default-draft", "--target", "Qwen/Qwen2.5-0.5B"])
+    assert (cfg.draft, cfg.target) == ("default-draft", "Qwen/Qwen2.5-0.5B")
+
+
+def test_cpu_trials_measure_and_publish_under_the_id_the_shipped_serve_config_looks_up(tmp_path, monkeypatch):
+    """A CPU-only cluster's trial reserved 1 CPU, so profiled at 1 torch thread and filed its plans under
+    ``...-1c``, where ``deployments/config.yaml`` (the target's ``threads: 2``) looks them up under ``...-2c``."""
+    from deployments.config import ServeConfig
+    from deployments.launch import DEFAULT_CONFIG, app_args, serving_hardware_id
+
+    _, options = parse_config(["--storage", str(tmp_path)])
+    assert (options.threads, options.cpus) == (2, 2.0)
+    seen = run_trainable(monkeypatch, tmp_path, "cpu", "cpu", options.threads)
+    assert seen == [(serving_hardware_id(ServeConfig.model_validate(app_args(DEFAULT_CONFIG, []))), 2)]
+    _, options = parse_config(["--storage", str(tmp_path), "--threads", "3"])
+    assert (options.threads, options.cpus) == (3, 3.0)  # the trial reserves the CPUs it runs on
+    _, options = parse_config(["--storage", str(tmp_path), "--threads", "3", "--cpus-per-trial", "1"])
+    assert (options.threads, options.cpus) == (3, 1.0)
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", None), ("cuda", "A100")])
+def test_a_trial_publishes_under_the_id_of_what_it_measured(tmp_path, monkeypatch, device, expected):
+    """``--device cpu`` on an A100 node measured the node's CPU but filed the plans under ``A100``, where a GPU
+    server would serve them; they go under the CPU's id, as serving names CPU actors on a GPU node."""
+    from sequoia_ray.hardware import hardware_id
+
+    seen = run_trainable(monkeypatch, tmp_path, "A100", device, 2)
+    assert seen == [(expected or hardware_id(None, 1, 2), 2)]
+
+
+def run_trainable(monkeypatch, tmp_path, hw: str, device: str, threads: int) -> list[tuple[str, int]]:
+    """``trainable`` for a trial of type ``hw`` whose models run on ``device`` at the job's ``threads``, on a
+    stubbed Ray and trial: the (hardware id, torch threads) each ``run_trial`` was called with."""
+    import torch
+    from ray import tune
+
+    import actors.base
+    import sequoia_ray.profiling as profiling
+    from sequoia_ray.config import ProfileJobConfig
+    from sequoia_ray.profiling import TrialResult
+    from tuning.profile import trainable
+
+    seen, before = [], torch.get_num_threads()
+    row = TrialResult(**{**A_ROW, "predicted_speedup": 1.5})
+
+    def run_trial(cfg, hw_id, **kwargs):
+        seen.append((hw_id, torch.get_num_threads()))
+        return [row], {}
+
+    monkeypatch.setattr(profiling, "run_trial", run_trial)
+    monkeypatch.setattr(profiling, "publish_heatmaps", lambda cfg, hw_id, grids: [])
+    monkeypatch.setattr(actors.base, "assigned_device", lambda spec: torch.device(device))
+    monkeypatch.setattr(tune, "report", lambda metrics: None)
+    job = ProfileJobConfig(storage=str(tmp_path), device=device).model_dump()
+    torch.set_num_threads(1)  # as Ray starts a trial of 1 CPU (OMP_NUM_THREADS=1)
+    try:
+        trainable({"hw": hw, "job": job, "cpus": 1.0, "threads": threads})
+        assert torch.get_num_threads() == 1  # put back
+    finally:
+        torch.set_num_threads(before)
+    return seen
+
 
 def test_a_tensor_parallel_trial_keeps_its_ranks_on_its_node():
     """The ranks' group master is the trial's node address: a rank 0 placed on another node (Tune's default PACK
@@ -63,11 +137,12 @@ def stub_ray(monkeypatch):
     import ray
     from ray import tune
 
-    stub = SimpleNamespace(results=[], tuners=[])
+    stub = SimpleNamespace(results=[], tuners=[], spaces=[])
 
     class Tuner:
         def __init__(self, trainable, *, param_space, run_config):
             stub.tuners.append(param_space["hw"])
+            stub.spaces.append(param_space)
 
         def fit(self):
             return stub.results
@@ -90,6 +165,12 @@ def test_a_hardware_type_no_node_has_is_refused_before_any_trial(tmp_path, capsy
     check_hardware(["A", "cpu"], {"CPU": 1.0, "accelerator_type:A": 1.0})
     assert main([*argv, "--hardware", "H100", "--no-check-placement"]) == 0  # the autoscaler may start one
     assert stub_ray.tuners == [{"grid_search": ["H100"]}]
+
+
+def test_the_trials_get_the_jobs_threads(tmp_path, stub_ray):
+    """The trials ran at the torch threads Ray gave their worker (one per reserved CPU), whatever serving uses."""
+    assert main(["--storage", str(tmp_path), "--temperatures", "0", "--threads", "3"]) == 0
+    assert stub_ray.spaces[0]["threads"] == 3 and stub_ray.spaces[0]["cpus"] == 3.0
 
 
 def test_a_failed_trial_is_a_line_and_the_others_plans_are_reported(tmp_path, capsys, stub_ray):
@@ -120,3 +201,13 @@ def test_a_failed_trial_is_named_by_its_own_error(error):
     """Tune keeps a trial's error pickled (a ``RayTaskError`` wrapping it: see above) or, when it cannot be
     pickled, as the text of its trace."""
     assert root_cause(error).endswith("Error: profile of B: timing noise 31% exceeds the bound 25%")
+
+
+def test_the_jobs_default_threads_are_the_shipped_serve_configs():
+    """``SERVED_THREADS`` is a constant (the Tune job imports no Serve code): it must stay the target's threads in
+    ``deployments/config.yaml``, or the job's CPU plans are filed under an id that config never looks up."""
+    from deployments.config import ServeConfig
+    from deployments.launch import DEFAULT_CONFIG, app_args
+    from tuning.profile import SERVED_THREADS
+
+    assert SERVED_THREADS == ServeConfig.model_validate(app_args(DEFAULT_CONFIG, [])).actor_spec("target").threads
