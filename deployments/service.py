@@ -101,7 +101,9 @@ class PlanProvider:
     def _follow(self, name: str) -> ActivePlan:
         temperature, bucket = self.keys[name]
         leader = self.follows[name] = self._leader(temperature, bucket)
-        if leader is not None:
+        if leader in self.follows:  # a follower itself (another temperature's bucket): re-pointed first, so this
+            active = self._follow(leader)  # one gets its current plan (ends: a leader's leader has a plan of its own)
+        elif leader is not None:
             active = self.get(*parse_bucket(leader))
         elif (current := self.plans.get(name)) is not None and current.source == "builtin":
             active = current  # the same built-in plan as before: nothing to swap

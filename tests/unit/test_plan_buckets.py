@@ -303,3 +303,14 @@ def test_parse_bucket_inverts_plan_bucket():
 
     assert parse_bucket(plan_bucket(0.64, 4)) == (0.6, 4) and parse_bucket(plan_bucket(1.0)) == (1.0, 1)
     assert [parse_bucket(n) for n in ("t0.6-b3", "t0.6-b", "profiles", "t1-b4")] == [None] * 4
+
+
+def test_a_follower_of_a_follower_serves_the_new_plan_at_the_same_refresh(store):
+    """T = 0.7's bucket 4 follows 0.6's bucket 4, which follows 0.6's batch-1 plan: after a new 0.6 plan, a
+    refresh that re-pointed 0.7's bucket before 0.6's served it the old plan for another plan_refresh_s."""
+    publish(store, 16, 1, 0.6)
+    plans = provider(store.uri)
+    plans.get(0.7, 4)
+    newer = publish(store, 8, 1, 0.6)
+    plans.refresh()
+    assert plans.get(0.7, 4).source == plans.get(0.6, 4).source == f"store:{newer}"
