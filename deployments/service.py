@@ -71,9 +71,12 @@ class PlanProvider:
         self.seen: dict[str, str] = {}  # folder name -> the store's latest plan when last looked ("store:<path>")
         self.errors, self.last_error = 0, None
         self.warned: set[str] = set()  # what was warned about once (``_first``): plans measured otherwise, no plan
-        # refresh (the ingress's loop) and adopt (the live re-plan's) run in threads of their own: one at a time,
-        # or a refresh that listed the store before a live plan was published swaps the older plan back in
-        self.updating = threading.Lock()
+        # refresh (the ingress's loop), adopt (the live re-plan's) and a bucket's first load (a request's) run in
+        # threads of their own: one at a time, or a refresh that listed the store before a live plan was published
+        # swaps the older plan back in, and a load that found a leader swaps its plan over the bucket's own one a
+        # refresh adopted meanwhile (for good: seen already says the store's plan is served). Re-entrant: a load
+        # loads its leader.
+        self.updating = threading.RLock()
 
     def get(self, temperature: float, batch_size: int = 1) -> ActivePlan:
         """The plan for a batch of ``batch_size`` requests at ``temperature``: its bucket's (the largest
@@ -81,10 +84,12 @@ class PlanProvider:
         bucket = batch_bucket(batch_size)
         name = plan_bucket(temperature, bucket)
         active = self.plans.get(name)
-        if active is None:
-            active = self._load(name, temperature, bucket)
-            logger.info("plan for %s T=%s batch bucket %d: %s (%d nodes)", self.hardware, temperature, bucket,
-                        active.source, active.planned.plan.n)
+        if active is None:  # the bucket's first request: under the lock (once loaded, a lookup without it)
+            with self.updating:
+                if (active := self.plans.get(name)) is None:
+                    active = self._load(name, temperature, bucket)
+                    logger.info("plan for %s T=%s batch bucket %d: %s (%d nodes)", self.hardware, temperature,
+                                bucket, active.source, active.planned.plan.n)
         return active
 
     def _load(self, name: str, temperature: float, bucket: int) -> ActivePlan:
@@ -109,7 +114,8 @@ class PlanProvider:
             active = current  # the same built-in plan as before: nothing to swap
         else:
             active = ActivePlan(builtin_plan(temperature), "builtin")
-        if self.folders is not None and (leader is None or parse_bucket(leader)[0] != parse_bucket(name)[0]):
+        if (self.folders is not None and name not in self.folders  # (listed but unread: a store error, logged)
+                and (leader is None or parse_bucket(leader)[0] != parse_bucket(name)[0])):
             what = "the built-in plan" if leader is None else f"the plan of the nearest temperature it has ({leader})"
             message = (f"no plan for hardware {self.hardware!r}, pair {self.cfg.draft or ''!r} -> {self.cfg.target!r},"
                        f" temperature {parse_bucket(name)[0]} in the store: serving {what}; run tuning/profile.py "
@@ -130,7 +136,8 @@ class PlanProvider:
             return plan_bucket(here, max(smaller))
         others = [t for t, b in filter(None, own) if b == 1 and t != here]
         if others:
-            return plan_bucket(min(others, key=lambda t: (abs(t - here), t)), bucket)
+            tenths = round(here * 10)  # buckets are tenths: 0.4 - 0.3 > 0.5 - 0.4 in floats, a tie in tenths
+            return plan_bucket(min(others, key=lambda t: (abs(round(t * 10) - tenths), t)), bucket)
         return None
 
     def refresh(self) -> None:
@@ -193,7 +200,9 @@ class PlanProvider:
         return list(self.plans.items())  # one C call: no other thread runs inside it
 
     def current(self, temperature: float) -> dict[int, PlannedTree]:
-        """The plans served at ``temperature`` per batch bucket that has its own (not a fallback)."""
+        """The plans served at ``temperature`` per batch bucket whose plan was made for its batch size: its own, or
+        the nearest temperature's of that bucket it follows (not a smaller bucket's: the live re-plan starts
+        from the trees served, and those it re-plans become this temperature's own)."""
         out = {}
         for bucket in BATCH_BUCKETS:
             active = self.plans.get(plan_bucket(temperature, bucket))
