@@ -270,8 +270,9 @@ def check_noise(prof: HardwareProfile, bound: float) -> None:
     or their noise or drift is nan (not measured: nothing says they are within the bound)."""
     for name, value in (("noise", prof.noise), ("drift between rounds", prof.drift)):
         if math.isnan(value):
-            raise ProfileError(f"profile of {prof.hardware_id}: timing {name} is nan (not measured: every size must "
-                               "be timed 2 or more times), so nothing bounds it; profile again with repeats >= 2")
+            raise ProfileError(f"profile of {prof.hardware_id}: timing {name} is nan (not measured: no size was "
+                               "timed twice with a non-zero median; a profile made elsewhere may lack it), so nothing "
+                               "bounds it; profile again with this version (it times every size in several rounds)")
         if value > bound:
             raise ProfileError(f"profile of {prof.hardware_id}: timing {name} {value:.0%} exceeds the bound {bound:.0%}; "
                                "profile again on a quieter machine (nothing else running) or raise the bound "

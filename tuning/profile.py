@@ -142,18 +142,39 @@ def hardware_resource(hw: str) -> str:
     return "CPU" if hw == CPU else ACCEL_PREFIX + hw
 
 
-def check_hardware(types: list[str], resources: dict[str, float]) -> None:
+def check_hardware(types: list[str], resources: dict[str, float], nodes: list[dict[str, float]] | None = None,
+                   need=None) -> None:
     """MissingHardware naming the ``types`` whose resource (``hardware_resource``) the cluster's ``resources`` lack,
-    the types it has and the fix: Tune would keep such a trial pending for ever, without an error."""
+    the types it has and the fix: Tune would keep such a trial pending for ever, without an error. Given the alive
+    ``nodes``' resources and ``need(hw)`` (what a trial takes on one node: ``trial_need``), also a type none of
+    whose nodes can hold a trial (a 2-CPU trial on 1-CPU nodes waited for ever as well)."""
     missing = [hw for hw in types if not resources.get(hardware_resource(hw), 0) > 0]
-    if not missing:
-        return
-    present = ", ".join(discover_hardware(resources))
-    raise MissingHardware(
-        f"--hardware {','.join(missing)}: no node of the cluster has the resource "
-        f"{', '.join(map(hardware_resource, missing))} (its hardware types: {present}), so a trial would wait for "
-        f"ever; name types the cluster has, or leave --hardware out to profile them all; if worker groups of that "
-        "type scale from zero, pass --no-check-placement to let the autoscaler start their nodes")
+    if missing:
+        present = ", ".join(discover_hardware(resources))
+        raise MissingHardware(
+            f"--hardware {','.join(missing)}: no node of the cluster has the resource "
+            f"{', '.join(map(hardware_resource, missing))} (its hardware types: {present}), so a trial would wait "
+            f"for ever; name types the cluster has, or leave --hardware out to profile them all; if worker groups of "
+            "that type scale from zero, pass --no-check-placement to let the autoscaler start their nodes")
+    for hw in types if nodes is not None and need is not None else ():
+        wanted = need(hw)
+        if not any(all(node.get(k, 0) >= v for k, v in wanted.items()) for node in nodes):
+            most = max((node.get("CPU", 0) for node in nodes if node.get(hardware_resource(hw), 0) > 0), default=0)
+            raise MissingHardware(
+                f"--hardware {hw}: a trial takes {', '.join(f'{k} {v:g}' for k, v in sorted(wanted.items()))} on one "
+                f"node, more than any node of that type has (the most CPUs of one: {most:g}), so it would wait for "
+                "ever; lower --threads or --cpus-per-trial (each bundle's CPUs), or pass --no-check-placement if the "
+                "autoscaler adds larger nodes")
+
+
+def trial_need(hw: str, tp_size: int, cpus: float) -> dict[str, float]:
+    """What a trial of ``hw`` takes on one node: its bundles summed (a TP group's are packed on the trial's node,
+    ``trial_resources``; a lone bundle is one)."""
+    total: dict[str, float] = {}
+    for bundle in trial_bundles(hw, tp_size, cpus):
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def root_cause(error: BaseException | str) -> str:
@@ -250,7 +271,8 @@ def run(cfg: ProfileJobConfig, options: TrialOptions) -> tuple[list[dict], list[
     resources = ray.cluster_resources()
     types = list(cfg.hardware) or discover_hardware(resources)
     if options.check_placement:
-        check_hardware(types, resources)
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+        check_hardware(types, resources, nodes, lambda hw: trial_need(hw, cfg.tp_size, options.cpus))
     print(f"profiling hardware types: {types}", flush=True)
     placed = tune.with_resources(
         trainable, lambda spec: trial_resources(spec["hw"], cfg.tp_size, options.cpus))

@@ -149,6 +149,9 @@ def stub_ray(monkeypatch):
 
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0, "accelerator_type:A": 1.0})
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0}},
+                                               {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 2.0,
+                                                                             "accelerator_type:A": 1.0}}])
     monkeypatch.setattr(tune, "Tuner", Tuner)
     return stub
 
@@ -211,3 +214,22 @@ def test_the_jobs_default_threads_are_the_shipped_serve_configs():
     from tuning.profile import SERVED_THREADS
 
     assert SERVED_THREADS == ServeConfig.model_validate(app_args(DEFAULT_CONFIG, [])).actor_spec("target").threads
+
+
+def test_a_trial_no_node_can_hold_is_refused_before_any_trial(tmp_path, capsys, stub_ray):
+    """The trials' default CPUs follow --threads (2): on nodes of one CPU each, every CPU trial waited for ever
+    (the type exists, so the resource check passed); so did a TP group larger than any node of its type."""
+    from tuning.profile import trial_need
+
+    argv = ["--storage", str(tmp_path), "--temperatures", "0"]
+    assert main([*argv, "--hardware", "A", "--threads", "6"]) == EXIT_BAD_INPUT  # 6 CPUs; A's node has 4
+    err = capsys.readouterr().err
+    assert "--hardware A: a trial takes CPU 6, GPU 1" in err and "(the most CPUs of one: 4)" in err and "--threads" in err
+    assert main([*argv, "--hardware", "A", "--tp-size", "2", "--threads", "1"]) == EXIT_BAD_INPUT  # 3 GPUs; 2 there
+    assert not stub_ray.tuners
+    assert trial_need("A", 2, 1.0)["GPU"] == 3 and trial_need("cpu", 1, 2.0) == {"CPU": 2.0}
+    assert main([*argv, "--hardware", "A", "--threads", "4"]) == 0 and stub_ray.tuners == [{"grid_search": ["A"]}]
+    one_cpu = [{"CPU": 1.0}]
+    with pytest.raises(MissingHardware, match="--hardware cpu: a trial takes CPU 2 on one node"):
+        check_hardware(["cpu"], {"CPU": 3.0}, one_cpu * 3, lambda hw: trial_need(hw, 1, 2.0))
+    check_hardware(["cpu"], {"CPU": 3.0}, one_cpu * 3, lambda hw: trial_need(hw, 1, 1.0))
