@@ -85,18 +85,28 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
                         status_code=500)
 
 
+class _ToServe(logging.Handler):
+    """Hands a record to the handlers "ray.serve" has when it is emitted (Serve may configure them again: a
+    deployment's new logging_config replaces them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("ray.serve").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def log_where_serve_does() -> None:
     """In a replica: the service's log lines (``sequoia_ray.*``: plans chosen, store faults, failed requests) go
     where Serve's own go, at its level: the replica's log file and stderr, with time, replica and request id.
     Without a handler of their own INFO lines were dropped and warnings printed bare by Python's last resort.
     Idempotent (a replica may be built again in its process)."""
     ours, serves = logging.getLogger("sequoia_ray"), logging.getLogger("ray.serve")
-    for handler in serves.handlers:
-        if handler not in ours.handlers:
-            ours.addHandler(handler)
-    if serves.handlers:
-        ours.setLevel(serves.level or logging.INFO)
-        ours.propagate = False  # Serve's handlers only: a root handler would print each line twice
+    if not serves.handlers:
+        return  # not in a replica (Serve configures its logger there)
+    if not any(isinstance(h, _ToServe) for h in ours.handlers):
+        ours.addHandler(_ToServe())
+    ours.setLevel(serves.level or logging.INFO)
+    ours.propagate = False  # Serve's handlers only: a root handler would print each line twice
 
 
 def _unavailable(what: str) -> api.APIError:

@@ -144,6 +144,15 @@ def test_the_services_log_lines_go_where_serves_do():
         logging.getLogger("sequoia_ray.serve").info("plan for t0.0: builtin")
         logging.getLogger("sequoia_ray.serve").debug("below Serve's level")
         assert seen == ["INFO sequoia_ray.serve: plan for t0.0: builtin"] and not ours.propagate
+        again: list[str] = []
+
+        class Renewed(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                again.append(record.getMessage())
+
+        serves.handlers[:] = [Renewed()]  # Serve configures its logger again (a deployment's new logging_config)
+        logging.getLogger("sequoia_ray.serve").warning("through the new handlers")
+        assert again == ["through the new handlers"] and len(seen) == 1  # not the replaced handler
     finally:
         for logger, handlers, propagate, level in saved:
             logger.handlers[:], logger.propagate = handlers, propagate
