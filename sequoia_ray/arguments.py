@@ -116,6 +116,18 @@ def given(args: argparse.Namespace, names: list[str]) -> dict:
 
 
 # ---- the profiling job (``sequoia-ray profile`` and ``tuning/profile.py``) -------------------------
+def noise_fraction(text: str) -> float:
+    """``--max-noise``: a fraction as the job config's ``max_noise`` checks it, at most 1. ``25`` meant as 25%
+    was a bound of 2500%: the noise check turned off without a word (a config may still set more, e.g. the
+    tests' tiny models, whose sub-millisecond timings are all noise)."""
+    value = field_type(ProfileJobConfig, "max_noise")(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is over 1 (100%): a fraction, e.g. 0.25 for 25%; did you mean "
+                                         f"{value / 100:g}?")
+    return value
+
+
+
 _JOB_PLAIN = ["draft", "target", "max_depth", "width", "prompts", "dtype", "draft_quantize", "linears", "layers",
               "draft_vocab", "device", "tp_size", "max_noise"]
 
@@ -142,8 +154,7 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=vocab_size, help=doc("draft_vocab"))
     p.add_argument("--device", choices=DEVICE_CHOICES, help=doc("device"))
     p.add_argument("--tp-size", type=int, help=doc("tp_size"))
-    p.add_argument("--max-noise", type=field_type(ProfileJobConfig, "max_noise"), metavar="FRACTION",
-                   help=doc("max_noise"))
+    p.add_argument("--max-noise", type=noise_fraction, metavar="FRACTION", help=doc("max_noise"))
     p.add_argument("--smoke-test", action="store_true", help=ProfileJobConfig.model_fields["smoke_test"].description)
 
 

@@ -71,3 +71,7 @@ def test_max_noise_is_a_job_option_checked_as_the_model_checks_it(capsys):
         err = capsys.readouterr().err
         assert out.value.code == 2 and len(err.strip().splitlines()) == 1
         assert f"argument --max-noise: '{bad}': input should be " in err, err  # greater than 0 / a valid number
+    with pytest.raises(SystemExit):
+        parse("--storage", "s", "--max-noise", "25")  # meant as 25%: a bound of 2500%, the check off
+    assert "'25' is over 1 (100%): a fraction, e.g. 0.25 for 25%; did you mean 0.25?" in capsys.readouterr().err
+    assert job_config(parse("--storage", "s", "--max-noise", "1")).max_noise == 1.0
