@@ -32,8 +32,8 @@ from deployments.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from deployments.service import GrowRules, LivePlanner, PlanProvider, Runner, TreeFamilies
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder
-from sequoia_ray.in_flight import InFlight
 from sequoia_ray.hardware import batch_bucket
+from sequoia_ray.in_flight import InFlight
 from sequoia_ray.live_cost import CostSettings, StepRates
 from sequoia_ray.local import encode, pair_refusal as local_pair_refusal
 
