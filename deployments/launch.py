@@ -435,6 +435,8 @@ def serve_until_stopped(address: str | None, drain_s: float, wait=time.sleep) ->
     import signal
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # Ctrl-C too: a launcher started in the background by a script inherits SIGINT ignored (a shell's `&`, nohup)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             while True:
@@ -451,3 +453,4 @@ def serve_until_stopped(address: str | None, drain_s: float, wait=time.sleep) ->
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
