@@ -6,8 +6,8 @@ a worker thread (each step blocks on the actors); the async side awaits one chun
 disconnect (task cancellation) lands between steps and closing the generator frees the request's KV state
 on every actor. Plans come from the plan store (latest for this hardware, pair, temperature bucket and batch
 bucket), refreshed in the background; missing or broken store -> the last good plan, else a neighbour's (a
-smaller batch bucket's, the nearest profiled temperature's) or the built-in one. ``LivePlanner`` learns the acceptance vector from
-the verdicts and swaps in (and publishes) a re-planned tree when the served one's vector leaves its bound.
+smaller batch bucket's, the nearest profiled temperature's) or the built-in one. ``LivePlanner`` learns the
+acceptance vector from the verdicts and swaps in (and publishes) a re-planned tree when the served one's vector leaves its bound.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class PlanProvider:
     """The plan per temperature bucket and batch bucket: the store's latest for that bucket, else the last
     good one; a bucket with no plan of its own follows another (``_leader``): a batch bucket > 1 its
     temperature's largest smaller bucket with a plan, a temperature the store has no plan at the nearest
-    temperature that has one (the same batch bucket), else the built-in plan. No store fault (unreachable, a bad URI, a corrupt or invalid
-    plan file) ever reaches a request: it is logged, counted in ``errors`` (exported as a metric and in
-    /v1/models) and the current plan stays.
+    temperature that has one (the same batch bucket), else the built-in plan. No store fault (unreachable, a
+    bad URI, a corrupt or invalid plan file) ever reaches a request: it is logged, counted in ``errors``
+    (exported as a metric and in /v1/models) and the current plan stays.
 
     ``get`` runs at every step of a batch: once a bucket is loaded it is a dict lookup, no I/O. ``refresh`` lists
     the pair's folders once and fetches only the buckets the store has, so clients asking many temperatures
@@ -235,10 +235,8 @@ class PlanProvider:
             key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature, bucket)
             return self.store.publish_plan(planned, key)
         except Exception as exc:  # noqa: BLE001 - the live plan is served anyway; the store is optional
-            error = f"{type(exc).__name__}: {exc}"
-            (logger.error if error != self.last_error else logger.debug)(  # once per cause: each re-plan tries
-                "could not publish the live plan for T=%s bucket %d (serving it anyway): %s", temperature, bucket, error)
-            self.errors, self.last_error = self.errors + 1, error
+            self._store_error(exc, 0, f"could not publish the live plan for T={temperature} bucket {bucket} "
+                                      "(serving it anyway)")  # logged once per cause: each re-plan tries again
             return None
 
     def profile(self) -> HardwareProfile | None:
@@ -276,11 +274,13 @@ class PlanProvider:
                            f" --draft-quantize {self.cfg.draft_quantize}" if self.cfg.draft_quantize else "")
         return ActivePlan(planned, f"store:{path}", bucket, why)
 
-    def _store_error(self, exc: Exception, skipped: int) -> None:
-        """A store fault: logged (once per distinct error), counted (each of the ``skipped`` files it tried)."""
+    def _store_error(self, exc: Exception, skipped: int,
+                     what: str = "plan store error, keeping the current plan") -> None:
+        """A store fault while doing ``what``: logged (once per distinct error), counted (each of the ``skipped``
+        files it tried, at least one)."""
         error = f"{type(exc).__name__}: {exc}"
         log = logger.error if error != self.last_error else logger.debug
-        log("plan store error, keeping the current plan: %s", error)
+        log("%s: %s", what, error)
         self.errors, self.last_error = self.errors + max(1, skipped), error
 
     def _first(self, key: str) -> bool:

@@ -224,7 +224,8 @@ def test_a_trial_no_node_can_hold_is_refused_before_any_trial(tmp_path, capsys, 
     argv = ["--storage", str(tmp_path), "--temperatures", "0"]
     assert main([*argv, "--hardware", "A", "--threads", "6"]) == EXIT_BAD_INPUT  # 6 CPUs; A's node has 4
     err = capsys.readouterr().err
-    assert "--hardware A: a trial takes CPU 6, GPU 1" in err and "(the most CPUs of one: 4)" in err and "--threads" in err
+    assert "--hardware A: a trial takes CPU 6, GPU 1" in err and "(the most CPUs of one: 4)" in err
+    assert "--threads" in err
     assert main([*argv, "--hardware", "A", "--tp-size", "2", "--threads", "1"]) == EXIT_BAD_INPUT  # 3 GPUs; 2 there
     assert not stub_ray.tuners
     assert trial_need("A", 2, 1.0)["GPU"] == 3 and trial_need("cpu", 1, 2.0) == {"CPU": 2.0}
