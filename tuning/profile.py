@@ -114,7 +114,7 @@ def model_source(source: str) -> str:
     path = Path(source).expanduser()
     if source in (DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET) or not source.strip():
         return source  # names first, as resolve reads them; "" is resolve's to refuse (Path("") is here)
-    return str(path.resolve()) if source.startswith(("/", ".", "~")) or path.exists() else source
+    return _local(source) if source.startswith(("/", ".", "~")) or path.exists() else source
 
 
 def acceptance_value(text: str) -> str:
