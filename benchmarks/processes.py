@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
+from sequoia_ray.batching import WORKER_CALLS  # noqa: E402
 from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, SamplingParams  # noqa: E402
 from sequoia_ray.engine import SpeculativeDecoder  # noqa: E402
 from sequoia_ray.local import LocalPair  # noqa: E402
@@ -84,7 +85,7 @@ class PipeWorker:
             raise RuntimeError(f"the {role} process did not start")
 
     def __getattr__(self, method: str):
-        if method not in ("start", "grow", "verify", "commit", "finish"):
+        if method not in WORKER_CALLS:
             raise AttributeError(method)  # only the protocol's calls go over the pipe
 
         def call(*args):

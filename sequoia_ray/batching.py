@@ -314,6 +314,12 @@ def _settle(item: _Call, run: Callable[[], object]) -> None:
         item.future.set_exception(exc)
 
 
+# The calls a Draft or Target worker answers (the engine's protocols; ``commit``: a draft's verdicts sent apart
+# from a grow, as ``ActorDraft.commit`` does): what a proxy of a worker forwards (a queue, a pipe), and nothing
+# else, so the engine's optional attributes (``max_context``, ``abandon``) read as absent rather than as a call.
+WORKER_CALLS = ("start", "grow", "verify", "commit", "finish")
+
+
 class BatchedWorker:
     """The engine's Draft / Target protocol over a ``Batcher``: each method is one queued call. ``max_context``:
     the positions its worker's model reads (the engine's ``draft_levels``), None for no limit."""
@@ -322,6 +328,6 @@ class BatchedWorker:
         self.batcher, self.max_context = batcher, max_context
 
     def __getattr__(self, method: str):
-        if method.startswith("_") or method not in ("start", "grow", "verify", "commit", "finish"):
+        if method not in WORKER_CALLS:
             raise AttributeError(method)
         return lambda request_id, *args: self.batcher.call(method, request_id, *args)

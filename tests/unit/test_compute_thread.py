@@ -14,6 +14,7 @@ import sequoia_ray.models.loading as loading
 from actors.draft import DraftActor
 from actors.spec import ModelActorSpec
 from actors.target import TargetRank, free_port
+from sequoia_ray.batching import WORKER_CALLS
 from sequoia_ray.compute_thread import ComputeThread, compute_thread
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
@@ -67,7 +68,7 @@ class _Calls:
         self.actor = actor
 
     def __getattr__(self, method):
-        if method not in ("start", "grow", "verify", "commit", "finish"):
+        if method not in WORKER_CALLS:
             raise AttributeError(method)  # e.g. the optional max_context: absent
         return lambda request_id, *args: self.actor.call(method, request_id, *args)
 
