@@ -392,7 +392,9 @@ class OpenAIIngress:
             raise _no_model(req.model, self.cfg.model_name)
         field = req.prompt_param
         try:
-            params = req.sampling(min(256 if chat else 16, self.cfg.max_tokens_limit))
+            # without a length: 16 for a completion (OpenAI's and vLLM's default), for a chat the most allowed,
+            # cut to the context left after the prompt (``_fit_context``), as OpenAI's and vLLM's chat defaults are
+            params = req.sampling(self.cfg.max_tokens_limit if chat else min(16, self.cfg.max_tokens_limit))
         except ValidationError as exc:
             raise api.validation_error(exc) from None
         try:
@@ -601,11 +603,22 @@ class OpenAIIngress:
         return policy
 
     async def _events(self, chunks, req, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
-        """A stream's chunks: the finish chunk carries the usage; with ``stream_options.include_usage`` a last
-        chunk with no choices carries it again, as OpenAI sends it. One ``created`` for the whole stream."""
+        """A stream's chunks. Without ``stream_options`` the finish chunk carries the usage. With
+        ``include_usage`` every chunk has ``usage: null`` and a last chunk with no choices carries it, as OpenAI
+        sends it (a client that adds up the chunks' usages, as LangChain does, counted it twice when the finish
+        chunk carried it too); with vLLM's ``continuous_usage_stats`` every chunk carries the usage so far. One
+        ``created`` for the whole stream."""
         model, created = self.cfg.model_name, int(time.time())
+
+        def with_usage(event: dict, produced: int, stats=None, finished: bool = False) -> dict:
+            if req.usage_every_chunk or (finished and not req.usage_chunk):
+                event["usage"] = api.usage(prompt_tokens, produced, stats)
+            elif req.usage_chunk:
+                event["usage"] = None
+            return event
+
         if chat:
-            yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created)
+            yield with_usage(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created), 0)
         produced = 0
         async for chunk in chunks:
             produced += len(chunk.token_ids)
@@ -615,8 +628,7 @@ class OpenAIIngress:
                     event = api.chat_chunk(rid, model, delta, chunk.finish_reason, created)
                 else:
                     event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason, created)
-                if chunk.finish_reason:
-                    event["usage"] = api.usage(prompt_tokens, produced, chunk.stats.to_dict())
-                yield event
+                stats = chunk.stats.to_dict() if chunk.finish_reason else None
+                yield with_usage(event, produced, stats, finished=bool(chunk.finish_reason))
                 if chunk.finish_reason and req.usage_chunk:
-                    yield {**event, "choices": []}
+                    yield {**event, "choices": [], "usage": api.usage(prompt_tokens, produced, stats)}

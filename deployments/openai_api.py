@@ -96,12 +96,14 @@ NO_OP_VALUES: dict[str, tuple] = {
     "function_call": (None, "none"), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "reasoning_effort": (None,),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    "verbosity": (None, "medium"),  # "medium" is OpenAI's default
     # vLLM's sampling and structured-output extensions
     "top_k": (None, 0, -1), "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
     "use_beam_search": (None, False), "length_penalty": (None, 1), "stop_token_ids": (None, []),
     "bad_words": (None, []), "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "guided_json": (None,),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "logits_processors": (None, []),
+    "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     # vLLM's chat-template extensions (chat requests)
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
@@ -113,8 +115,10 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: StrictBool | None = Field(
-        None, description="Send a last chunk with the usage and no choices before [DONE] (the finish chunk carries "
-                          "the usage either way).")
+        None, description="Send a last chunk with the usage and no choices before [DONE]; every other chunk then "
+                          "has usage null, as OpenAI's (without it the finish chunk carries the usage).")
+    continuous_usage_stats: StrictBool | None = Field(
+        None, description="vLLM's extension: every chunk carries the usage so far.")
 
 
 class _Common(BaseModel):
@@ -129,8 +133,10 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    speculative: StrictBool = Field(True, description="sequoia-ray extension: false = the target alone (for A/B).")
-    ignore_eos: StrictBool = Field(False, description="vLLM's extension: keep generating past end-of-sequence.")
+    speculative: StrictBool | None = Field(True, description="sequoia-ray extension: false = the target alone (for "
+                                           "A/B); null = true.")
+    ignore_eos: StrictBool | None = Field(False, description="vLLM's extension: keep generating past "
+                                          "end-of-sequence; null = false.")
     max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
 
     @field_validator("stop")
@@ -156,10 +162,18 @@ class _Common(BaseModel):
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise PydanticCustomError(
                 "conflict", "max_tokens {max_tokens} and max_completion_tokens {max_completion_tokens} differ; send "
-                "one of them", {"param": "max_completion_tokens", "max_tokens": self.max_tokens,
-                                "max_completion_tokens": self.max_completion_tokens})
+                "one of them", {"param": "max_completion_tokens", "code": "invalid_value",
+                                "max_tokens": self.max_tokens, "max_completion_tokens": self.max_completion_tokens})
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        return self
+
+    @model_validator(mode="after")
+    def _null_is_the_default(self):
+        if self.speculative is None:
+            self.speculative = True
+        if self.ignore_eos is None:
+            self.ignore_eos = False
         return self
 
     @property
@@ -191,11 +205,20 @@ class _Common(BaseModel):
         """Whether a stream ends with a usage-only chunk (``stream_options.include_usage``)."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def usage_every_chunk(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM's ``stream_options.continuous_usage_stats``)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 def _one_prompt(value):
+    """One prompt: an array holding one token array is that array (lm-eval's local-completions sends its token
+    prompts so); an array of several is a batch, refused."""
     if isinstance(value, list) and any(isinstance(x, list) for x in value):
-        raise ValueError("only one prompt per request is supported: an array of token arrays is a batch; send one "
-                         "request per prompt")
+        if len(value) == 1:
+            return value[0]
+        raise ValueError(f"only one prompt per request is supported: an array of {len(value)} token arrays is a "
+                         "batch; send one request per prompt")
     return value
 
 
@@ -203,7 +226,7 @@ class CompletionRequest(_Common):
     prompt_param: ClassVar[str] = "prompt"  # the field that holds the prompt, for errors
     id_kind: ClassVar[str] = "cmpl"  # the prefix of the response's id
     prompt: Annotated[str | list[str] | list[Int], BeforeValidator(_one_prompt)] = Field(
-        description="Text, a one-element list of text, or token ids.")
+        description="Text, a one-element list of text, token ids, or a one-element list of token ids.")
 
     @field_validator("prompt")
     @classmethod
@@ -221,6 +244,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
+    name: str | None = Field(None, description="The participant's name; passed to the chat template, as vLLM does.")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -238,13 +262,16 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict[str, str]:
         """The message as chat templates take it: OpenAI's "developer" role (its newer name for "system") is
-        "system", which templates know; a template without a "developer" branch would drop the text."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        "system", which templates know; a template without a "developer" branch would drop the text. A ``name``
+        goes with it (templates that know it render it)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        return message if self.name is None else {**message, "name": self.name}
 
     def text(self) -> str:
+        """The content as text: text parts (``_text_only``) joined by newlines, as vLLM joins them."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part["text"] for part in self.content)  # text parts only (``_text_only``)
+        return "\n".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -272,7 +299,8 @@ def completion_body(rid: str, model: str, text: str, finish: str, use: dict) -> 
 
 def chat_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                         "logprobs": None}],
             "usage": use}
 
 
@@ -283,7 +311,7 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, create
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, created: int) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
 
 class _ErrorDetail(BaseModel):

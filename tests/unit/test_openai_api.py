@@ -39,6 +39,7 @@ def api_error(body: dict, model=api.CompletionRequest) -> api.APIError:
     ("stop_token_ids", [5]), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
     ("add_generation_prompt", False), ("chat_template", "{{ x }}"), ("reasoning_effort", "high"),
     ("modalities", ["text", "audio"]), ("bad_words", ["x"]), ("length_penalty", 0.5),
+    ("verbosity", "low"), ("logits_processors", ["pkg.Processor"]),  # session 56: both were silently ignored
 ])
 def test_a_field_that_would_change_the_output_is_refused_by_name(name, value):
     err = api_error({**COMPLETION, name: value})
@@ -156,10 +157,45 @@ def test_a_stream_ends_with_a_usage_chunk_when_asked(chat, include_usage):
     events = asyncio.run(collect(req))
     usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "speculative": {"tokens_per_step": 2.0}}
     finish = events[-2] if include_usage else events[-1]
-    assert finish["choices"][0]["finish_reason"] == "length" and finish["usage"] == usage
-    if include_usage:
+    assert finish["choices"][0]["finish_reason"] == "length"
+    if include_usage:  # OpenAI's: every other chunk has usage null, so a client adding the chunks' usages is right
         assert events[-1]["choices"] == [] and events[-1]["usage"] == usage and events[-1]["id"] == "rid"
+        assert all("usage" in e and e["usage"] is None for e in events[:-1])
+    else:
+        assert finish["usage"] == usage and all("usage" not in e for e in events[:-1])
     assert len({e["created"] for e in events}) == 1  # one timestamp for the whole stream
+
+
+def _stream(replica, chat: bool, stream_options: dict) -> list[dict]:
+    async def chunks():
+        for chunk in (_chunk("ab"), _chunk("c", "length")):
+            yield chunk
+
+    body = {"model": "m", "stream": True, "stream_options": stream_options}
+    req = (api.ChatCompletionRequest.model_validate({**body, "messages": [{"role": "user", "content": "x"}]})
+           if chat else api.CompletionRequest.model_validate({**body, "prompt": "x"}))
+
+    async def collect():
+        return [event async for event in replica._events(chunks(), req, "rid", chat, prompt_tokens=5)]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(chat, include_usage):
+    events = _stream(ingress(), chat, {"include_usage": include_usage, "continuous_usage_stats": True})
+    counted = [e["usage"]["completion_tokens"] for e in events]
+    assert counted == ([0] if chat else []) + [2, 3] + ([3] if include_usage else [])  # vLLM's: so far, then all
+    assert all(e["usage"]["prompt_tokens"] == 5 for e in events)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_choice_has_logprobs_null_in_every_body(chat):
+    """OpenAI's schema lists a choice's ``logprobs`` (nullable) as required; strict clients failed on chat's."""
+    body = (api.chat_body if chat else api.completion_body)("rid", "m", "t", "stop", api.usage(1, 1, None))
+    events = _stream(ingress(), chat, {})
+    assert body["choices"][0]["logprobs"] is None and all(e["choices"][0]["logprobs"] is None for e in events)
 
 
 # ---- configuration --------------------------------------------------------------------------------------------
@@ -221,7 +257,7 @@ def test_a_malformed_config_file_names_itself(tmp_path: Path):
 
 # ---- review findings (session 52): each a 500, a param of null or a silently different answer before ------------
 @pytest.mark.parametrize("body,param,fragment", [
-    ({"prompt": [[1, 2]]}, "prompt", "one prompt per request"),  # a batch of token arrays; was "prompt.str"
+    ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt per request"),  # a batch of token arrays; was "prompt.str"
     ({"prompt": "x", "stop": ["a", None]}, "stop.1", "valid string"),  # was "stop.str"
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"prompt": "x", "seed": 2**63}, "seed", "9223372036854775807"),
@@ -238,6 +274,45 @@ def test_bad_fields_are_named_as_the_client_sent_them(body, param, fragment):
 def test_chat_content_other_than_text_names_the_message(content, fragment):
     err = api_error({"model": "m", "messages": [{"role": "user", "content": content}]}, api.ChatCompletionRequest)
     assert err.param == "messages.0.content" and fragment in err.message
+
+
+def test_one_token_array_in_an_array_is_that_prompt():
+    """lm-eval's local-completions sends its token prompts as ``[[ids]]``: refused as a batch before."""
+    replica = ingress()
+    prompt, _ = replica._prepare(api.CompletionRequest.model_validate({**COMPLETION, "prompt": [[5, 6, 7]]}),
+                                 chat=False)
+    assert prompt == [5, 6, 7]
+
+
+def test_text_parts_are_joined_by_newlines_and_a_name_reaches_the_template():
+    """As vLLM renders them: the parts glued together read "Translate to French:Good morning." before."""
+    message = api.ChatMessage.model_validate({"role": "user", "name": "alice", "content": [
+        {"type": "text", "text": "Translate to French:"}, {"type": "text", "text": "Good morning."}]})
+    assert message.for_template() == {"role": "user", "name": "alice",
+                                      "content": "Translate to French:\nGood morning."}
+    assert "name" not in api.ChatMessage(role="user", content="x").for_template()
+    err = api_error({"model": "m", "messages": [{"role": "user", "content": "x", "name": 5}]},
+                    api.ChatCompletionRequest)
+    assert err.param == "messages.0.name"
+
+
+def test_the_extensions_take_null_as_their_default():
+    req = api.CompletionRequest.model_validate({**COMPLETION, "speculative": None, "ignore_eos": None})
+    assert req.speculative is True and req.sampling(16).ignore_eos is False
+
+
+def test_differing_lengths_are_an_invalid_value_not_an_unsupported_parameter():
+    err = api_error({**COMPLETION, "max_tokens": 5, "max_completion_tokens": 6})
+    assert (err.param, err.code) == ("max_completion_tokens", "invalid_value")
+
+
+def test_a_chat_without_a_length_may_run_to_the_limit_and_a_completion_takes_16():
+    """A chat's default was 256 tokens, cutting longer answers with finish_reason "length"; OpenAI's and vLLM's
+    chat default is what the context holds (``_fit_context`` cuts the default to it)."""
+    replica = ingress(max_tokens_limit=2048)
+    assert prepare(replica, [{"role": "user", "content": "hi"}])[1].max_tokens == 2048
+    assert replica._prepare(api.CompletionRequest.model_validate(COMPLETION), chat=False)[1].max_tokens == 16
+    assert prepare(ingress(max_tokens_limit=8), [{"role": "user", "content": "hi"}])[1].max_tokens == 8
 
 
 def test_any_64_bit_seed_is_accepted_and_the_same_seed_gives_the_same_params():
