@@ -23,11 +23,23 @@ class StopChecker:
             raise ValueError("stop strings need a tokenizer to decode text; load the model with its tokenizer")
         self.tokenizer, self.stop, self.eos_ids = tokenizer, stop, eos_ids
         self.prefix = list(prefix[-PREFIX_TOKENS:]) if tokenizer is not None else []
-        self.prefix_text = tokenizer.decode(self.prefix, skip_special_tokens=True) if self.prefix else ""
+        self.prefix_text = self._prefix_decoded()
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of text already emitted
         self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def _prefix_decoded(self) -> str:
+        """The prefix's text, its window started on a whole character: a window starting inside a byte-fallback
+        character (Llama's, Mistral's ``<0xNN>`` tokens) decoded as U+FFFD, and output bytes joining that run read
+        as U+FFFD for the rest of the request (a stop string made of them never found). Its first tokens are
+        dropped until the text no longer starts with U+FFFD."""
+        while self.prefix:
+            text = self.tokenizer.decode(self.prefix, skip_special_tokens=True)
+            if not text.startswith("\ufffd"):
+                return text
+            self.prefix.pop(0)
+        return ""
 
     @property
     def count(self) -> int:

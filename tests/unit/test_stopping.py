@@ -90,3 +90,33 @@ def test_the_output_keeps_the_leading_space_a_sentencepiece_decoder_drops():
     assert text == " Paris" and checker.text == " Paris"  # then " nice" stops it
     whole = StopChecker(tok, (), frozenset(), prefix=tuple(prompt))
     assert "".join(whole.feed([t], 100)[1] for t in output) + whole._delta(final=True) == " Paris nice."
+
+
+def _byte_fallback_tokenizer():
+    """A Llama/Mistral-style tokenizer: pieces, and ``<0xNN>`` byte tokens for characters outside its vocabulary
+    (the decoder chain SentencePiece conversions get: Replace -> ByteFallback -> Fuse -> Strip)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], "▁Rate", ":", "▁yes"]
+    vocab = {w: i for i, w in enumerate(words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return tok, vocab, lambda text: [vocab[f"<0x{b:02X}>"] for b in text.encode()]
+
+
+def test_a_prompt_window_starting_inside_a_byte_fallback_character_does_not_garble_the_output():
+    """The prompt's last 4 tokens start inside 👍's 4 bytes: the window decoded to U+FFFD and the output's ✅, its
+    bytes joining that run, read as U+FFFD too (session 56's review); the stop string ✅ was never found."""
+    tok, vocab, byte_ids = _byte_fallback_tokenizer()
+    prompt = (vocab["<s>"], vocab["▁Rate"], vocab[":"], *byte_ids("👍✅"))
+    output = [*byte_ids("✅"), vocab["▁yes"]]
+    assert tok.decode(list(prompt) + output, skip_special_tokens=True) == "Rate:👍✅✅ yes"
+    checker = StopChecker(tok, (), frozenset({2}), prefix=prompt)
+    text = "".join(checker.feed([t], 100)[1] for t in output) + checker._delta(final=True)
+    assert text == "✅ yes"
+    checker = StopChecker(tok, ("✅",), frozenset({2}), prefix=prompt)
+    steps = [checker.feed([t], 100) for t in output[:3]]
+    assert steps[-1][1:] == ("", "stop")  # found at its third byte, nothing of it returned
