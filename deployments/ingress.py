@@ -233,6 +233,7 @@ async def _sse(events: AsyncIterator[dict], ended=lambda status: None):
 @serve.ingress(app)
 class OpenAIIngress:
     HEALTH_WAIT_S = 2.0  # /health's wait for the target's first answer before it says "loading"
+    FREE_WAIT_S = 30.0  # a stopping replica's wait for the requests still being freed (a step, then a finish)
 
     def __init__(self, config: dict, draft, target) -> None:
         from sequoia_ray.models.loading import load_tokenizer
@@ -257,6 +258,7 @@ class OpenAIIngress:
         self.draft_contexts: dict[str, int | None] = {}  # draft actor id -> the positions its model reads
         self.background: list[asyncio.Task] = []  # the plan refresh and live re-plan loops; ``__del__`` ends them
         self.warming: asyncio.Task | None = None  # /health's look for the target, until it has answered
+        self.setting_up: asyncio.Future | None = None  # the plans' set-up (``_plans``), shared by the first requests
         self.expected_auth = api_key_header(self.cfg)
 
     @property
@@ -427,20 +429,35 @@ class OpenAIIngress:
         return encode(self.tokenizer, prompt, chat=False)
 
     async def _plans(self) -> PlanProvider:
+        """The replica's plans and what serves with them, set up by the first request that needs them. One
+        shielded task does it, and ``self.plans`` is set last: the first request's client gone (a cancel) or
+        the store failing in the middle left ``self.plans`` set without the dynamic-tree rules or the live
+        planner, and every later request served without them for the replica's life."""
         if self.plans is None:
-            target = await self._target_actors()
-            if self.plans is None:  # another request may have got here first
-                self.plans = PlanProvider(self.cfg, target["hardware_id"])
-                self._start(self._refresh_plans())
-                self._start(self._keep_gauges())
-                if self.cfg.request_trees:
-                    self.families = TreeFamilies(self.plans, self.cfg.live_max_depth, self.cfg.request_trees_max_batch)
-                if self.cfg.dynamic_trees:
-                    self.rules = await asyncio.to_thread(GrowRules, self.plans, self.cfg.dynamic_extend)
-                if self.cfg.live_acceptance:
-                    self.live = LivePlanner(self.cfg, self.plans)
-                    self._start(self._live_replans())
+            task = getattr(self, "setting_up", None)
+            if task is None or task.done() and (task.cancelled() or task.exception() is not None):  # else: again
+                task = self.setting_up = asyncio.ensure_future(self._set_up())
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if its waiters left
+            await asyncio.shield(task)
         return self.plans
+
+    async def _set_up(self) -> None:
+        target = await self._target_actors()
+        plans = PlanProvider(self.cfg, target["hardware_id"])
+        if self.cfg.request_trees:
+            self.families = TreeFamilies(plans, self.cfg.live_max_depth, self.cfg.request_trees_max_batch)
+        if self.cfg.dynamic_trees:
+            try:
+                self.rules = await asyncio.to_thread(GrowRules, plans, self.cfg.dynamic_extend)
+            except Exception:  # noqa: BLE001 - serve the plans' trees as they are rather than no request at all
+                logger.exception("dynamic trees are off on this replica: their rules could not be made")
+        if self.cfg.live_acceptance:
+            self.live = LivePlanner(self.cfg, plans)
+        self.plans = plans
+        self._start(self._refresh_plans())
+        self._start(self._keep_gauges())
+        if self.live is not None:
+            self._start(self._live_replans())
 
     def _start(self, loop) -> None:
         """Run a background loop on this replica's event loop, held here (the event loop keeps only a weak
@@ -448,9 +465,14 @@ class OpenAIIngress:
         self.background.append(asyncio.get_running_loop().create_task(loop))
 
     async def __del__(self) -> None:  # Serve awaits it when it stops this replica, after its requests end
-        """End the background loops. Left running, a loop's next tick met the executor Serve had shut down and
-        logged a "plan refresh failed" traceback while the replica stopped."""
-        tasks = getattr(self, "background", [])  # none if the constructor failed before it set them
+        """Wait (up to ``FREE_WAIT_S``) for the requests still being freed on the actors — their clients left
+        mid-step: without it their state stayed there until the actors' idle reaper, counted as held by the
+        autoscaler and the models' drain — then end the background loops. Left running, a loop's next tick met
+        the executor Serve had shut down and logged a "plan refresh failed" traceback while the replica stopped."""
+        runner = getattr(self, "runner", None)  # none if the constructor failed before it set it
+        if runner is not None and (left := await runner.drain(self.FREE_WAIT_S)):
+            logger.warning("stopping with %d requests not yet freed on the actors; their idle reaper frees them", left)
+        tasks = getattr(self, "background", [])
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -511,7 +533,12 @@ class OpenAIIngress:
                                     "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
         self.in_flight.enter()
         self.metrics.active.set(self.active)
-        start, first = time.perf_counter(), None
+        start, first, handed = time.perf_counter(), None, False
+
+        def leave() -> None:  # once: here, or when the Runner has freed the request (``handed``)
+            self.in_flight.leave()
+            self.metrics.active.set(self.active)
+
         try:
             plans = await self._plans()
             active = await asyncio.to_thread(plans.get, params.temperature, self.active)  # a first fetch may be slow
@@ -522,7 +549,10 @@ class OpenAIIngress:
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,
                                           req.speculative, family, rules)
             params = _fit_context(prompt, params, decoder.max_context, req)
-            async for chunk in self.runner.stream(decoder, prompt, params, rid):
+            handed = True  # the slot is left when the request is freed on the actors, not when this ends: a
+            # client gone mid-step ended this at once (Starlette cancels twice) and a new request took the slot
+            # while the step still held a Runner thread and the actors' state
+            async for chunk in self.runner.stream(decoder, prompt, params, rid, freed=leave):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
                 if chunk.stats is not None:
@@ -535,8 +565,8 @@ class OpenAIIngress:
             logger.error("request %s failed: %s", rid, exc)
             raise _unavailable("the target model failed while generating (it is being restarted)") from None
         finally:
-            self.in_flight.leave()
-            self.metrics.active.set(self.active)
+            if not handed:
+                leave()
 
     async def _decoder(self, plan, speculate: bool, family=None, rules=None) -> SpeculativeDecoder:
         """``plan``: each step's tree — the plan of the batch-size bucket of the requests in flight here now

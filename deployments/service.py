@@ -397,10 +397,17 @@ class Runner:
         self.closing: set[asyncio.Task] = set()  # requests being freed after their caller went away
 
     async def stream(self, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams,
-                     request_id: str) -> AsyncIterator[Chunk]:
+                     request_id: str, freed: Callable[[], None] = lambda: None) -> AsyncIterator[Chunk]:
+        """The request's chunks; ``freed()`` once it is freed on every actor (its step in flight over and its
+        generator closed), whenever the caller stopped reading: an admission slot held until then is not given
+        to another request while this one's step still runs."""
         loop = asyncio.get_running_loop()
-        gen: Iterator[Chunk] = decoder.stream(prompt, params, request_id)
         pending = None
+        try:
+            gen: Iterator[Chunk] = decoder.stream(prompt, params, request_id)
+        except BaseException:
+            freed()
+            raise
         try:
             while True:
                 pending = loop.run_in_executor(self.pool, next, gen, _END)
@@ -412,11 +419,19 @@ class Runner:
             # A task of its own: when the client disconnects, Starlette's StreamingResponse runs this under an
             # anyio cancel scope that cancels every await here again, so awaiting the close directly never got to
             # it (the request was freed only when garbage collection closed the generator, or its idle reaper).
-            # The task runs to the end whatever happens to this await; the set holds it until then.
+            # The task runs to the end whatever happens to this await; the set holds it until then. ``freed``
+            # is told when it ends, not when this await does: cancelled again, this await ends at once.
             closing = asyncio.ensure_future(self._close(loop, gen, pending))
             self.closing.add(closing)
             closing.add_done_callback(self._closed)
+            closing.add_done_callback(lambda _: freed())
             await asyncio.shield(closing)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the requests being freed (``closing``); how many were still not."""
+        if self.closing:
+            await asyncio.wait(set(self.closing), timeout=timeout_s)
+        return len(self.closing)
 
     def _closed(self, task: asyncio.Task) -> None:
         self.closing.discard(task)
@@ -424,6 +439,9 @@ class Runner:
             logger.warning("freeing a request failed: %s: %s", type(task.exception()).__name__, task.exception())
 
     async def _close(self, loop, gen: Iterator[Chunk], pending) -> None:
-        if pending is not None and not pending.done():
-            await asyncio.wait([pending])  # the step in flight finishes before the generator closes
+        if pending is not None:
+            if not pending.done():
+                await asyncio.wait([pending])  # the step in flight finishes before the generator closes
+            if not pending.cancelled():
+                pending.exception()  # retrieved: raised to the caller, or its caller has gone (no "never retrieved")
         await loop.run_in_executor(self.pool, gen.close)  # frees the request on every actor

@@ -1,0 +1,197 @@
+"""A request's admission slot and its state on the actors are freed together, and the replica's set-up and stop
+wait for what they must (session 56's review of the request path; each test failed on the code before):
+- a client gone mid-step: Starlette cancels the stream twice, the Runner's wait for the request's close ended at
+  once and its ``max_concurrent`` slot went to a new request while the departed one's step still held a Runner
+  thread (the new request's first token waited behind it) and the actors' state;
+- a stopping replica returned from ``__del__`` with requests still being freed: the actors held them until their
+  idle reaper (and counted them as held, for the autoscaler and the models' drain);
+- the first request's client gone during the replica's set-up (a cancel) left the plans set without the
+  dynamic-tree rules and the live planner, for the replica's life."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from deployments import openai_api as api
+from deployments.ingress import OpenAIIngress
+from deployments.service import ActivePlan, Runner
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.engine import Chunk
+from sequoia_ray.in_flight import InFlight
+from sequoia_ray.tree.builtin import builtin_plan
+
+
+class Held(OpenAIIngress.func_or_class):  # Serve awaits __del__ itself; GC must not start one
+    def __del__(self) -> None:
+        pass
+
+
+class Decoder:
+    """A request whose first step is quick and whose later steps each block a pool thread ``step_s`` (a step's
+    ray.get on the actors: e.g. a chunked prefill). Keeps its generators (only an explicit close frees)."""
+
+    max_context = None
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.kept = step_s, []
+        self.freed = threading.Event()
+        self.steps_started = 0
+
+    def stream(self, prompt, params, rid):
+        gen = self._steps()
+        self.kept.append(gen)
+        return gen
+
+    def _steps(self):
+        try:
+            for i in range(1000):
+                self.steps_started += 1
+                time.sleep(0.01 if i == 0 else self.step_s)
+                yield Chunk([5], "x")
+        finally:
+            self.freed.set()
+
+
+def _metrics():
+    nop = lambda *a, **k: None  # noqa: E731
+    return SimpleNamespace(active=SimpleNamespace(set=nop), plan=SimpleNamespace(set=nop), plan_tags=lambda *a: {},
+                           finished=nop)
+
+
+def _replica(decoders, max_concurrent=1):
+    replica = object.__new__(Held)
+    replica.cfg = SimpleNamespace(max_concurrent=max_concurrent, model_name="m")
+    replica.in_flight, replica.runner, replica.metrics = InFlight(0.0), Runner(max_concurrent), _metrics()
+    replica.families = replica.rules = replica.live = None
+    replica.background = []
+    plans = SimpleNamespace(hardware="hw", get=lambda t, size=1: ActivePlan(builtin_plan(t), "builtin"))
+
+    async def served_plans():
+        return plans
+
+    async def decoder(*a, **k):
+        return decoders.pop(0)
+
+    async def prepared(req, chat):
+        return [1, 2, 3], SamplingParams(max_tokens=1000)
+
+    replica._plans, replica._decoder, replica._prepared = served_plans, decoder, prepared
+    return replica
+
+
+REQ = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False)
+
+
+async def _drive(response, disconnect_after: float):
+    """Starlette's StreamingResponse driven as uvicorn/Serve (ASGI spec 2.3) drive it; the client leaves."""
+    calls = 0
+
+    async def receive():
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.sleep(disconnect_after)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/",
+             "headers": []}
+    with contextlib.suppress(Exception):
+        await response(scope, receive, send)
+
+
+def test_a_disconnected_stream_keeps_its_max_concurrent_slot_until_its_request_is_freed():
+    """Client A leaves during a 2 s step (max_concurrent 1). Its slot was released at once, while its step still
+    ran in the Runner's pool (and on the actors) and its close had not run: B was admitted and its first token
+    waited ~1.7 s behind A's step. Now B is refused (429, retry) until A is freed, then served at once."""
+    slow, quick = Decoder(step_s=2.0), Decoder(step_s=0.01)
+    replica = _replica([slow, quick], max_concurrent=1)
+
+    async def scenario():
+        response = await replica._serve(REQ, chat=False)
+        await _drive(response, disconnect_after=0.3)  # A's second step (2 s) is running now
+        held = (replica.in_flight.count, slow.freed.is_set())
+        with pytest.raises(api.APIError) as refused:
+            await replica._serve(REQ, chat=False)
+        for _ in range(60):
+            if replica.in_flight.count == 0:
+                break
+            await asyncio.sleep(0.05)
+        freed_then = slow.freed.is_set()
+        t0 = time.perf_counter()
+        await replica._serve(REQ, chat=False)  # B again: admitted, its first chunk without waiting for A
+        return held, refused.value.status, freed_then, time.perf_counter() - t0
+
+    held, status, freed_then, b_first = asyncio.run(scenario())
+    assert held == (1, False), "the max_concurrent slot was released while A's step still ran and A held state"
+    assert status == 429 and freed_then  # the slot came back when A was freed, not before
+    assert b_first < 0.5
+
+
+def test_stopping_the_ingress_waits_for_the_requests_it_is_freeing():
+    """A client left mid-step; the replica stops (Serve awaits __del__ once no request task is left): the close
+    still pending in Runner.closing was not awaited, and the actors kept the request until their idle reaper."""
+    slow, = [Decoder(step_s=1.0)]
+    replica = _replica([slow], max_concurrent=1)
+
+    async def scenario():
+        response = await replica._serve(REQ, chat=False)
+        await _drive(response, disconnect_after=0.2)
+        closing = len(replica.runner.closing)
+        await OpenAIIngress.func_or_class.__del__(replica)
+        return closing, slow.freed.is_set()
+
+    closing, freed = asyncio.run(scenario())
+    assert closing == 1 and freed, "__del__ returned with a request still being freed (Runner.closing not awaited)"
+
+
+def test_a_first_request_cancelled_during_set_up_leaves_the_rules_and_the_live_planner_set_up(monkeypatch):
+    """The first request's _plans() set self.plans, then awaited GrowRules (a store read) before self.live: a
+    request meanwhile served without them, and the first one's client gone (a cancel) there left the replica
+    without them for good."""
+    from deployments.config import ServeConfig
+
+    class SlowRules:  # GrowRules reads the hardware profile from the store
+        def __init__(self, plans, extend):
+            time.sleep(0.3)
+
+    monkeypatch.setitem(OpenAIIngress.func_or_class._plans.__globals__, "GrowRules", SlowRules)  # Serve copied the class
+    replica = object.__new__(Held)
+    replica.cfg = ServeConfig.model_validate({"model_name": "m", "target": "tiny-target", "draft": "tiny-draft",
+                                              "dynamic_trees": True, "live_acceptance": True})
+    replica.plans = replica.live = replica.families = replica.rules = None
+    replica.background = []
+
+    async def actors():
+        return {"hardware_id": "hw"}
+
+    replica.target_deployment = SimpleNamespace(actors=SimpleNamespace(remote=actors))
+
+    async def scenario():
+        first = asyncio.create_task(replica._plans())
+        await asyncio.sleep(0.1)  # in GrowRules
+        second = asyncio.create_task(replica._plans())  # a second request meanwhile
+        await asyncio.sleep(0.05)
+        first.cancel()  # the first request's client went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        seen_by_second = (await second, replica.rules, replica.live)
+        await replica._plans()  # every later request
+        for task in replica.background:
+            task.cancel()
+        return first.cancelled(), seen_by_second, replica.rules, replica.live
+
+    cancelled, (plans, rules_seen, live_seen), rules, live = asyncio.run(scenario())
+    assert cancelled and plans is not None
+    assert rules_seen is not None and live_seen is not None, "a request during the set-up served without them"
+    assert rules is not None and live is not None, "dynamic trees and live acceptance are off for good"
+
