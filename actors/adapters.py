@@ -64,6 +64,8 @@ class ActorDraft:
     goes on without the draft, after an ``abandon`` that frees the request once the actor gets to it).
     ``max_context``: the positions the actor's model reads (its ``info``), None for no limit."""
 
+    calls_from_any_thread = True  # actor calls (``SpeculativeDecoder.cancel`` may abandon from another thread)
+
     def __init__(self, actor, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None,
                  max_context: int | None = None) -> None:
         self.actor, self.timeout_s, self.max_context = actor, timeout_s, max_context
@@ -102,6 +104,8 @@ class RanksTarget:
     the other ranks (one sender keeps the ranks' collectives in one order) and checks they agree. Any
     failure — a dead or broken rank, no answer within ``timeout_s``, ranks that disagree — raises
     ``TargetUnavailable``; the request is then over (its state goes with the group, which is replaced)."""
+
+    calls_from_any_thread = True  # actor calls (``SpeculativeDecoder.cancel`` may finish from another thread)
 
     def __init__(self, ranks: list, timeout_s: float = STEP_TIMEOUT_S, prefill_chunk: int | None = None) -> None:
         self.ranks, self.timeout_s = ranks, timeout_s

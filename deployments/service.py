@@ -421,7 +421,8 @@ class Runner:
             # it (the request was freed only when garbage collection closed the generator, or its idle reaper).
             # The task runs to the end whatever happens to this await; the set holds it until then. ``freed``
             # is told when it ends, not when this await does: cancelled again, this await ends at once.
-            closing = asyncio.ensure_future(self._close(loop, gen, pending))
+            cancel = getattr(decoder, "cancel", None)
+            closing = asyncio.ensure_future(self._close(loop, gen, pending, cancel and (lambda: cancel(request_id))))
             self.closing.add(closing)
             closing.add_done_callback(self._closed)
             closing.add_done_callback(lambda _: freed())
@@ -438,10 +439,15 @@ class Runner:
         if not task.cancelled() and task.exception() is not None:  # retrieved here: the caller may be gone
             logger.warning("freeing a request failed: %s: %s", type(task.exception()).__name__, task.exception())
 
-    async def _close(self, loop, gen: Iterator[Chunk], pending) -> None:
+    async def _close(self, loop, gen: Iterator[Chunk], pending, cancel: Callable[[], bool] | None) -> None:
         if pending is not None:
             if not pending.done():
-                await asyncio.wait([pending])  # the step in flight finishes before the generator closes
+                if cancel is not None:  # its caller has gone mid-step: the request is freed under the step (a long
+                    try:  # prefill stops at its next chunk), in a thread of its own (the pool's may all be in steps)
+                        await loop.run_in_executor(None, cancel)
+                    except Exception as exc:  # noqa: BLE001 - best effort: the close below frees it anyway
+                        logger.debug("cancelling a request its caller left failed: %s", exc)
+                await asyncio.wait([pending])  # the step in flight ends before the generator closes
             if not pending.cancelled():
                 pending.exception()  # retrieved: raised to the caller, or its caller has gone (no "never retrieved")
         await loop.run_in_executor(self.pool, gen.close)  # frees the request on every actor

@@ -324,6 +324,8 @@ class BatchedWorker:
     """The engine's Draft / Target protocol over a ``Batcher``: each method is one queued call. ``max_context``:
     the positions its worker's model reads (the engine's ``draft_levels``), None for no limit."""
 
+    calls_from_any_thread = True  # each call is queued (``SpeculativeDecoder.cancel`` may finish from another thread)
+
     def __init__(self, batcher: Batcher, max_context: int | None = None) -> None:
         self.batcher, self.max_context = batcher, max_context
 

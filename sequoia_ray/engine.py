@@ -25,7 +25,7 @@ import torch
 
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree, DynamicTrees
-from sequoia_ray.request_errors import UnknownRequest
+from sequoia_ray.request_errors import RequestCancelled, UnknownRequest
 from sequoia_ray.stopping import StopChecker
 from sequoia_ray.tree.plan import TreePlan, first_levels
 from sequoia_ray.verify import Verdict
@@ -140,8 +140,11 @@ class _DraftLink:
     starts it again, from every token the request has committed, and grows once more; the request goes on
     speculating (its later trees are drawn from a fresh generator: any trees are exact, the verifier decides)."""
 
-    def __init__(self, draft: Draft | None, request_id: str, opening: tuple, *, early: bool = False) -> None:
+    def __init__(self, draft: Draft | None, request_id: str, opening: tuple, *, early: bool = False,
+                 cancelled: threading.Event | None = None) -> None:
         self.draft, self.request_id, self.failures = draft, request_id, 0
+        self.cancelled = cancelled or threading.Event()  # set by ``SpeculativeDecoder.cancel``: a failure is then
+        # the request freed under its call, not the draft's (no retirement counted, no restart of a forgotten one)
         self.opening, self.started = opening, False  # the draft's start arguments: (prompt, params, seed)
         self.tokens = list(opening[0])  # the request's tokens the draft has been sent (prompt, then commits)
         self.starting: Future | None = None  # the early start, running
@@ -155,7 +158,10 @@ class _DraftLink:
 
     def finish(self) -> None:
         if self.started:
-            self.call("finish")
+            try:
+                self.call("finish")
+            except RequestCancelled:  # its early start ended so: nothing left to free
+                pass
 
     def retire(self) -> None:
         """Stop speculating for this request (not a failure): the draft frees it now, the target goes on alone."""
@@ -180,6 +186,12 @@ class _DraftLink:
         try:
             return self._attempt(method, *args)
         except Exception as exc:  # noqa: BLE001 - any draft failure degrades to target-only decoding
+            if self.cancelled.is_set():  # freed under this call: the caller has gone
+                logger.debug("draft %s of cancelled request %s ended: %s", method, self.request_id, exc)
+                self.draft = None
+                if method == "finish":
+                    return None
+                raise RequestCancelled(self.request_id) from None
             logger.warning("draft %s failed for request %s (%s: %s); continuing with the target alone",
                            method, self.request_id, type(exc).__name__, exc)
             draft, self.draft, self.failures = self.draft, None, self.failures + 1
@@ -191,7 +203,7 @@ class _DraftLink:
         try:
             out = getattr(self.draft, method)(self.request_id, *args)
         except UnknownRequest:
-            if method != "grow":
+            if method != "grow" or self.cancelled.is_set():  # (cancelled: freed on purpose, not forgotten)
                 raise
             commits = args[1] if len(args) > 1 else ()  # the grow's verdicts: all the tokens since the last grow
             logger.info("the draft forgot request %s (idle); starting it again from its %d tokens",
@@ -282,6 +294,27 @@ class SpeculativeDecoder:
         self.plan_for_step = plan if callable(plan) else (lambda: plan)
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
         self.on_verdict, self.policy, self.dynamic = on_verdict, policy, dynamic
+        self.cancels: dict[str, threading.Event] = {}  # request id -> set by ``cancel``, for its streams running
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a running request whose caller has gone, from another thread, while a step of it may be in
+        flight: it is freed on both workers now, so a long prefill in progress ends at its next chunk (else
+        every chunk ran for nobody before the stream could close) and its step raises ``RequestCancelled``.
+        Best effort: the stream's own finish still runs when it closes. Only a worker that takes calls from any
+        thread (``calls_from_any_thread``: a batcher's queue, an actor) is told now; another (a bare worker, not
+        thread-safe) stops the request at its next step. False: no such request running."""
+        event = self.cancels.get(request_id)
+        if event is None:
+            return False
+        event.set()
+        for worker, verb in ((self.target, "finish"), (self.draft, "abandon")):
+            if not getattr(worker, "calls_from_any_thread", False):
+                continue
+            try:
+                (getattr(worker, verb, None) or worker.finish)(request_id)  # abandon: a finish not awaited
+            except Exception as exc:  # noqa: BLE001 - best effort: the stream's finish frees it too
+                logger.debug("%s of cancelled request %s failed: %s", verb, request_id, exc)
+        return True
 
     @property
     def draft_context(self) -> int | None:
@@ -310,21 +343,24 @@ class SpeculativeDecoder:
         rid = request_id or uuid.uuid4().hex
         seed = params.seed
         policy, draft = _Policy(self.policy, params), None
+        cancelled = self.cancels[rid] = threading.Event()
         try:
             # inside the try: a start that failed after it ran (a timeout) leaves state the finish below frees
             self.target.start(rid, prompt, params, _salt(seed, "verify"))
             fits = draft_levels(self.draft_context, len(prompt)) > 1  # else the draft could read none of its trees
             draft = _DraftLink(self.draft if fits else None, rid, (prompt, params, _salt(seed, "draft")),
-                               early=self.first_step_alone)
+                               early=self.first_step_alone, cancelled=cancelled)
             yield from self._loop(rid, params, prompt, draft, policy)
         finally:
             policy.finish()
             try:
                 self.target.finish(rid)
             except Exception as exc:  # noqa: BLE001 - the request is over: its output sent, or its error raising
-                logger.warning("target finish failed for request %s (%s: %s); its state is freed when the target "
-                               "reaps it or is replaced", rid, type(exc).__name__, exc)
+                (logger.debug if cancelled.is_set() else logger.warning)(  # (cancelled: freed already)
+                    "target finish failed for request %s (%s: %s); its state is freed when the target reaps it or "
+                    "is replaced", rid, type(exc).__name__, exc)
             finally:
+                self.cancels.pop(rid, None)
                 if draft is not None:
                     draft.finish()  # even when the target has failed (if it was started)
 
@@ -338,6 +374,8 @@ class SpeculativeDecoder:
         rules = _Rules(self.dynamic, self.unpruned_every)
         start = last = time.perf_counter()
         while True:
+            if draft.cancelled.is_set():
+                raise RequestCancelled(rid)
             planned = policy.plan(self.plan_for_step())
             stats.plan_nodes, stats.plan_levels = planned.n, planned.num_levels  # the latest step's plan
             left = params.max_tokens - stats.tokens
@@ -383,7 +421,12 @@ class SpeculativeDecoder:
             # A host tensor, like every tree that crosses to the target: the target places it on arrival.
             plan, tree = ROOT_ONLY, DraftTree(torch.tensor([last_token], device="cpu"), {})
         t1 = time.perf_counter()
-        verdict = self.target.verify(rid, plan, tree)
+        try:
+            verdict = self.target.verify(rid, plan, tree)
+        except Exception:
+            if draft.cancelled.is_set():  # freed under the verify: the caller has gone
+                raise RequestCancelled(rid) from None
+            raise
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1

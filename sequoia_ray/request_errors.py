@@ -11,6 +11,11 @@ class UnknownRequest(KeyError):
     """A call for a request this worker does not hold (finished, reaped, or never started)."""
 
 
+class RequestCancelled(Exception):
+    """The request's caller has gone and it was freed on the workers under its step
+    (``SpeculativeDecoder.cancel``): the step ends here; nobody reads it."""
+
+
 def poisons_device(exc: BaseException) -> bool:
     """Whether ``exc`` leaves the process's accelerator unusable: a CUDA error (an illegal address, a device-side
     assert, an ECC fault) poisons the CUDA context, so every later call fails too. Such an error must not be

@@ -195,3 +195,59 @@ def test_a_first_request_cancelled_during_set_up_leaves_the_rules_and_the_live_p
     assert rules_seen is not None and live_seen is not None, "a request during the set-up served without them"
     assert rules is not None and live is not None, "dynamic trees and live acceptance are off for good"
 
+
+
+@pytest.mark.parametrize("where", ["target", "draft"])
+def test_a_client_gone_during_a_long_prefill_stops_it_at_the_next_chunk(where):
+    """The client leaves 0.4 s into a prefill of 60 chunks (the draft's at a request's first grow, the target's
+    at its first verify). The Runner waited for that step: every chunk ran for nobody (52 after the client left,
+    in the review's run) before the stream could close. Now the request is freed under its step (the target
+    finished, the draft abandoned) and the prefill stops at its next chunk; nothing is held after."""
+    from sequoia_ray.batching import BatchedWorker, Batcher, BatchLimits
+    from sequoia_ray.draft import DraftWorker
+    from sequoia_ray.engine import SpeculativeDecoder
+    from sequoia_ray.target import TargetWorker
+    from tests.tiny import agreeing_pair
+
+    target_model, draft_model = agreeing_pair()
+    target, draft = TargetWorker(target_model, prefill_chunk=2), DraftWorker(draft_model, prefill_chunk=2)
+    forwards: list[float] = []
+    slowed = target if where == "target" else draft
+    method = "verify_batch" if where == "target" else "grow_batch"
+    real = getattr(slowed, method)
+
+    def counted(calls):  # a chunk of ~40 ms (a CPU prefill chunk of a real model takes far longer)
+        time.sleep(0.04)
+        forwards.append(time.monotonic())
+        return real(calls)
+
+    setattr(slowed, method, counted)
+    batchers = [Batcher.over(target, BatchLimits(), name="target"), Batcher.over(draft, BatchLimits(), name="draft")]
+    decoder = SpeculativeDecoder(BatchedWorker(batchers[0]), BatchedWorker(batchers[1]) if where == "draft" else None,
+                                 builtin_plan(0.0).plan)
+    prompt = [(i * 7) % 90 + 3 for i in range(120)]  # 60 chunks of 2 tokens
+
+    async def scenario():
+        runner = Runner(1)
+
+        async def client():
+            async for _ in runner.stream(decoder, prompt, SamplingParams(max_tokens=8, temperature=0), "r1"):
+                pass
+
+        task = asyncio.create_task(client())
+        await asyncio.sleep(0.4)
+        gone = time.monotonic()
+        task.cancel()  # the client went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert await runner.drain(30.0) == 0
+        return gone
+
+    try:
+        gone = asyncio.run(scenario())
+    finally:
+        for batcher in batchers:
+            batcher.close()
+    before, after = [t for t in forwards if t <= gone], [t for t in forwards if t > gone]
+    assert len(before) >= 3 and len(after) <= 3, (len(before), len(after))  # the prefill had begun; it stopped
+    assert not target.requests and not draft.requests and not decoder.cancels  # nothing held after
