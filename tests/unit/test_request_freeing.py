@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import Chunk
 from sequoia_ray.in_flight import InFlight
 from sequoia_ray.tree.builtin import builtin_plan
+from tests.disconnects import SlowDecoder, drive
 
 
 class Held(OpenAIIngress.func_or_class):  # Serve awaits __del__ itself; GC must not start one
@@ -32,30 +32,9 @@ class Held(OpenAIIngress.func_or_class):  # Serve awaits __del__ itself; GC must
         pass
 
 
-class Decoder:
-    """A request whose first step is quick and whose later steps each block a pool thread ``step_s`` (a step's
-    ray.get on the actors: e.g. a chunked prefill). Keeps its generators (only an explicit close frees)."""
-
-    max_context = None
-
-    def __init__(self, step_s: float) -> None:
-        self.step_s, self.kept = step_s, []
-        self.freed = threading.Event()
-        self.steps_started = 0
-
-    def stream(self, prompt, params, rid):
-        gen = self._steps()
-        self.kept.append(gen)
-        return gen
-
-    def _steps(self):
-        try:
-            for i in range(1000):
-                self.steps_started += 1
-                time.sleep(0.01 if i == 0 else self.step_s)
-                yield Chunk([5], "x")
-        finally:
-            self.freed.set()
+def Decoder(step_s: float) -> SlowDecoder:
+    """A request whose first step is quick and whose later steps each take ``step_s`` (e.g. a chunked prefill)."""
+    return SlowDecoder(step_s, first_s=0.01, chunk=lambda i: Chunk([5], "x"))
 
 
 def _metrics():
@@ -88,27 +67,6 @@ def _replica(decoders, max_concurrent=1):
 REQ = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False)
 
 
-async def _drive(response, disconnect_after: float):
-    """Starlette's StreamingResponse driven as uvicorn/Serve (ASGI spec 2.3) drive it; the client leaves."""
-    calls = 0
-
-    async def receive():
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await asyncio.sleep(disconnect_after)
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        pass
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/",
-             "headers": []}
-    with contextlib.suppress(Exception):
-        await response(scope, receive, send)
-
-
 def test_a_disconnected_stream_keeps_its_max_concurrent_slot_until_its_request_is_freed():
     """Client A leaves during a 2 s step (max_concurrent 1). Its slot was released at once, while its step still
     ran in the Runner's pool (and on the actors) and its close had not run: B was admitted and its first token
@@ -118,7 +76,7 @@ def test_a_disconnected_stream_keeps_its_max_concurrent_slot_until_its_request_i
 
     async def scenario():
         response = await replica._serve(REQ, chat=False)
-        await _drive(response, disconnect_after=0.3)  # A's second step (2 s) is running now
+        await drive(response, disconnect_after=0.3)  # A's second step (2 s) is running now
         held = (replica.in_flight.count, slow.freed.is_set())
         with pytest.raises(api.APIError) as refused:
             await replica._serve(REQ, chat=False)
@@ -145,7 +103,7 @@ def test_stopping_the_ingress_waits_for_the_requests_it_is_freeing():
 
     async def scenario():
         response = await replica._serve(REQ, chat=False)
-        await _drive(response, disconnect_after=0.2)
+        await drive(response, disconnect_after=0.2)
         closing = len(replica.runner.closing)
         await OpenAIIngress.func_or_class.__del__(replica)
         return closing, slow.freed.is_set()
