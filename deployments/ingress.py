@@ -365,11 +365,19 @@ class OpenAIIngress:
 
     async def generate_stream(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest
                               ) -> AsyncIterator[dict]:
+        """The request's stream events, as /v1/…/completions with ``stream: true`` sends them (the request is a
+        stream whatever its ``stream`` says: ``stream_options`` were refused without it). A request refused
+        (429, a context too long, no target) raises before the first event, as over HTTP: a chat's role event
+        went out first."""
+        if isinstance(request, dict):
+            request = {**request, "stream": True}
         req, chat = _as_request(request)
+        req = req.model_copy(update={"stream": True})
         prompt, params = await self._prepared(req, chat)
         rid = api.completion_id(req.id_kind)
-        async for event in self._events(self._chunks(prompt, params, rid, req, chat), req, rid, chat,
-                                        len(prompt)):
+        chunks = self._chunks(prompt, params, rid, req, chat)
+        first = await _first(chunks)  # errors before the first token are raised before any event
+        async for event in self._events(_prepend(first, chunks), req, rid, chat, len(prompt)):
             yield event
 
     # ---- internals --------------------------------------------------------------------------------

@@ -30,8 +30,20 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
 
+    def __reduce__(self):
+        """Pickled whole: raised in ``generate`` / ``generate_stream``, it reaches a DeploymentHandle's caller
+        through Ray, which pickles it; the default (``args`` = the message) failed to rebuild it and Ray gave
+        the caller an ``UnserializableException`` without the status, so a 429 or 503 read like a 400."""
+        return _rebuilt, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _rebuilt(status, message, type, param, code, headers) -> APIError:  # noqa: A002 - APIError's own names
+    error = APIError(status, message, type=type, param=param, code=code)
+    error.headers = headers
+    return error
 
 
 def validation_error(exc: ValidationError | Any) -> APIError:

@@ -94,8 +94,9 @@ class Stats:
         return {
             "steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens_per_step,
             "tokens_per_second": self.tokens_per_second, "draft_s": self.draft_s, "verify_s": self.verify_s,
-            "total_s": self.total_s, "accepted_histogram": {int(k): v for k, v in sorted(self.accepted_hist.items())},
-            "root_rank_histogram": {int(k): v for k, v in sorted(self.root_rank_hist.items())},
+            # string keys, as JSON has them: a handle's caller and an HTTP client read the same dict
+            "total_s": self.total_s, "accepted_histogram": {str(k): v for k, v in sorted(self.accepted_hist.items())},
+            "root_rank_histogram": {str(k): v for k, v in sorted(self.root_rank_hist.items())},
             "plan_nodes": self.plan_nodes, "plan_levels": self.plan_levels, "tree_nodes": self.tree_nodes,
             "draft_failures": self.draft_failures,
         }

@@ -1,0 +1,103 @@
+"""The ingress's Python handle methods (``generate``, ``generate_stream``: what a DeploymentHandle's caller gets)
+without Ray: the real request path (_prepare, _chunks, _events) over a tiny in-process pair standing in for the
+actors. Each test failed on the code before session 56's review of these surfaces."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import RayError, RayTaskError
+
+from deployments import openai_api as api
+from deployments.config import ServeConfig
+from deployments.ingress import OpenAIIngress
+from deployments.service import ActivePlan, Runner
+from sequoia_ray.in_flight import InFlight
+from sequoia_ray.local import LocalPair
+from sequoia_ray.models.loading import TINY_TARGET
+from sequoia_ray.tree.builtin import builtin_plan
+
+
+class Held(OpenAIIngress.func_or_class):  # Serve awaits __del__ itself; garbage collection must not start one
+    def __del__(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return LocalPair.tiny(device="cpu")
+
+
+def replica(pair, **cfg):
+    """The ingress as Serve holds it, made without its constructor; its decoders run ``pair`` in process."""
+    r = object.__new__(Held)
+    r.cfg = ServeConfig(model_name="m", draft=None, target=TINY_TARGET, **cfg)
+    r.tokenizer = pair.target.tokenizer
+    nop = lambda *a, **k: None  # noqa: E731
+    r.metrics = SimpleNamespace(active=SimpleNamespace(set=nop), plan=SimpleNamespace(set=nop),
+                                plan_tags=lambda *a: {}, finished=nop, requests=SimpleNamespace(inc=nop))
+    r.in_flight, r.runner = InFlight(0.0), Runner(r.cfg.max_concurrent)
+    r.families = r.rules = r.live = r.rates = None
+    r.background, r.expected_auth = [], None
+    plans = SimpleNamespace(hardware="hw", get=lambda t, size=1: ActivePlan(builtin_plan(t), "builtin"))
+
+    async def served_plans():
+        return plans
+
+    async def decoder(plan, speculate, family=None, rules=None):
+        return pair.decoder(plan(), speculate=speculate)
+
+    r._plans, r._decoder = served_plans, decoder
+    return r
+
+
+def test_an_api_error_reaches_a_handle_caller_whole():
+    """Ray pickles what a replica method raises: APIError did not rebuild (its args are the message alone), and
+    the caller got an UnserializableException without the status, so a 429 or 503 read like any error."""
+    raised = api.APIError(429, "busy", type="rate_limit_error", code="overloaded", retry_after_s=1)
+    sent = RayTaskError("OpenAIIngress.generate", "traceback", raised).to_bytes()
+    back = RayError.from_bytes(sent).as_instanceof_cause()  # what ray.get raises in the caller
+    assert isinstance(back, api.APIError) and back.status == 429  # ``except APIError`` works there
+    assert back.cause.body() == raised.body() and back.cause.headers == {"Retry-After": "1"}
+
+
+def test_generate_stream_is_a_stream_whatever_the_body_says(pair):
+    """``stream_options`` without ``stream: true`` was a 400, though the call streams."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 3, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+
+    async def collect():
+        return [e async for e in replica(pair).generate_stream(body)]
+
+    events = asyncio.run(collect())
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] <= 3
+
+
+def test_a_chat_stream_refused_sends_no_event_first(pair):
+    """A chat's role event went out before the admission check: a 429 arrived after one chunk, where over HTTP
+    the same request is a plain error."""
+    r = replica(pair, max_concurrent=1)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}
+
+    async def scenario():
+        busy = r.generate_stream(chat)
+        await busy.__anext__()  # it holds the one slot
+        got = []
+        with pytest.raises(api.APIError) as refused:
+            async for event in r.generate_stream(chat):
+                got.append(event)
+        await busy.aclose()
+        return got, refused.value.status
+
+    assert asyncio.run(scenario()) == ([], 429)
+
+
+def test_a_handle_result_has_the_shape_json_gives_an_http_client(pair):
+    """The histograms had int keys through a handle and string keys over HTTP (JSON): code written against one
+    met a KeyError on the other."""
+    out = asyncio.run(replica(pair).generate({"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0}))
+    spec = out["usage"]["speculative"]
+    assert spec["accepted_histogram"] and all(isinstance(k, str) for k in spec["accepted_histogram"])
+    assert all(isinstance(k, str) for k in spec["root_rank_histogram"])
