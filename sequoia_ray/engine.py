@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import os
 import threading
 import time
@@ -286,7 +287,7 @@ class SpeculativeDecoder:
                  on_verdict: Callable[[TreePlan, Verdict, SamplingParams], None] | None = None,
                  policy: Callable[[SamplingParams], StepPolicy] | None = None,
                  dynamic: Callable[[TreePlan], DynamicTrees | None] | None = None,
-                 first_step_alone: bool = False, unpruned_every: int = 4) -> None:
+                 first_step_alone: bool = False, unpruned_every: int = 4, vocab_size: int | None = None) -> None:
         if unpruned_every < 0:
             raise ValueError(f"unpruned_every {unpruned_every} must be >= 0 (1: every step grows its plan's tree; "
                              "0: none does, and no dynamic step tells its ranks)")
@@ -296,6 +297,7 @@ class SpeculativeDecoder:
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
         self.on_verdict, self.policy, self.dynamic = on_verdict, policy, dynamic
         self.cancels: dict[str, threading.Event] = {}  # request id -> set by ``cancel``, for its streams running
+        self.vocab_size = vocab_size  # the target's ids (a prompt's are checked against it), None: not checked
 
     def cancel(self, request_id: str) -> bool:
         """Stop a running request whose caller has gone, from another thread, while a step of it may be in
@@ -331,6 +333,7 @@ class SpeculativeDecoder:
         return self.plan_for_step()
 
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Generation:
+        self._check_prompt(prompt, params)  # before with_seed reads params
         params = with_seed(params)
         ids, text = [], []
         for chunk in self.stream(prompt, params, request_id):
@@ -442,8 +445,21 @@ class SpeculativeDecoder:
             logger.warning("on_verdict observer failed (%s: %s); the request goes on", type(exc).__name__, exc)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """A prompt the models can read and params that are ``SamplingParams``, refused here with what to change:
+        in process (``LocalPair``) a text prompt failed in the tokenizer, an id outside the vocabulary in torch's
+        embedding (``IndexError``) or as a draft failure, a dict of params as an ``AttributeError``."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}: e.g. "
+                            "SamplingParams(max_tokens=32, temperature=0)")
+        if isinstance(prompt, (str, bytes)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise PromptError("the prompt must be a list of token ids (ints): encode text with the model's tokenizer "
+                              "first (LocalPair.target.tokenizer)")
         if not prompt:
             raise PromptError("the prompt is empty (or encodes to no tokens); give at least one token")
+        if self.vocab_size is not None and (bad := [t for t in prompt if not 0 <= t < self.vocab_size]):
+            raise PromptError(f"prompt token ids must be in [0, {self.vocab_size}), the target's vocabulary; got "
+                              f"{bad[:5]}")
         if self.max_context is not None and len(prompt) + params.max_tokens > self.max_context:
             raise ContextLengthError(
                 f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the model's context of "

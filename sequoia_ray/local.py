@@ -56,7 +56,8 @@ class LocalPair:
         draft = DraftWorker(self.draft.model) if speculate and self.draft is not None else None
         return SpeculativeDecoder(TargetWorker(self.target.model), draft, plan, tokenizer=self.target.tokenizer,
                                   eos_ids=self.target.eos_ids, max_context=self.target.max_context, policy=policy,
-                                  dynamic=dynamic)
+                                  dynamic=dynamic,
+                                  vocab_size=self.target.model.get_input_embeddings().num_embeddings)
 
     def encode(self, prompt: str | list[dict], *, chat: bool) -> list[int]:
         return encode(self.target.tokenizer, prompt, chat=chat)

@@ -101,3 +101,20 @@ def test_a_handle_result_has_the_shape_json_gives_an_http_client(pair):
     spec = out["usage"]["speculative"]
     assert spec["accepted_histogram"] and all(isinstance(k, str) for k in spec["accepted_histogram"])
     assert all(isinstance(k, str) for k in spec["root_rank_histogram"])
+
+
+@pytest.mark.parametrize("prompt, params, error, fragment", [
+    ([500, 3, 4], None, "PromptError", "[0, "),  # was torch's IndexError from the embedding
+    ([5, 96, 300], None, "PromptError", "[300]"),  # an id past the vocabulary last: was a "draft failure"
+    ([-5, 3], None, "PromptError", "[-5]"),  # was the tokenizer's OverflowError
+    ("hello", None, "PromptError", "encode text"),  # was the tokenizer's TypeError
+    ([5, 3], {"max_tokens": 4}, "TypeError", "SamplingParams"),  # was AttributeError: 'dict' ... 'seed'
+])
+def test_an_in_process_prompt_or_params_the_models_cannot_read_is_refused_by_name(pair, prompt, params, error,
+                                                                                     fragment):
+    from sequoia_ray.config import SamplingParams
+
+    decoder = pair.decoder(builtin_plan(0.0).plan)
+    with pytest.raises(Exception) as info:
+        decoder.generate(prompt, SamplingParams(max_tokens=4) if params is None else params)
+    assert type(info.value).__name__ == error and fragment in str(info.value)
