@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -190,6 +190,27 @@ def _as_request(request):
         raise api.validation_error(exc) from None
 
 
+class _Outcome:
+    """A request's status for ``sequoia_requests``, from how the block around it ended: "200", an APIError's
+    status, 499 when its caller went away (a cancel, a disconnect, a stream closed before its end), 500 for any
+    other exception; ``count(status)`` on the way out, unless ``status`` was set to None (counted elsewhere)."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        self.count, self.status = count, "200"
+
+    def __enter__(self) -> "_Outcome":
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if kind is not None:
+            self.status = (str(exc.status) if isinstance(exc, api.APIError)
+                           else CLIENT_GONE if issubclass(kind, (asyncio.CancelledError, GeneratorExit, *GONE))
+                           else "500")
+        if self.status is not None:
+            self.count(self.status)
+        return False
+
+
 async def _first(chunks):
     try:
         return await chunks.__anext__()
@@ -315,29 +336,17 @@ class OpenAIIngress:
 
     async def _counted(self, route: str, request: Request, model, chat: bool):
         """A request, counted by route and status once it is over (a stream when its last event is sent)."""
-        def count(status: str) -> None:
-            self.metrics.requests.inc(tags={"route": route, "status": status})
-
-        status: str | None = "200"
-        try:
+        count = self._counter(route)
+        with _Outcome(count) as outcome:
             self._authorize(request)
             response = await self._serve(await _parse(request, model, self.cfg.max_body_bytes), chat=chat,
                                          ended=count)
             if isinstance(response, StreamingResponse):
-                status = None  # counted when it ends (``_sse``)
+                outcome.status = None  # counted when it ends (``_sse``)
             return response
-        except api.APIError as exc:
-            status = str(exc.status)
-            raise
-        except (asyncio.CancelledError, *GONE):
-            status = CLIENT_GONE
-            raise
-        except Exception:  # becomes the 500 of ``_unexpected``
-            status = "500"
-            raise
-        finally:
-            if status is not None:
-                count(status)
+
+    def _counter(self, route: str) -> Callable[[str], None]:
+        return lambda status: self.metrics.requests.inc(tags={"route": route, "status": status})
 
     def _authorize(self, request: Request) -> None:
         if self.expected_auth is None:
@@ -349,8 +358,11 @@ class OpenAIIngress:
 
     # ---- Python handle API ------------------------------------------------------------------------
     async def generate(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest) -> dict:
-        req, chat = _as_request(request)
-        return await self._complete(req, *await self._prepared(req, chat), chat)
+        """A completion, as /v1/…/completions answers it; counted in ``sequoia_requests`` (route
+        ``handle_generate``) as HTTP requests are."""
+        with _Outcome(self._counter("handle_generate")):
+            req, chat = _as_request(request)
+            return await self._complete(req, *await self._prepared(req, chat), chat)
 
     async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
         rid = api.completion_id(req.id_kind)
@@ -369,16 +381,17 @@ class OpenAIIngress:
         stream whatever its ``stream`` says: ``stream_options`` were refused without it). A request refused
         (429, a context too long, no target) raises before the first event, as over HTTP: a chat's role event
         went out first."""
-        if isinstance(request, dict):
-            request = {**request, "stream": True}
-        req, chat = _as_request(request)
-        req = req.model_copy(update={"stream": True})
-        prompt, params = await self._prepared(req, chat)
-        rid = api.completion_id(req.id_kind)
-        chunks = self._chunks(prompt, params, rid, req, chat)
-        first = await _first(chunks)  # errors before the first token are raised before any event
-        async for event in self._events(_prepend(first, chunks), req, rid, chat, len(prompt)):
-            yield event
+        with _Outcome(self._counter("handle_generate_stream")):  # counted when it ends, as an HTTP stream
+            if isinstance(request, dict):
+                request = {**request, "stream": True}
+            req, chat = _as_request(request)
+            req = req.model_copy(update={"stream": True})
+            prompt, params = await self._prepared(req, chat)
+            rid = api.completion_id(req.id_kind)
+            chunks = self._chunks(prompt, params, rid, req, chat)
+            first = await _first(chunks)  # errors before the first token are raised before any event
+            async for event in self._events(_prepend(first, chunks), req, rid, chat, len(prompt)):
+                yield event
 
     # ---- internals --------------------------------------------------------------------------------
     async def _serve(self, req, chat: bool, ended=lambda status: None):

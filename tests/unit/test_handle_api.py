@@ -118,3 +118,25 @@ def test_an_in_process_prompt_or_params_the_models_cannot_read_is_refused_by_nam
     with pytest.raises(Exception) as info:
         decoder.generate(prompt, SamplingParams(max_tokens=4) if params is None else params)
     assert type(info.value).__name__ == error and fragment in str(info.value)
+
+
+def test_handle_calls_are_counted_by_how_they_ended(pair):
+    """``sequoia_requests`` counted only HTTP requests: a handle's traffic and its errors were invisible."""
+    r = replica(pair, max_concurrent=1)
+    counted: list[dict] = []
+    r.metrics.requests = SimpleNamespace(inc=lambda tags: counted.append(tags))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+
+    async def scenario():
+        await r.generate(body)
+        with pytest.raises(api.APIError):
+            await r.generate({**body, "model": "other"})  # 404
+        [e async for e in r.generate_stream(body)]
+        stream = r.generate_stream({**body, "max_tokens": 50, "ignore_eos": True})
+        await stream.__anext__()
+        await stream.aclose()  # its caller stopped reading
+
+    asyncio.run(scenario())
+    assert [(c["route"], c["status"]) for c in counted] == [
+        ("handle_generate", "200"), ("handle_generate", "404"), ("handle_generate_stream", "200"),
+        ("handle_generate_stream", "499")]
