@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -135,6 +136,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
     from sequoia_ray.tree.builtin import load_or_build
     from sequoia_ray.tree.plan import chain
+    from sequoia_ray.tree.plan_file import check_plan_size
 
     built_in = [opt for opt, on in (("--budget", args.budget is not None), ("--max-depth", "max_depth" in vars(args)),
                                     ("--acceptance", args.acceptance is not None)) if on]
@@ -143,6 +145,9 @@ def _run_generate(args: argparse.Namespace) -> int:
                          "give one or the other")
     params = SamplingParams(**given(args, ["max_tokens", "temperature", "top_p", "seed", "stop"]))
     acceptance = AcceptanceVector.parse(args.acceptance) if args.acceptance else None
+    if built_in:  # the built-in plan within a plan file's limits, refused before any model loads (a budget of
+        # 5,000 ran a 5,000-node tree; larger ones would run out of memory)
+        check_plan_size(args.budget or 1, getattr(args, "max_depth", None), acceptance or AcceptanceVector.from_p([0.5]))
     planned = load_or_build(args.plan, temperature=params.temperature, budget=args.budget,
                             max_depth=getattr(args, "max_depth", DEFAULT_DEPTH), acceptance=acceptance)
     pair = _load_pair(args, speculate=not args.no_speculation, progress=not args.json)
@@ -272,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE's: how `cat`, `grep` and the shell's other tools end when `head` stops reading
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -285,6 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except SystemExit as exc:  # `serve`'s own parser: usage errors and --help
         return int(exc.code or 0)
+    except BrokenPipeError:  # the reader of our output went away (`... | head`): quiet, as other tools end
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        except OSError:  # a stdout without a file (io.UnsupportedOperation): nothing left to flush there
+            pass
+        return EXIT_BROKEN_PIPE
     except RecursionError as exc:  # a JSON or YAML input nested deeper than the parser recurses
         print(f"sequoia-ray {args.verb}: error: an input file is nested too deeply to read ({one_line(exc)}); "
               "give a flat JSON / YAML file", file=sys.stderr)

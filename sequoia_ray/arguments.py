@@ -34,11 +34,11 @@ def one_line(exc: Exception) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         try:
-            return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r:.60})"
-                             for e in errors())
+            return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')} "
+                             f"(got {e.get('input')!r:.60})" for e in errors())
         except (TypeError, KeyError):
             pass
-    return " ".join(str(exc).split())
+    return " ".join(str(exc).split()).replace("Value error, ", "")
 
 
 # ---- argument types ------------------------------------------------------------------------------
@@ -56,8 +56,9 @@ FULL = "full"
 
 
 def vocab_size(text: str) -> int | str:
-    """The draft head's kept ids (an integer >= 1), or ``full`` (the whole head; ``draft_vocab`` None)."""
-    if text.lower() == FULL:
+    """The draft head's kept ids (an integer >= 1), or ``full`` / ``null`` (the whole head; ``draft_vocab``
+    None: ``--help`` says "null or 'full'", as the config file takes them)."""
+    if text.lower() in (FULL, "null", "none"):
         return FULL
     return positive_int(text)
 

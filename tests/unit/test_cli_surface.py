@@ -232,3 +232,37 @@ def test_a_config_without_http_options_serves_on_the_loopback(tmp_path):
     config.write_text("http_options: {port: 99999}\n")
     with pytest.raises(ValueError, match="http_options port '99999' is not a TCP port"):
         launch.http_options(config)
+
+
+# ---- session 56: a review of the command line -------------------------------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["--budget", "5000"], "budget 5000 must be an integer from 1 to 1024"),  # ran a 5,000-node tree
+    (["--budget", "8", "--max-depth", "200"], "max_depth 200 must be an integer from 1 to 128"),
+])
+def test_generate_refuses_a_built_in_plan_past_a_plan_files_limits_before_the_models_load(capsys, no_models, args,
+                                                                                          needle):
+    assert main(["generate", "--target", "tiny-target", "--prompt", "x", *args]) == 2
+    assert needle in one_error(capsys)
+
+
+def test_draft_vocab_takes_null_as_its_help_says():
+    assert job("--draft-vocab", "null").draft_vocab is None and job("--draft-vocab", "full").draft_vocab is None
+
+
+def test_a_validators_message_reaches_the_user_without_pydantics_prefix(capsys, no_models):
+    assert main(["generate", "--target", "tiny-target", "--prompt", "x", "--stop", "a", "--stop", "b", "--stop", "c",
+                 "--stop", "d", "--stop", "e"]) == 2
+    err = one_error(capsys)
+    assert "stop strings" in err and "Value error" not in err
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(monkeypatch, capsys):
+    """``sequoia-ray generate … | head -c1``: the closed pipe was reported as bad input (exit 2)."""
+    import cli.main as cli
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_run_generate", closed)
+    assert main(["generate", "--target", "tiny-target", "--prompt", "x"]) == cli.EXIT_BROKEN_PIPE
+    assert capsys.readouterr().err == ""
