@@ -493,6 +493,9 @@ class OpenAIIngress:
         runner = getattr(self, "runner", None)  # none if the constructor failed before it set it
         if runner is not None and (left := await runner.drain(self.FREE_WAIT_S)):
             logger.warning("stopping with %d requests not yet freed on the actors; their idle reaper frees them", left)
+        if (setting_up := getattr(self, "setting_up", None)) is not None:  # would start the loops after this
+            setting_up.cancel()
+            await asyncio.gather(setting_up, return_exceptions=True)
         tasks = getattr(self, "background", [])
         for task in tasks:
             task.cancel()

@@ -394,6 +394,9 @@ class Runner:
 
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sequoia-request")
+        # cancels (``_close``) block on the actors: threads of their own, not the event loop's default pool that
+        # the ingress's other work (tokenising prompts, plan lookups) shares; at most one a request in flight
+        self.cancelling = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sequoia-cancel")
         self.closing: set[asyncio.Task] = set()  # requests being freed after their caller went away
 
     async def stream(self, decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams,
@@ -443,8 +446,8 @@ class Runner:
         if pending is not None:
             if not pending.done():
                 if cancel is not None:  # its caller has gone mid-step: the request is freed under the step (a long
-                    try:  # prefill stops at its next chunk), in a thread of its own (the pool's may all be in steps)
-                        await loop.run_in_executor(None, cancel)
+                    try:  # prefill stops at its next chunk), in a cancel thread (the pool's may all be in steps)
+                        await loop.run_in_executor(self.cancelling, cancel)
                     except Exception as exc:  # noqa: BLE001 - best effort: the close below frees it anyway
                         logger.debug("cancelling a request its caller left failed: %s", exc)
                 await asyncio.wait([pending])  # the step in flight ends before the generator closes

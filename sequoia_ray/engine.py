@@ -310,7 +310,9 @@ class SpeculativeDecoder:
         if event is None:
             return False
         event.set()
-        for worker, verb in ((self.target, "finish"), (self.draft, "abandon")):
+        # the draft first: its abandon does not wait, while the target's finish may wait for the forward in
+        # flight (up to a step's deadline on a hung rank) — a draft prefill ran 40 chunks behind a 2 s finish
+        for worker, verb in ((self.draft, "abandon"), (self.target, "finish")):
             if not getattr(worker, "calls_from_any_thread", False):
                 continue
             try:
