@@ -335,7 +335,6 @@ class SpeculativeDecoder:
         return self.plan_for_step()
 
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Generation:
-        self._check_prompt(prompt, params)  # before with_seed reads params
         params = with_seed(params)
         ids, text = [], []
         for chunk in self.stream(prompt, params, request_id):
@@ -344,8 +343,8 @@ class SpeculativeDecoder:
         return Generation(ids, "".join(text), chunk.finish_reason, chunk.stats, params.seed)
 
     def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Iterator[Chunk]:
-        self._check_prompt(prompt, params)
         params = with_seed(params)
+        self._check_prompt(prompt, params)
         rid = request_id or uuid.uuid4().hex
         seed = params.seed
         policy, draft = _Policy(self.policy, params), None
@@ -447,12 +446,9 @@ class SpeculativeDecoder:
             logger.warning("on_verdict observer failed (%s: %s); the request goes on", type(exc).__name__, exc)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """A prompt the models can read and params that are ``SamplingParams``, refused here with what to change:
-        in process (``LocalPair``) a text prompt failed in the tokenizer, an id outside the vocabulary in torch's
-        embedding (``IndexError``) or as a draft failure, a dict of params as an ``AttributeError``."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}: e.g. "
-                            "SamplingParams(max_tokens=32, temperature=0)")
+        """A prompt the models can read, refused here with what to change: in process (``LocalPair``) a text prompt
+        failed in the tokenizer, an id outside the vocabulary in torch's embedding (``IndexError``) or as a draft
+        failure."""
         if isinstance(prompt, (str, bytes)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise PromptError("the prompt must be a list of token ids (ints): encode text with the model's tokenizer "
@@ -547,7 +543,12 @@ def draft_levels(draft_context: int | None, length: int) -> int:
 
 
 def with_seed(params: SamplingParams) -> SamplingParams:
-    """``params`` with a concrete seed (a fresh random one when none was given), so runs can be replayed."""
+    """``params`` with a concrete seed (a fresh random one when none was given), so runs can be replayed. The
+    first thing ``generate`` and ``stream`` do with their params: refused here unless ``SamplingParams`` (a dict
+    failed as AttributeError 'seed')."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}: e.g. "
+                        "SamplingParams(max_tokens=32, temperature=0)")
     if params.seed is not None:
         return params
     return params.model_copy(update={"seed": int.from_bytes(os.urandom(7), "little")})
