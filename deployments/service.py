@@ -72,11 +72,12 @@ class PlanProvider:
         self.errors, self.last_error = 0, None
         self.warned: set[str] = set()  # what was warned about once (``_first``): plans measured otherwise, no plan
         # refresh (the ingress's loop), adopt (the live re-plan's) and a bucket's first load (a request's) run in
-        # threads of their own: one at a time, or a refresh that listed the store before a live plan was published
-        # swaps the older plan back in, and a load that found a leader swaps its plan over the bucket's own one a
-        # refresh adopted meanwhile (for good: seen already says the store's plan is served). Re-entrant: a load
-        # loads its leader.
+        # threads of their own: their changes one at a time, or a refresh that listed the store before a live plan
+        # was published swaps the older plan back in, and a load that found a leader swaps its plan over the
+        # bucket's own one a refresh adopted meanwhile (for good: seen already says the store's plan is served).
+        # A refresh reads the store outside it (``refresh``). Re-entrant: a load loads its leader.
         self.updating = threading.RLock()
+        self.counting = threading.Lock()  # ``errors``: a refresh's reads count beside a load's
 
     def get(self, temperature: float, batch_size: int = 1) -> ActivePlan:
         """The plan for a batch of ``batch_size`` requests at ``temperature``: its bucket's (the largest
@@ -143,22 +144,27 @@ class PlanProvider:
     def refresh(self) -> None:
         """Every bucket held: its own plan if the store has a new one (newer than the one last seen there, so
         a live plan that could not be published is not undone by the older one); a bucket still without one
-        follows its leader's current plan (or a new leader: a temperature profiled since)."""
-        with self.updating:
-            self._refresh()
+        follows its leader's current plan (or a new leader: a temperature profiled since).
 
-    def _refresh(self) -> None:
-        if not self._list():
+        The store is read outside the lock (a slow or stalled store must not hold up a request's first look at
+        a bucket, nor a live re-plan, for the length of every read), then applied under it: a bucket whose
+        ``seen`` changed meanwhile (a live plan adopted and published, another refresh) is left as it is now."""
+        with self.updating:
+            held, seen = dict(self.keys), dict(self.seen)
+        folders = self._read_folders()
+        if folders is None:
             return
-        for name, (temperature, bucket) in sorted(self.keys.items(), key=lambda kv: kv[1][1]):
-            if name not in self.folders:
-                continue  # the store has nothing here: no read (a held bucket keeps its plan or follows)
-            fresh = self._fetch(temperature, bucket)
-            if fresh is not None and fresh.source != self.seen.get(name):
-                self.seen[name] = fresh.source
-                self.follows.pop(name, None)
-                self._swap(name, fresh)
-        self._refollow()
+        fetched = {name: self._fetch(temperature, bucket)
+                   for name, (temperature, bucket) in sorted(held.items(), key=lambda kv: kv[1][1])
+                   if name in folders}  # the store has nothing elsewhere: no read (a bucket keeps its plan or follows)
+        with self.updating:
+            self.folders = folders
+            for name, fresh in fetched.items():
+                if fresh is not None and fresh.source != self.seen.get(name) and self.seen.get(name) == seen.get(name):
+                    self.seen[name] = fresh.source
+                    self.follows.pop(name, None)
+                    self._swap(name, fresh)
+            self._refollow()
 
     def _refollow(self) -> None:
         """Re-point every bucket without a plan of its own (leaders first: batch-1 buckets before the others)."""
@@ -168,15 +174,21 @@ class PlanProvider:
     def _list(self) -> bool:
         """Read which bucket folders the store has (``folders``); False when it cannot say (no store, a fault:
         counted, and every bucket keeps its plan)."""
+        folders = self._read_folders()
+        if folders is not None:
+            self.folders = folders
+        return folders is not None
+
+    def _read_folders(self) -> set[str] | None:
+        """The bucket folders the store has for this hardware and pair (None: no store, or a fault, counted)."""
         if not self.cfg.plan_store:
-            return False
+            return None
         try:
             self.store = self.store or PlanStore(self.cfg.plan_store)
-            self.folders = self.store.plan_folders(self.hardware, self.cfg.draft or "", self.cfg.target)
+            return self.store.plan_folders(self.hardware, self.cfg.draft or "", self.cfg.target)
         except Exception as exc:  # noqa: BLE001 - whatever the store does, serving goes on with a good plan
             self._store_error(exc, 0)
-            return False
-        return True
+            return None
 
     def _swap(self, name: str, fresh: ActivePlan) -> None:
         current = self.plans.get(name)  # None: a bucket not served yet (a live re-plan covers every profiled one)
@@ -265,7 +277,8 @@ class PlanProvider:
             self._store_error(exc, self.store.skips - skips if self.store else 0)  # the files it tried
             return None
         if self.store.skips > skips:  # newer files that did not read, skipped for an older good plan (logged)
-            self.errors, self.last_error = self.errors + self.store.skips - skips, self.store.last_skip
+            with self.counting:
+                self.errors, self.last_error = self.errors + self.store.skips - skips, self.store.last_skip
         why = self.cfg.measured_otherwise(planned.provenance)
         if why and self._first(path):  # served all the same: a tree for this machine beats the built-in one
             logger.warning("the plan %s for T=%s batch bucket %d was measured with %s: its tree was chosen for "
@@ -281,7 +294,8 @@ class PlanProvider:
         error = f"{type(exc).__name__}: {exc}"
         log = logger.error if error != self.last_error else logger.debug
         log("%s: %s", what, error)
-        self.errors, self.last_error = self.errors + max(1, skipped), error
+        with self.counting:
+            self.errors, self.last_error = self.errors + max(1, skipped), error
 
     def _first(self, key: str) -> bool:
         """Whether ``key`` (a message, a plan's path) is met for the first time, recording it: ``refresh`` looks

@@ -367,3 +367,41 @@ def test_a_store_gone_after_its_listing_is_no_missing_plan(store, caplog, monkey
         assert plans.get(0.7).source == f"store:{zero}" and plans.errors == 1  # 0.0's, the nearest it can read
     assert not [r for r in caplog.records if "no plan for" in r.getMessage()]
     assert [r.levelname for r in caplog.records if "unreachable" in r.getMessage()] == ["ERROR"]
+
+
+def test_a_refresh_stalled_in_a_store_read_holds_up_no_first_load_and_no_live_replan(store, monkeypatch):
+    """A refresh read the store under the provider's lock: with the store stalled (a hung object-store read),
+    a request's first step at another temperature and a live re-plan waited for all of the refresh's reads. They
+    go on now; the refresh's late result leaves the live plan adopted meanwhile in place (the store's older plan
+    is not swapped back)."""
+    import threading
+
+    publish(store, 16, 1)
+    six = publish(store, 8, 1, 0.6)
+    plans = provider(store.uri)
+    assert plans.get(0.0).planned.plan.n > 4
+    entered, release, fetch = threading.Event(), threading.Event(), PlanStore.fetch_plan
+
+    def stalled(self, key):
+        if threading.current_thread().name == "refresh":
+            entered.set()
+            release.wait(30)
+        return fetch(self, key)
+
+    monkeypatch.setattr(PlanStore, "fetch_plan", stalled)
+    refresh = threading.Thread(target=plans.refresh, name="refresh")
+    refresh.start()
+    try:
+        assert entered.wait(10)
+        first = threading.Thread(target=plans.get, args=(0.6,))
+        replan = threading.Thread(target=plans.adopt, args=(0.0, {1: builtin_plan(0.0, budget=4)}))
+        for thread in (first, replan):
+            thread.start()
+            thread.join(10)
+        stuck = [thread.is_alive() for thread in (first, replan)]
+    finally:
+        release.set()
+        refresh.join(10)
+    assert stuck == [False, False] and not refresh.is_alive()
+    assert plans.get(0.6).source == f"store:{six}"
+    assert plans.get(0.0).planned.plan.n == 4 and plans.get(0.0).source.startswith("live:")
