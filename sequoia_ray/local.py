@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from sequoia_ray.config import DEFAULT_DRAFT_VOCAB
 from sequoia_ray.draft import DraftWorker
 from sequoia_ray.engine import SpeculativeDecoder
-from sequoia_ray.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, load_model
+from sequoia_ray.models.loading import (DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, check_load_options, check_source,
+                                        load_model)
 from sequoia_ray.target import TargetWorker
 from sequoia_ray.tree.plan import TreePlan
 
@@ -29,6 +30,10 @@ class LocalPair:
         machine that also has a GPU); an explicit ``cuda`` with one stays an error."""
         if draft_quantize == "int8" and device == "auto":
             device = "cpu"
+        if draft:  # the draft's options checked before the target loads (minutes, for a real one), not after
+            check_load_options(dtype=dtype, quantize=draft_quantize, device=device, linears=linears, layers=layers,
+                               draft_vocab=draft_vocab)
+            check_source(draft)
         t = load_model(target, dtype=dtype, progress=progress, device=device, linears=linears, layers=layers)
         d = load_model(draft, dtype=dtype, quantize=draft_quantize, progress=progress, device=device,
                        linears=linears, layers=layers, draft_vocab=draft_vocab) if draft else None

@@ -56,6 +56,18 @@ def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
     if source in (DEFAULT_DRAFT, DEFAULT_TARGET):
         which = fetch.DEFAULT_DRAFT if source == DEFAULT_DRAFT else fetch.DEFAULT_TARGET
         return str(fetch.fetch(which, progress=progress)), None
+    check_source(source)
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        return str(path.parent), path.name
+    return (str(path) if path.exists() else source), None
+
+
+def check_source(source: str) -> None:
+    """What can be told of a model source without fetching or loading anything: an empty one, a local path that
+    does not exist or is no checkpoint (a hub id and the named defaults pass)."""
+    if source in (TINY_DRAFT, TINY_TARGET, DEFAULT_DRAFT, DEFAULT_TARGET):
+        return
     if not source.strip():
         raise ValueError(f"model source {source!r} is empty; give a checkpoint directory, a .gguf file, a hub id, "
                          f"or {DEFAULT_DRAFT} / {DEFAULT_TARGET}")
@@ -66,28 +78,19 @@ def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return str(path.parent), path.name
-    if path.exists() and not (path / "config.json").is_file():
+    elif path.exists() and not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; point at a Hugging Face checkpoint directory")
-    return (str(path) if path.exists() else source), None
 
 
-def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
-               progress: bool = True, tp_plan: str | None = None, device: str | torch.device = "cpu",
-               linears: str = "auto", layers: str = "auto", draft_vocab: int | None = None) -> LoadedModel:
-    """Load onto ``device`` (``auto | cpu | cuda`` or a torch device; see ``sequoia_ray.devices``).
-    ``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel);
-    transformers then places each shard on the rank's device (``LOCAL_RANK``). ``linears``: ``auto | packed |
-    aten``, whether the Linear layers run on weights packed once for oneDNN (``models.packed_linear``); an
-    int8 model (its layers are quantised, not ``nn.Linear``) and tensor-parallel shards stay unpacked.
-    ``layers``: ``auto | traced | eager``, whether the decoder layers' dense parts run as TorchScript traces
-    (``models.traced_layers``; bitwise the same output, checked at load). ``draft_vocab``: a draft's LM head
-    keeps only that many lowest ids and the special tokens (``models.draft_vocab``); None = the full head (a
-    target's head must stay whole)."""
+def check_load_options(*, dtype: str = "float32", quantize: str | None = None, tp_plan: str | None = None,
+                       device: str | torch.device = "cpu", linears: str = "auto", layers: str = "auto",
+                       draft_vocab: int | None = None) -> torch.device:
+    """``load_model``'s options checked, before anything loads (a pair checks its draft's before loading its
+    target: minutes, for a real one); the device they resolve to."""
     from sequoia_ray.devices import resolve_device
     from sequoia_ray.models import draft_vocab as vocab_subset
     from sequoia_ray.models import traced_layers
-    from sequoia_ray.models.packed_linear import check_mode, pack_linears
+    from sequoia_ray.models.packed_linear import check_mode
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -104,6 +107,27 @@ def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quant
         raise ValueError("layers 'traced': tensor-parallel shards keep transformers' hooks; use 'auto' or 'eager'")
     if tp_plan and draft_vocab is not None:
         raise ValueError(f"draft_vocab {draft_vocab}: a tensor-parallel model is a target, whose head must stay whole")
+    return device
+
+
+def load_model(source: str, *, dtype: str = "float32", attn: str = "sdpa", quantize: str | None = None,
+               progress: bool = True, tp_plan: str | None = None, device: str | torch.device = "cpu",
+               linears: str = "auto", layers: str = "auto", draft_vocab: int | None = None) -> LoadedModel:
+    """Load onto ``device`` (``auto | cpu | cuda`` or a torch device; see ``sequoia_ray.devices``).
+    ``tp_plan="auto"`` shards the model over the initialised torch.distributed group (tensor parallel);
+    transformers then places each shard on the rank's device (``LOCAL_RANK``). ``linears``: ``auto | packed |
+    aten``, whether the Linear layers run on weights packed once for oneDNN (``models.packed_linear``); an
+    int8 model (its layers are quantised, not ``nn.Linear``) and tensor-parallel shards stay unpacked.
+    ``layers``: ``auto | traced | eager``, whether the decoder layers' dense parts run as TorchScript traces
+    (``models.traced_layers``; bitwise the same output, checked at load). ``draft_vocab``: a draft's LM head
+    keeps only that many lowest ids and the special tokens (``models.draft_vocab``); None = the full head (a
+    target's head must stay whole)."""
+    from sequoia_ray.models import draft_vocab as vocab_subset
+    from sequoia_ray.models import traced_layers
+    from sequoia_ray.models.packed_linear import pack_linears
+
+    device = check_load_options(dtype=dtype, quantize=quantize, tp_plan=tp_plan, device=device, linears=linears,
+                                layers=layers, draft_vocab=draft_vocab)
     logger.info("loading %s on %s ...", source, device)
     start = time.perf_counter()
     with progress_bars(progress):
