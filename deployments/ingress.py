@@ -336,11 +336,11 @@ class OpenAIIngress:
 
     async def _counted(self, route: str, request: Request, model, chat: bool):
         """A request, counted by route and status once it is over (a stream when its last event is sent)."""
-        count = self._counter(route)
+        count, received = self._counter(route), time.perf_counter()
         with _Outcome(count) as outcome:
             self._authorize(request)
             response = await self._serve(await _parse(request, model, self.cfg.max_body_bytes), chat=chat,
-                                         ended=count)
+                                         ended=count, received=received)
             if isinstance(response, StreamingResponse):
                 outcome.status = None  # counted when it ends (``_sse``)
             return response
@@ -360,14 +360,16 @@ class OpenAIIngress:
     async def generate(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest) -> dict:
         """A completion, as /v1/…/completions answers it; counted in ``sequoia_requests`` (route
         ``handle_generate``) as HTTP requests are."""
+        received = time.perf_counter()
         with _Outcome(self._counter("handle_generate")):
             req, chat = _as_request(request)
-            return await self._complete(req, *await self._prepared(req, chat), chat)
+            return await self._complete(req, *await self._prepared(req, chat), chat, received)
 
-    async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool) -> dict:
+    async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool,
+                        received: float | None = None) -> dict:
         rid = api.completion_id(req.id_kind)
         text, ids, last = [], 0, None
-        async for chunk in self._chunks(prompt, params, rid, req, chat):
+        async for chunk in self._chunks(prompt, params, rid, req, chat, received):
             text.append(chunk.text)
             ids += len(chunk.token_ids)
             last = chunk
@@ -381,6 +383,7 @@ class OpenAIIngress:
         stream whatever its ``stream`` says: ``stream_options`` were refused without it). A request refused
         (429, a context too long, no target) raises before the first event, as over HTTP: a chat's role event
         went out first."""
+        received = time.perf_counter()
         with _Outcome(self._counter("handle_generate_stream")):  # counted when it ends, as an HTTP stream
             if isinstance(request, dict):
                 request = {**request, "stream": True}
@@ -388,19 +391,20 @@ class OpenAIIngress:
             req = req.model_copy(update={"stream": True})
             prompt, params = await self._prepared(req, chat)
             rid = api.completion_id(req.id_kind)
-            chunks = self._chunks(prompt, params, rid, req, chat)
+            chunks = self._chunks(prompt, params, rid, req, chat, received)
             first = await _first(chunks)  # errors before the first token are raised before any event
             async for event in self._events(_prepend(first, chunks), req, rid, chat, len(prompt)):
                 yield event
 
     # ---- internals --------------------------------------------------------------------------------
-    async def _serve(self, req, chat: bool, ended=lambda status: None):
-        """The response to ``req``: a completion, or a stream whose end calls ``ended(status)`` (``_sse``)."""
+    async def _serve(self, req, chat: bool, ended=lambda status: None, received: float | None = None):
+        """The response to ``req``: a completion, or a stream whose end calls ``ended(status)`` (``_sse``).
+        ``received``: when the request arrived (``time.perf_counter()``), the start of its time to first token."""
         prompt, params = await self._prepared(req, chat)
         if not req.stream:
-            return await self._complete(req, prompt, params, chat)
+            return await self._complete(req, prompt, params, chat, received)
         rid = api.completion_id(req.id_kind)
-        chunks = self._chunks(prompt, params, rid, req, chat)
+        chunks = self._chunks(prompt, params, rid, req, chat, received)
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
         events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
         return StreamingResponse(_sse(events, ended), media_type="text/event-stream")
@@ -551,13 +555,14 @@ class OpenAIIngress:
                 logger.exception("live re-plan failed; keeping the current plans")
             self.metrics.live(self.live.live, replanned)
 
-    async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, req, chat: bool):
+    async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, req, chat: bool,
+                      received: float | None = None):
         if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
                                     "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
         self.in_flight.enter()
         self.metrics.active.set(self.active)
-        start, first, handed = time.perf_counter(), None, False
+        received, first, handed = received or time.perf_counter(), None, False
 
         def leave() -> None:  # once: here, or when the Runner has freed the request (``handed``)
             self.in_flight.leave()
@@ -577,10 +582,12 @@ class OpenAIIngress:
             # client gone mid-step ended this at once (Starlette cancels twice) and a new request took the slot
             # while the step still held a Runner thread and the actors' state
             async for chunk in self.runner.stream(decoder, prompt, params, rid, freed=leave):
-                if first is None and chunk.token_ids:
-                    first = time.perf_counter() - start
+                self.metrics.generated(len(chunk.token_ids))
+                if first is None and (chunk.text or chunk.finish_reason):  # what the client gets first (a chunk
+                    first = True  # of ids alone holds its text back: part of a stop string or of a character)
+                    self.metrics.ttft.observe(time.perf_counter() - received)
                 if chunk.stats is not None:
-                    self.metrics.finished(chunk.stats, first)
+                    self.metrics.finished(chunk.stats)
                 yield chunk
         except PromptError as exc:  # found by the engine before any token: still a proper 400
             param = {"prompt": req.prompt_param, "max_tokens": req.length_param}.get(exc.param)

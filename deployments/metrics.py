@@ -60,12 +60,17 @@ class ServiceMetrics:
                                                  boundaries=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12])
         self.tree_nodes = metrics.Histogram("sequoia_tree_nodes_per_step", "Tree nodes verified per target call (root "
                                             "included; dynamic trees as grown), per request.",
-                                            boundaries=[1, 2, 4, 6, 8, 12, 16, 24, 32, 64])
-        self.acceptance = HeldGauge("sequoia_acceptance_rate",
-                                    "Share of verification steps that accepted >= 1 draft token (last request).")
-        self.ttft = metrics.Histogram("sequoia_time_to_first_token_s", "Seconds to the first token.",
-                                      boundaries=TTFT_BOUNDS)
-        self.draft_step = metrics.Histogram("sequoia_draft_step_s", "Draft seconds per step.", boundaries=STEP_BOUNDS)
+                                            boundaries=[1, 2, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512, 1024])
+        # acceptance as two counters (a ratio of rates), not a gauge of the last request: that one was a random
+        # request's under concurrency, held for hours after traffic stopped, and counted the steps that ran the
+        # target alone (a first step, a live-cost probe, a root-only plan) as rejections
+        self.tree_steps = metrics.Counter("sequoia_tree_steps", "Steps that verified a draft tree.")
+        self.accepted_steps = metrics.Counter("sequoia_accepted_steps",
+                                              "Tree steps that accepted >= 1 draft token.")
+        self.ttft = metrics.Histogram("sequoia_time_to_first_token_s", "Seconds from the request's arrival to its "
+                                      "first text (or its end).", boundaries=TTFT_BOUNDS)
+        self.draft_step = metrics.Histogram("sequoia_draft_step_s", "Draft seconds per tree step, per request.",
+                                            boundaries=STEP_BOUNDS)
         self.verify_step = metrics.Histogram("sequoia_verify_step_s", "Verify seconds per step.",
                                              boundaries=STEP_BOUNDS)
         self.active = HeldGauge("sequoia_active_requests", "Requests in flight on this ingress replica.")
@@ -135,15 +140,20 @@ class ServiceMetrics:
                 if tried > 0:
                     self.live_p.set(float(p), tags=tags)
 
-    def finished(self, stats: Stats, first_token_s: float | None) -> None:
-        if stats.tokens:  # Ray counters reject inc(0) (an EOS as the first token)
-            self.tokens.inc(stats.tokens)
+    def generated(self, tokens: int) -> None:
+        """Tokens a chunk brought (the usage's completion tokens), counted as they go out: counted at the end
+        only, a request whose client left (or whose target failed) mid-stream counted none."""
+        if tokens:  # Ray counters reject inc(0) (a chunk of held-back text, an EOS as the first token)
+            self.tokens.inc(tokens)
+
+    def finished(self, stats: Stats) -> None:
+        """A finished request's per-step figures."""
         if stats.steps:
             self.tokens_per_step.observe(stats.tokens_per_step)
             self.tree_nodes.observe(stats.tree_nodes / stats.steps)
-            accepted = sum(v for k, v in stats.accepted_hist.items() if k > 0)
-            self.acceptance.set(accepted / stats.steps)
-            self.draft_step.observe(stats.draft_s / stats.steps)
             self.verify_step.observe(stats.verify_s / stats.steps)
-        if first_token_s is not None:
-            self.ttft.observe(first_token_s)
+        if trees := stats.tree_steps:
+            self.tree_steps.inc(trees)
+            if accepted := sum(v for k, v in stats.accepted_hist.items() if k > 0):
+                self.accepted_steps.inc(accepted)
+            self.draft_step.observe(stats.draft_s / trees)

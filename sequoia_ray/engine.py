@@ -88,6 +88,12 @@ class Stats:
         return self.tokens / self.steps if self.steps else 0.0
 
     @property
+    def tree_steps(self) -> int:
+        """Steps that verified a draft tree (the others ran the target alone: a first step, a live-cost probe, a
+        root-only plan, the last token, a draft gone)."""
+        return sum(self.root_rank_hist.values())
+
+    @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.total_s if self.total_s > 0 else 0.0
 

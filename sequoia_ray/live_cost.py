@@ -167,6 +167,7 @@ class _Key:
     round: set = field(default_factory=set)  # requests that began a step in the current round (see ``begin``)
     seen: dict[str, float] = field(default_factory=dict)  # arm -> clock time of its newest measured step
     ran: dict[str, float] = field(default_factory=dict)  # arm -> clock time its newest step began (``_aged``)
+    planned_alone: bool = False  # the key's plan is root-only now (the planner's choice): no arm to choose
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
         """Tokens/s of ``arm``'s measured steps in its last ``phases`` phases, and older ones while they are
@@ -231,6 +232,7 @@ class StepRates:
                 elif self._aged(state, now):  # the other arm's rate is old: probe it again (the backoff stays)
                     state.arm, state.probing = _other(state.arm), True
                     self._start(state, batch)
+            state.planned_alone = False
             state.round.add(request)
             state.steps += 1
             state.begun[state.arm] += 1
@@ -238,6 +240,14 @@ class StepRates:
             step = Step(key, state.arm, state.phase, state.steps > state.settle, request, now)
             self._overlap(step)
             return step
+
+    def planned_alone(self, key: tuple[str, int]) -> None:
+        """A step of ``key`` whose plan is the target alone (a live re-plan or the store's, measured faster): no
+        arm to choose or measure; ``summary`` says the target alone serves until a tree step begins there again
+        (it went on saying the tree, as its last phase did)."""
+        with self._lock:
+            if (state := self._keys.get(key)) is not None:
+                state.planned_alone = True
 
     def record(self, step: Step, tokens: int, seconds: float, *, first: bool = False, counted: bool = True,
                beside: bool = False) -> None:
@@ -401,8 +411,9 @@ class StepRates:
         return min(2 * state.spacing, self.settings.backoff)
 
     def summary(self) -> dict[str, dict]:
-        """Per key ``t0.0-b8``: the arm served, each arm's measured tokens/s per request (first steps included
-        once both arms have some) and measured steps (the window's), each arm's mean first step (seconds), the
+        """Per key ``t0.0-b8``: the arm served (``alone`` too where the plan is root-only now), each arm's
+        measured tokens/s per request (first steps included once both arms have some) and measured steps (the
+        window's), each arm's mean first step (seconds), the
         steps each arm has run (``begun``: measured or not, since the start) and the age of each arm's newest
         measured step (``age_s``, seconds; None: none yet)."""
         with self._lock:
@@ -411,7 +422,7 @@ class StepRates:
                 rates = {arm: self._rate(state, arm, 1) for arm in ARMS}
                 admits = {a: round(mean(state.admits[a]), 3) if state.admits.get(a) else None for a in ARMS}
                 out[f"{temperature}-b{bucket}"] = {
-                    "serving": state.arm if not state.probing else self.best(state),
+                    "serving": ALONE if state.planned_alone else state.arm if not state.probing else self.best(state),
                     "tok_s": {a: None if r is None else round(r, 3) for a, r in rates.items()},
                     "first_step_s": admits,
                     "steps": {a: len(state.samples.get(a, ())) for a in ARMS}, "begun": dict(state.begun),
@@ -432,10 +443,12 @@ class _RequestArm:
     def plan(self, base: TreePlan) -> TreePlan:
         self._end_unobserved()
         self.steps += 1
-        if base.n <= 1:  # the bucket's plan is the target alone already (the planner measured it faster):
-            return base  # no arm to choose, nothing to measure, and no key claiming to speculate
         batch = max(1, self.batch())
-        self.step = self.rates.begin((self.temperature, batch_bucket(batch)), batch, self)
+        key = (self.temperature, batch_bucket(batch))
+        if base.n <= 1:  # the bucket's plan is the target alone already (the planner measured it faster):
+            self.rates.planned_alone(key)  # no arm to choose, nothing to measure, and no key claiming to speculate
+            return base
+        self.step = self.rates.begin(key, batch, self)
         if self.step.arm == ALONE:
             return ROOT_ONLY
         return self.inner.plan(base) if self.inner is not None else base

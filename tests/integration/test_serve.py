@@ -321,7 +321,8 @@ def test_metrics_are_exported(server):
     saw them; session 45's CI, with every counter and histogram there)."""
     wanted = ["ray_sequoia_requests", "ray_sequoia_generated_tokens", "ray_sequoia_tokens_per_step",
               "ray_sequoia_time_to_first_token_s", "ray_sequoia_draft_step_s", "ray_sequoia_verify_step_s",
-              "ray_sequoia_active_requests", "ray_sequoia_plan_nodes", "ray_sequoia_acceptance_rate"]
+              "ray_sequoia_active_requests", "ray_sequoia_plan_nodes", "ray_sequoia_tree_steps_total",
+              "ray_sequoia_accepted_steps_total"]
     deadline, missing = time.time() + 90, wanted
     while missing and time.time() < deadline:
         complete(f"{server}/tp1", "metrics please", max_tokens=12)
@@ -330,7 +331,7 @@ def test_metrics_are_exported(server):
             missing = [name for name in missing if not app_metric_values(name, "tp1")]
             time.sleep(0.25)
     assert not missing, missing
-    tokens = app_metric_values("ray_sequoia_generated_tokens", "tp1")
+    tokens = app_metric_values("ray_sequoia_generated_tokens_total", "tp1")
     assert any(v >= 12 for v in tokens), tokens
 
 

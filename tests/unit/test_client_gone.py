@@ -97,7 +97,7 @@ def _request():
 @pytest.mark.parametrize("raised, status", [(TaskCancelledError(), "499"), (asyncio.CancelledError(), "499"),
                                             (api.APIError(400, "bad"), "400"), (RuntimeError("bug"), "500")])
 def test_a_request_is_counted_by_how_it_ended(raised, status):
-    async def serve(req, chat, ended):
+    async def serve(req, chat, ended, received):
         raise raised
 
     replica = _ingress(serve)
@@ -107,7 +107,7 @@ def test_a_request_is_counted_by_how_it_ended(raised, status):
 
 
 def test_a_streams_request_is_counted_when_the_stream_ends():
-    async def serve(req, chat, ended):
+    async def serve(req, chat, ended, received):
         return StreamingResponse(_sse(_events(RuntimeError("the target broke")), ended))
 
     replica = _ingress(serve)

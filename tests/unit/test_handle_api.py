@@ -37,7 +37,8 @@ def replica(pair, **cfg):
     r.tokenizer = pair.target.tokenizer
     nop = lambda *a, **k: None  # noqa: E731
     r.metrics = SimpleNamespace(active=SimpleNamespace(set=nop), plan=SimpleNamespace(set=nop),
-                                plan_tags=lambda *a: {}, finished=nop, requests=SimpleNamespace(inc=nop))
+                                plan_tags=lambda *a: {}, finished=nop, generated=nop,
+                                ttft=SimpleNamespace(observe=nop), requests=SimpleNamespace(inc=nop))
     r.in_flight, r.runner = InFlight(0.0), Runner(r.cfg.max_concurrent)
     r.families = r.rules = r.live = r.rates = None
     r.background, r.expected_auth = [], None

@@ -406,7 +406,7 @@ def test_an_internal_error_is_counted_as_a_500():
     replica.expected_auth = None
     replica.metrics = SimpleNamespace(requests=SimpleNamespace(inc=lambda tags: counted.append(tags["status"])))
 
-    async def broken(req, chat, ended):
+    async def broken(req, chat, ended, received):
         raise RuntimeError("a bug")
 
     replica._serve = broken

@@ -41,7 +41,7 @@ def Decoder(step_s: float) -> SlowDecoder:
 def _metrics():
     nop = lambda *a, **k: None  # noqa: E731
     return SimpleNamespace(active=SimpleNamespace(set=nop), plan=SimpleNamespace(set=nop), plan_tags=lambda *a: {},
-                           finished=nop)
+                           finished=nop, generated=nop, ttft=SimpleNamespace(observe=nop))
 
 
 def _replica(decoders, max_concurrent=1):
