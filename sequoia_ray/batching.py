@@ -18,10 +18,13 @@ and the two models' forwards running at once share the memory bandwidth and the 
 Serve on a 2-core Xeon, 21.0-25.5 tok/s in lockstep (1 s wait) against 14.4-18.8 alternating (session 22).
 
 Order: every other call (``start``, ``commit``, ``finish``) runs first, in arrival order, between two
-forwards; then one batch of the batched method, in arrival order, within ``max_batch_requests`` and
-``max_batch_tokens`` (a first call larger than the token budget still runs, alone). A call the worker
-answers with ``NOT_YET`` (a long prompt prefilled one chunk per step) goes back to the queue's front.
-Each call gets its own result or exception; a batch that fails as a whole fails each of its calls.
+forwards; then one batch of the batched method within ``max_batch_requests`` and ``max_batch_tokens`` (a first
+call larger than the token budget still runs, alone): the calls that step a request first, in arrival order,
+then the calls the worker answered with ``NOT_YET`` (a long prompt prefilled one chunk per forward) in the
+budget left, as vLLM's scheduler puts running requests before prefill chunks. Prefill chunks went first once:
+two long prompts whose chunks filled the budget held a decoding request's step back until both were
+prefilled (25 forwards in the review's run). Each call gets its own result or exception; a batch that fails
+as a whole fails each of its calls.
 
 All calls of a worker run on the batcher's one thread, so the worker itself needs no locks. The runner is
 given, not assumed: in-process it is the worker; on a tensor-parallel group it is rank 0 forwarding the
@@ -87,6 +90,7 @@ class _Call:
     args: tuple
     future: Future = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
+    prefilling: bool = False  # answered NOT_YET: the rest of a long prompt, one chunk per forward
 
 
 class Batcher:
@@ -237,15 +241,18 @@ class Batcher:
             return False
 
     def _take(self) -> tuple[list[_Call], int]:
-        """The first batched method's queued calls within the limits, in arrival order, and their tokens."""
-        batch, tokens, rest = [], 0, deque()
-        for c in self.queue:
-            if rest or not self._fits(c, batch, tokens):  # first come, first served: nobody jumps the queue
-                rest.append(c)
+        """The queued calls of the next forward within the limits, and their tokens: the calls stepping a request
+        in arrival order, then prefill chunks (``prefilling``) in the budget left."""
+        order = [c for c in self.queue if not c.prefilling] + [c for c in self.queue if c.prefilling]
+        batch, tokens, skipped = [], 0, False
+        for c in order:
+            if skipped or not self._fits(c, batch, tokens):  # first come, first served: nobody jumps the queue
+                skipped = True
                 continue
             batch.append(c)
             tokens += self._size(c)
-        self.queue = rest
+        taken = {id(c) for c in batch}
+        self.queue = deque(c for c in self.queue if id(c) not in taken)
         return batch, tokens
 
     def _fits(self, c: _Call, batch: list[_Call], tokens: int) -> bool:
@@ -275,6 +282,7 @@ class Batcher:
         again = []
         for c, result in zip(batch, results):
             if isinstance(result, str) and result == NOT_YET:
+                c.prefilling = True
                 again.append(c)
             elif isinstance(result, BaseException):
                 c.future.set_exception(result)

@@ -332,6 +332,44 @@ def test_batcher_requeues_not_yet_and_fails_each_call_of_a_failed_batch():
         batcher.call("verify", "late")
 
 
+def test_prefill_chunks_fill_the_budget_after_the_decoding_requests_steps():
+    """Calls answered NOT_YET (a long prompt, one chunk per forward) went back to the queue's front and were taken
+    first: two prompts whose chunks filled max_batch_tokens held a decoding request's step back until both were
+    prefilled (25 forwards in the review's run, every one the decoding request's 60 s step timeout ran on). The
+    decoding request's step now goes first and the chunks fill the budget left; both prompts still finish."""
+    gate, rounds, chunks = threading.Event(), [], {"L1": 5, "L2": 5}
+
+    def run_batch(method, calls):
+        rounds.append([c[0] for c in calls])
+        if len(rounds) == 1:
+            gate.wait(5)  # the first forward (both prompts' first chunks) runs while "d"'s step arrives
+        out = []
+        for rid, *_ in calls:
+            chunks[rid] = chunks.get(rid, 1) - 1
+            out.append(NOT_YET if chunks[rid] > 0 else rid)
+        return out
+
+    held = threading.Event()
+    batcher = Batcher(run_batch, lambda *a: held.wait(5), lambda m, rid, a: 4 if rid.startswith("L") else 1,
+                      BatchLimits(max_batch_tokens=8))
+    with ThreadPoolExecutor(4) as pool:
+        pool.submit(batcher.call, "start", "s0")  # holds the loop until both prompts are queued
+        _wait_until(lambda: not batcher.queue)
+        longs = []
+        for rid in ("L1", "L2"):
+            longs.append(pool.submit(batcher.call, "verify", rid))
+            _wait_until(lambda n=len(longs): len(batcher.queue) == n)
+        held.set()
+        _wait_until(lambda: rounds)
+        decoding = pool.submit(batcher.call, "verify", "d")
+        _wait_until(lambda: len(batcher.queue) == 1)
+        gate.set()
+        assert decoding.result(5) == "d" and [f.result(5) for f in longs] == ["L1", "L2"]
+    assert rounds[:2] == [["L1", "L2"], ["d", "L1"]]  # 1 + 4 tokens; "L2"'s chunk (4 more) waits a forward
+    assert sum("L1" in r for r in rounds) == sum("L2" in r for r in rounds) == 5
+    batcher.close()
+
+
 def test_a_request_that_stops_calling_never_stalls_the_others(models):
     """A client that stops reading stops its own steps only: nobody waits for its next call."""
     target, draft = models
