@@ -264,7 +264,8 @@ class OpenAIIngress:
         self.draft_deployment, self.target_deployment = draft, target
         self.tokenizer = load_tokenizer(self.cfg.target, progress=False)
         self.runner = Runner(self.cfg.max_concurrent)
-        self.in_flight = InFlight(self.cfg.batch_hold_s)  # requests in flight; the batch a step plans for
+        # requests in flight; the batch a step plans for (no more than a forward carries)
+        self.in_flight = InFlight(self.cfg.batch_hold_s, cap=self.cfg.max_batch_requests)
         self.plans: PlanProvider | None = None
         self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
         self.families: TreeFamilies | None = None  # a tree per request (cfg.request_trees)
@@ -306,7 +307,7 @@ class OpenAIIngress:
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         plans = await self._plans()
-        active = await asyncio.to_thread(plans.get, 0.0, max(1, self.active))
+        active = await asyncio.to_thread(plans.get, 0.0, self.in_flight.batch())
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,
                 "tp_size": self.cfg.tp_size, "plans": plans.sources(),
@@ -570,9 +571,10 @@ class OpenAIIngress:
 
         try:
             plans = await self._plans()
-            active = await asyncio.to_thread(plans.get, params.temperature, self.active)  # a first fetch may be slow
+            batch = self.in_flight.batch()  # the bucket its steps plan for (its first fetch may be slow: here)
+            active = await asyncio.to_thread(plans.get, params.temperature, batch)
             self.metrics.plan.set(active.planned.plan.n, tags=self.metrics.plan_tags(
-                plans.hardware, active.source, params.temperature, batch_bucket(max(1, self.active))))
+                plans.hardware, active.source, params.temperature, batch_bucket(batch)))
             family = await asyncio.to_thread(self.families.get, params.temperature) if self.families else None
             rules = self.rules.for_request(params.temperature, self.in_flight.batch) if self.rules else None
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -66,3 +67,29 @@ def test_threads_entering_and_leaving_keep_the_count():
     for t in threads:
         t.join()
     assert flight.count == 0 and flight.batch() == 1
+
+
+def test_the_batch_is_capped_at_what_a_forward_carries():
+    """With max_batch_requests 1 (one request per forward) and 8 requests in flight, every step served the plan
+    priced for a forward of 8 (a 2-node tree, or the target alone) while each forward carried one request: the
+    ingress caps the batch a step plans for at the model actors' max_batch_requests."""
+    from deployments.ingress import OpenAIIngress
+    from sequoia_ray.models.loading import TINY_TARGET
+
+    class Replica(OpenAIIngress.func_or_class):
+        def __del__(self) -> None:  # no background loops were started
+            pass
+
+    async def replica(cap: int):
+        built = object.__new__(Replica)  # Serve's ingress wrapper makes __init__ a coroutine
+        await built.__init__({"target": TINY_TARGET, "draft": None, "max_batch_requests": cap, "batch_hold_s": 0.0},
+                             None, None)
+        return built
+
+    for cap, expected in ((1, 1), (4, 4), (16, 8)):
+        built = asyncio.run(replica(cap))
+        for _ in range(8):
+            built.in_flight.enter()
+        assert (built.active, built.in_flight.batch()) == (8, expected), cap
+    with pytest.raises(ValueError, match="cap 0 must be >= 1"):
+        InFlight(cap=0)
