@@ -225,6 +225,15 @@ class ServeConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _chunks(self):
+        if self.prefill_chunk is not None and self.prefill_chunk > self.max_batch_tokens:
+            raise ValueError(f"prefill_chunk {self.prefill_chunk} is larger than max_batch_tokens "
+                             f"{self.max_batch_tokens}: every chunk would run alone, over the budget, and the "
+                             "decoding steps queued behind it would wait a whole forward; give prefill_chunk <= "
+                             "max_batch_tokens (a chunk should leave room for the batch's trees)")
+        return self
+
+    @model_validator(mode="after")
     def _prefix(self):
         if 0 < self.prefix_cache_tokens < self.prefix_block:
             raise ValueError(f"prefix_cache_tokens {self.prefix_cache_tokens} holds no block of prefix_block "

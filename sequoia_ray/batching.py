@@ -21,10 +21,11 @@ Order: every other call (``start``, ``commit``, ``finish``) runs first, in arriv
 forwards; then one batch of the batched method within ``max_batch_requests`` and ``max_batch_tokens`` (a first
 call larger than the token budget still runs, alone): the calls that step a request first, in arrival order,
 then the calls the worker answered with ``NOT_YET`` (a long prompt prefilled one chunk per forward) in the
-budget left, as vLLM's scheduler puts running requests before prefill chunks. Prefill chunks went first once:
-two long prompts whose chunks filled the budget held a decoding request's step back until both were
-prefilled (25 forwards in the review's run). Each call gets its own result or exception; a batch that fails
-as a whole fails each of its calls.
+budget left, as vLLM's scheduler puts running requests before prefill chunks; a chunk passed over once goes
+first in the next forward, so decoding steps that fill the budget delay a prompt one forward in two at most.
+Prefill chunks went first once: two long prompts whose chunks filled the budget held a decoding request's step
+back until both were prefilled (25 forwards in the review's run). Each call gets its own result or exception;
+a batch that fails as a whole fails each of its calls.
 
 All calls of a worker run on the batcher's one thread, so the worker itself needs no locks. The runner is
 given, not assumed: in-process it is the worker; on a tensor-parallel group it is rank 0 forwarding the
@@ -91,6 +92,7 @@ class _Call:
     future: Future = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
     prefilling: bool = False  # answered NOT_YET: the rest of a long prompt, one chunk per forward
+    passed: int = 0  # forwards that ran without it while it was queued (a prefill chunk passed over goes first)
 
 
 class Batcher:
@@ -241,9 +243,13 @@ class Batcher:
             return False
 
     def _take(self) -> tuple[list[_Call], int]:
-        """The queued calls of the next forward within the limits, and their tokens: the calls stepping a request
-        in arrival order, then prefill chunks (``prefilling``) in the budget left."""
-        order = [c for c in self.queue if not c.prefilling] + [c for c in self.queue if c.prefilling]
+        """The queued calls of the next forward within the limits, and their tokens: prefill chunks passed over
+        last time, the calls stepping a request in arrival order, then the other prefill chunks (``prefilling``)
+        in the budget left."""
+        def rank(c: _Call) -> int:
+            return 1 if not c.prefilling else 0 if c.passed else 2
+
+        order = sorted(self.queue, key=rank)  # stable: arrival order within each group
         batch, tokens, skipped = [], 0, False
         for c in order:
             if skipped or not self._fits(c, batch, tokens):  # first come, first served: nobody jumps the queue
@@ -253,6 +259,10 @@ class Batcher:
             tokens += self._size(c)
         taken = {id(c) for c in batch}
         self.queue = deque(c for c in self.queue if id(c) not in taken)
+        for c in self.queue:
+            c.passed += 1
+        for c in batch:
+            c.passed = 0
         return batch, tokens
 
     def _fits(self, c: _Call, batch: list[_Call], tokens: int) -> bool:

@@ -175,3 +175,12 @@ def test_nccl_ranks_need_a_whole_gpu_each():
     with pytest.raises(ValidationError, match="one whole GPU each"):
         ServeConfig(tp_size=2, tp_backend="nccl", num_gpus=0.5, draft_quantize=None)
     assert ServeConfig(tp_size=2, tp_backend="nccl", num_gpus=1, draft_quantize=None).tp_size == 2
+
+
+def test_a_prefill_chunk_larger_than_the_token_budget_is_refused():
+    """A chunk over max_batch_tokens ran alone at every forward (a first call over the budget still runs), and the
+    decoding steps behind it waited a whole forward each time: a configuration mistake, named now."""
+    with pytest.raises(ValueError, match="prefill_chunk 256 is larger than max_batch_tokens 64"):
+        ServeConfig(max_batch_tokens=64)
+    assert ServeConfig(max_batch_tokens=64, prefill_chunk=64).prefill_chunk == 64
+    assert ServeConfig(max_batch_tokens=64, prefill_chunk=None).prefill_chunk is None  # the user's choice: unchunked

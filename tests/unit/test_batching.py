@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -368,6 +369,28 @@ def test_prefill_chunks_fill_the_budget_after_the_decoding_requests_steps():
     assert rounds[:2] == [["L1", "L2"], ["d", "L1"]]  # 1 + 4 tokens; "L2"'s chunk (4 more) waits a forward
     assert sum("L1" in r for r in rounds) == sum("L2" in r for r in rounds) == 5
     batcher.close()
+
+
+def test_a_prefill_chunk_passed_over_goes_first_in_the_next_forward():
+    """Decoding steps first could starve a long prompt: steps that fill max_batch_tokens at every forward (lockstep
+    brings them all back before each one) left no room for its chunk until they ended. A chunk passed over once
+    goes first in the next forward: the prompt moves one forward in two at least."""
+    from sequoia_ray.batching import _Call
+
+    batcher = object.__new__(Batcher)  # its scheduling alone, no loop
+    batcher.limits, batcher.size = BatchLimits(max_batch_tokens=8), lambda m, rid, a: 4
+    prompt = _Call("verify", "long", ())
+    prompt.prefilling = True
+    batcher.queue, runs = deque([prompt]), []
+    for _ in range(6):  # two decoding requests whose steps (4 tokens each) fill the budget, back before each forward
+        queued = {c.request_id for c in batcher.queue}
+        batcher.queue.extend(_Call("verify", rid, ()) for rid in ("d1", "d2") if rid not in queued)
+        batch, tokens = batcher._take()
+        runs.append([c.request_id for c in batch])
+        assert tokens <= 8 and len(batch) == 2
+        if prompt in batch:
+            batcher.queue.appendleft(prompt)  # answered NOT_YET: another chunk to go
+    assert ["long" in run for run in runs] == [False, True] * 3, runs
 
 
 def test_a_request_that_stops_calling_never_stalls_the_others(models):
