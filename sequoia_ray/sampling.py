@@ -25,16 +25,28 @@ from dataclasses import dataclass
 import torch
 
 _NEG = -1e30  # key offset that puts tokens outside D's support after every token inside it
+NUCLEUS_K = 256  # the top-k a nucleus is looked for in before sorting the whole row
+NUCLEUS_MARGIN = 1e-6  # how far the top-k's mass must pass top_p to settle it (float32 cumsums' rounding)
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / T) restricted to the top-p nucleus and renormalised.  logits: [..., V] -> [..., V]."""
+    """softmax(logits / T) restricted to the top-p nucleus and renormalised.  logits: [..., V] -> [..., V].
+
+    The nucleus (every token whose mass strictly before it, in descending order, is below top_p) is looked for
+    in the row's top NUCLEUS_K first: when their mass reaches top_p every later token is out, and the whole row
+    need not be sorted (a sort of a 152k vocabulary took ~13 ms a row on a 2-core EPYC, the top 256 ~0.5 ms; it
+    ran at every node the verifier visits and every draft level, for any request with top_p < 1). Else, a flat
+    distribution, the whole row is sorted, as before."""
     assert temperature > 0, "greedy decoding uses argmax, not probabilities"
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return probs
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
+    sorted_p, order = torch.topk(probs, min(NUCLEUS_K, probs.shape[-1]), dim=-1)  # descending
+    mass = torch.cumsum(sorted_p, dim=-1)
+    if sorted_p.shape[-1] < probs.shape[-1] and not bool((mass[..., -1] >= top_p + NUCLEUS_MARGIN).all()):
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # (one host read: the verifier's rows are
+        mass = torch.cumsum(sorted_p, dim=-1)  # on the host; a draft level's, one read for the level)
+    before = mass - sorted_p  # mass strictly before each token
     keep = before < top_p
     keep[..., 0] = True  # the top token always stays (even when top_p underflows float32)
     sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
