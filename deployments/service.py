@@ -222,11 +222,22 @@ class PlanProvider:
                 out[bucket] = active.planned
         return out
 
-    def adopt(self, temperature: float, planned: dict[int, PlannedTree]) -> None:
+    def adopt(self, temperature: float, planned: dict[int, PlannedTree],
+              based_on: dict[int, PlannedTree] | None = None) -> bool:
         """Serve ``planned`` (a re-plan per batch bucket) from the next step on, publishing each to the store
-        as a live plan; buckets that were following this temperature's plans follow the new ones."""
+        as a live plan; buckets that were following this temperature's plans follow the new ones. ``based_on``:
+        the plans the re-plan started from (``current``); when a refresh has swapped in another since (a newer
+        store plan, found while the DP ran), nothing is adopted (False): the re-plan would overwrite it here and
+        publish itself as the store's latest over it, on every replica. The next check starts from the new one."""
         with self.updating:
+            now = self.current(temperature)
+            if based_on is not None and (now.keys() != based_on.keys()
+                                         or any(now[b] is not based_on[b] for b in based_on)):
+                logger.info("a new plan for T=%s arrived during the live re-plan: not adopted, the next check "
+                            "starts from it", temperature)
+                return False
             self._adopt(temperature, planned)
+            return True
 
     def _adopt(self, temperature: float, planned: dict[int, PlannedTree]) -> None:
         for bucket, tree in sorted(planned.items()):
@@ -331,8 +342,7 @@ class LivePlanner:
                 continue
             profile = profile or self.plans.profile()
             fresh = live_acceptance.check(self.live, temperature, current, profile, self.cfg.live_max_depth)
-            if fresh is not None:
-                self.plans.adopt(temperature, fresh)
+            if fresh is not None and self.plans.adopt(temperature, fresh, based_on=current):
                 self.replans[temperature] += 1
                 done.append(temperature)
                 logger.info("live re-plan at T=%s: %s", temperature,
@@ -357,7 +367,7 @@ class TreeFamilies:
 
     def __init__(self, plans: PlanProvider, max_depth: int, max_batch: int | None = None) -> None:
         self.plans, self.max_depth, self.max_batch = plans, max_depth, max_batch
-        self.families: dict[str, tuple[str, RequestTrees]] = {}  # bucket name -> (plan source, family)
+        self.families: dict[str, tuple[PlannedTree, RequestTrees]] = {}  # bucket name -> (its plan, family)
         self.lock = threading.Lock()
 
     def get(self, temperature: float) -> RequestTrees:
@@ -365,10 +375,12 @@ class TreeFamilies:
         name = plan_bucket(temperature, 1)
         with self.lock:
             found = self.families.get(name)
-            if found is None or found[0] != active.source:
-                found = self.families[name] = (active.source, RequestTrees(active.planned, self.plans.profile(),
-                                                                           max_depth=self.max_depth,
-                                                                           max_batch=self.max_batch))
+            # the plan itself, not its source: live re-plans that could not be published all have source "live",
+            # and from the second such re-plan on the family kept the first one's vector
+            if found is None or found[0] is not active.planned:
+                found = self.families[name] = (active.planned, RequestTrees(active.planned, self.plans.profile(),
+                                                                            max_depth=self.max_depth,
+                                                                            max_batch=self.max_batch))
             return found[1]
 
 

@@ -419,3 +419,43 @@ def test_a_slow_first_token_lands_in_a_bucket_of_its_own(monkeypatch):
     bounds = made["sequoia_time_to_first_token_s"]
     buckets = [bisect_left(bounds, seconds) for seconds in (0.004, 3.0, 8.0, 25.0, 45.0, 100.0)]
     assert buckets == sorted(set(buckets)) and buckets[-1] < len(bounds)  # each its own, none past the last bound
+
+
+def test_a_live_re_plan_does_not_overwrite_a_plan_a_refresh_swapped_in_while_it_ran(tmp_path):
+    """The live check reads the plans served, runs the DP, then adopts: a refresh meanwhile swapped in a newer
+    store plan (a new profile's), and the adopt put the re-plan of the old plans over it and published it as the
+    store's latest, on every replica. The re-plan is now dropped; the next check starts from the new plan."""
+    from sequoia_ray import live_acceptance
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(builtin_plan(0.0), KEY)
+    plans = PlanProvider(config(str(tmp_path)), HW)
+    planner = LivePlanner(config(str(tmp_path)), plans)
+    planner.live.observe(0.0, [(3, 1)] * 300 + [(3, 2)] * 300 + [(3, 3)] * 300 + [(3, 0)] * 100)  # wide, not deep
+    check, newer = live_acceptance.check, []
+
+    def check_while_refreshing(*args, **kwargs):
+        fresh = check(*args, **kwargs)
+        newer.append(store.publish_plan(builtin_plan(0.0, budget=4), KEY))  # the main job publishes ...
+        plans.refresh()  # ... and the refresh loop swaps it in, while the DP ran
+        return fresh
+
+    live_acceptance.check = check_while_refreshing
+    try:
+        assert planner.tick() == []
+    finally:
+        live_acceptance.check = check
+    assert plans.get(0.0).source == f"store:{newer[0]}" and store.fetch_plan(KEY)[1] == newer[0]
+    assert planner.tick() == [0.0] and plans.get(0.0).source.startswith("live:")  # the next check re-plans from it
+
+
+def test_tree_families_follow_every_live_re_plan_without_a_store():
+    """Without a store every live re-plan has source "live": the families were keyed by source, so from the second
+    re-plan on a batch-1 request got trees from the first one's vector."""
+    from deployments.service import TreeFamilies
+
+    plans = PlanProvider(config(None), HW)
+    families = TreeFamilies(plans, 8)
+    for budget in (4, 6):
+        plans.adopt(0.0, {1: builtin_plan(0.0, budget=budget)})
+        assert families.get(0.0).planned is plans.get(0.0).planned
