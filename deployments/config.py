@@ -189,6 +189,10 @@ class ServeConfig(BaseModel):
         if self.tp_backend == "nccl" and self.tp_size > 1 and (self.num_gpus < 1 or self.num_gpus != int(self.num_gpus)):
             raise ValueError(f"num_gpus {self.num_gpus}: nccl ranks need one whole GPU each (two ranks on one GPU "
                              "fail to form the group); set num_gpus: 1")
+        if self.layers == "traced" and self.device_type == "cuda":
+            raise ValueError("layers 'traced' is for CPU models only (on CUDA TorchScript's freeze merges the q/k/v "
+                             "projections and its fuser fuses pointwise ops: other kernels, other rounding); use "
+                             "layers auto or eager")
         if self.layers == "traced" and self.tp_size > 1:
             raise ValueError(f"layers 'traced' cannot apply to a target sharded over tp_size {self.tp_size} "
                              "(its shards keep transformers' hooks); use layers auto or eager")

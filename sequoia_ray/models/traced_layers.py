@@ -149,8 +149,9 @@ def why_not(model: torch.nn.Module, mode: str) -> str | None:
         reason = "this transformers' layers take ``past_key_values`` (4.x), not the 5.x calls the traces copy"
     elif any(m._forward_hooks or m._forward_pre_hooks for layer in layers for m in layer.modules()):
         reason = "some layer's modules have hooks (e.g. tensor-parallel shards)"
-    elif mode == "auto" and device.type != "cpu":
-        reason = f"the model is on {device}: 'auto' traces CPU models only (ask for 'traced')"
+    elif device.type != "cpu":  # on CUDA, freezing merges q/k/v into one matmul and the fuser fuses pointwise
+        # ops: other kernels, other rounding, and shapes beyond the load-time probe never checked
+        reason = f"the model is on {device}: traced layers are for CPU models only"
     elif model.training:
         reason = "the model is in training mode"
     if reason and mode == "traced":

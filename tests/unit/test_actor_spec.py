@@ -184,3 +184,12 @@ def test_a_prefill_chunk_larger_than_the_token_budget_is_refused():
         ServeConfig(max_batch_tokens=64)
     assert ServeConfig(max_batch_tokens=64, prefill_chunk=64).prefill_chunk == 64
     assert ServeConfig(max_batch_tokens=64, prefill_chunk=None).prefill_chunk is None  # the user's choice: unchunked
+
+
+def test_traced_layers_on_a_gpu_are_refused_by_the_config():
+    """Traced layers are for CPU models (on CUDA TorchScript merges the q/k/v projections and fuses pointwise ops:
+    other kernels, other rounding); the config names it before any actor loads."""
+    with pytest.raises(ValueError, match="layers 'traced' is for CPU models only"):
+        ServeConfig(layers="traced", num_gpus=1)
+    assert ServeConfig(layers="auto", num_gpus=1).layers == "auto"
+    assert ServeConfig(layers="traced").layers == "traced"  # on the CPU
