@@ -33,9 +33,11 @@ def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), loc
                    cuda_available: bool | None = None) -> torch.device:
     """The torch device for ``spec``.
 
-    ``gpu_ids`` are the GPUs assigned to this process (``ray.get_gpu_ids()``); Ray also restricts
-    ``CUDA_VISIBLE_DEVICES`` to them, so the first assigned GPU is ``cuda:0`` in this process. Without
-    assigned ids, ``local_rank`` (default: the ``LOCAL_RANK`` environment variable) picks the GPU.
+    ``gpu_ids`` are the GPUs assigned to this process (``ray.get_gpu_ids()``): the first is the device, at its
+    place among ``CUDA_VISIBLE_DEVICES`` (Ray narrows that to the assigned GPUs, so ``cuda:0``; with
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it is left as it was, and every actor of a node took GPU 0),
+    or its own number when that variable is unset. Without assigned ids, ``local_rank`` (default: the
+    ``LOCAL_RANK`` environment variable) picks the GPU.
     """
     import torch
 
@@ -50,10 +52,20 @@ def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), loc
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device (a CPU build of torch, or no "
                          "GPU assigned to this actor: set num_gpus > 0); use device auto or cpu")
     if gpu_ids:
-        return torch.device("cuda", 0)  # Ray's CUDA_VISIBLE_DEVICES holds only the assigned GPUs
+        return torch.device("cuda", visible_index(gpu_ids[0]))
     rank = _env_rank(local_rank) or 0
     count = torch.cuda.device_count() if cuda_available is None else rank + 1
     return torch.device("cuda", rank % max(count, 1))
+
+
+def visible_index(gpu_id: int | str) -> int:
+    """The CUDA index of the GPU Ray calls ``gpu_id`` in this process: its place in ``CUDA_VISIBLE_DEVICES``
+    (ids or UUIDs), its own number when the variable is unset, else 0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return int(gpu_id) if str(gpu_id).isdigit() else 0
+    listed = [item.strip() for item in visible.split(",") if item.strip()]
+    return listed.index(str(gpu_id)) if str(gpu_id) in listed else 0
 
 
 def _env_rank(local_rank: int | None) -> int | None:

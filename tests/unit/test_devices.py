@@ -20,10 +20,24 @@ def test_an_assigned_gpu_that_torch_cannot_see_is_an_error():
     assert resolve_device("cpu", gpu_ids=[3], cuda_available=False) == torch.device("cpu")  # asked for: the CPU
 
 
-def test_auto_takes_the_assigned_gpu():
+def test_auto_takes_the_assigned_gpu(monkeypatch):
     # Ray restricts CUDA_VISIBLE_DEVICES to the actor's GPUs, so the first assigned GPU is cuda:0 inside it.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     assert resolve_device("auto", gpu_ids=[5], cuda_available=True) == torch.device("cuda", 0)
     assert resolve_device("cuda", local_rank=1, cuda_available=True) == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("visible,gpu_id,index", [("0,1,2,3", 3, 3), ("2,3", 3, 1), (None, 3, 3),
+                                                  ("GPU-aa,GPU-bb", "GPU-bb", 1), ("", 2, 0)])
+def test_the_assigned_gpu_is_found_among_the_visible_ones(monkeypatch, visible, gpu_id, index):
+    """With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES (vLLM-style stacks set it) Ray leaves the variable as it
+    was: every actor of a node took cuda:0, its assigned GPU or not. The assigned id is looked up in it (ids or
+    UUIDs), or taken as the index when it is unset."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert resolve_device("auto", gpu_ids=[gpu_id], cuda_available=True) == torch.device("cuda", index)
 
 
 def test_local_rank_from_the_environment(monkeypatch):
