@@ -124,6 +124,7 @@ def test_actor_device_follows_what_ray_assigned(monkeypatch):
     monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [])
     assert base.assigned_device("auto") == torch.device("cpu")
     monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [3])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # as Ray sets it for the actor
     assert base.assigned_device("auto") == torch.device("cuda", 0)
     assert base.assigned_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(base.ray, "get_gpu_ids", lambda: [])
