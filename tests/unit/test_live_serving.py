@@ -15,6 +15,7 @@ from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.dp import solve
 from sequoia_ray.verify import Verdict
+from tests.recorders import Recorder as _Recorder
 from tests.unit.test_live_acceptance import P_TRUE, walk
 
 HW = "cpu-test-2c"
@@ -106,17 +107,6 @@ def test_traffic_that_matches_the_plan_never_re_plans():
 def test_live_settings_are_validated(bad):
     with pytest.raises(ValueError, match="live_"):
         config(None, live_acceptance=True, **bad)
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls = []
-
-    def set(self, value, tags=None):
-        self.calls.append((value, tags))
-
-    def inc(self, value=1, tags=None):
-        self.calls.append((value, tags))
 
 
 def test_the_estimate_is_exported_as_metrics():

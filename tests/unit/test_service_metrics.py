@@ -24,20 +24,7 @@ from sequoia_ray.tree.builtin import builtin_plan
 from sequoia_ray.tree.plan import chain
 from sequoia_ray.verify import Verdict
 from tests.disconnects import SlowDecoder, drive
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.calls = []
-
-    def set(self, value, tags=None):
-        self.calls.append((value, tags))
-
-    def inc(self, value=1, tags=None):
-        self.calls.append((value, tags))
-
-    def observe(self, value, tags=None):
-        self.calls.append(value)
+from tests.recorders import Recorder as _Recorder
 
 
 class _Replica(OpenAIIngress.func_or_class):
