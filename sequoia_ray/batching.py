@@ -21,8 +21,9 @@ Order: every other call (``start``, ``commit``, ``finish``) runs first, in arriv
 forwards; then one batch of the batched method within ``max_batch_requests`` and ``max_batch_tokens`` (a first
 call larger than the token budget still runs, alone): the calls that step a request first, in arrival order,
 then the calls the worker answered with ``NOT_YET`` (a long prompt prefilled one chunk per forward) in the
-budget left, as vLLM's scheduler puts running requests before prefill chunks; a chunk passed over once goes
-first in the next forward, so decoding steps that fill the budget delay a prompt one forward in two at most.
+budget left, as vLLM's scheduler puts running requests before prefill chunks; any call passed over goes first
+in the next forward (the longest passed over first), so neither decoding steps that fill the budget nor chunks
+passed over in turn hold the other back for more than a forward or two.
 Prefill chunks went first once: two long prompts whose chunks filled the budget held a decoding request's step
 back until both were prefilled (25 forwards in the review's run). Each call gets its own result or exception;
 a batch that fails as a whole fails each of its calls.
@@ -243,11 +244,12 @@ class Batcher:
             return False
 
     def _take(self) -> tuple[list[_Call], int]:
-        """The queued calls of the next forward within the limits, and their tokens: prefill chunks passed over
-        last time, the calls stepping a request in arrival order, then the other prefill chunks (``prefilling``)
-        in the budget left."""
-        def rank(c: _Call) -> int:
-            return 1 if not c.prefilling else 0 if c.passed else 2
+        """The queued calls of the next forward within the limits, and their tokens: the calls passed over before
+        (longest first), the calls stepping a request in arrival order, then the other prefill chunks
+        (``prefilling``) in the budget left."""
+        def rank(c: _Call) -> tuple[int, int]:  # any call passed over first (a prefill chunk or a step that chunks
+            # passed over first crowded out), the longest passed over first; then steps; then chunks
+            return (0, -c.passed) if c.passed else (2 if c.prefilling else 1, 0)
 
         order = sorted(self.queue, key=rank)  # stable: arrival order within each group
         batch, tokens, skipped = [], 0, False

@@ -393,6 +393,32 @@ def test_a_prefill_chunk_passed_over_goes_first_in_the_next_forward():
     assert ["long" in run for run in runs] == [False, True] * 3, runs
 
 
+@pytest.mark.parametrize("chunk,limits", [(8, BatchLimits(max_batch_tokens=8)),
+                                          (4, BatchLimits(max_batch_tokens=16, max_batch_requests=1))])
+def test_prompts_passed_over_in_turn_do_not_crowd_out_a_decoding_step(chunk, limits):
+    """Two long prompts whose chunks each fill the budget (prefill_chunk == max_batch_tokens), or one request per
+    forward: a chunk passed over went first, so the two prompts took turns at the front and the decoding step ran
+    once, then not again until both were prefilled (40 forwards in the review's run, past the step timeout on a
+    CPU). Any call passed over goes first, the longest first: the step runs one forward in three at least."""
+    from sequoia_ray.batching import _Call
+
+    batcher = object.__new__(Batcher)
+    batcher.limits, batcher.size = limits, lambda m, rid, a: chunk if rid.startswith("L") else 1
+    prompts = [_Call("verify", rid, ()) for rid in ("L1", "L2")]
+    for c in prompts:
+        c.prefilling = True
+    batcher.queue, runs = deque(prompts), []
+    for _ in range(12):
+        if all(c.request_id != "d" for c in batcher.queue):
+            batcher.queue.append(_Call("verify", "d", ()))  # the decoding request's next step, back at once
+        batch, _ = batcher._take()
+        runs.append("".join("D" if c.request_id == "d" else "L" for c in batch))
+        batcher.queue.extendleft(reversed([c for c in batch if c.request_id != "d"]))  # NOT_YET: more chunks
+    steps = [i for i, run in enumerate(runs) if "D" in run]
+    assert max(b - a for a, b in zip([-1] + steps, steps + [len(runs)])) <= 3, runs
+    assert sum(run.count("L") for run in runs) >= 6  # the prompts move too
+
+
 def test_a_request_that_stops_calling_never_stalls_the_others(models):
     """A client that stops reading stops its own steps only: nobody waits for its next call."""
     target, draft = models
