@@ -41,17 +41,31 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return probs
-    sorted_p, order = torch.topk(probs, min(NUCLEUS_K, probs.shape[-1]), dim=-1)  # descending
-    mass = torch.cumsum(sorted_p, dim=-1)
-    if sorted_p.shape[-1] < probs.shape[-1] and not bool((mass[..., -1] >= top_p + NUCLEUS_MARGIN).all()):
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # (one host read: the verifier's rows are
-        mass = torch.cumsum(sorted_p, dim=-1)  # on the host; a draft level's, one read for the level)
-    before = mass - sorted_p  # mass strictly before each token
-    keep = before < top_p
-    keep[..., 0] = True  # the top token always stays (even when top_p underflows float32)
+    sorted_p, order, keep = _nucleus(probs, top_p, min(NUCLEUS_K, probs.shape[-1]))
+    if order.shape[-1] < probs.shape[-1]:
+        last_kept = sorted_p.gather(-1, keep.sum(dim=-1, keepdim=True) - 1)[..., 0]
+        settled = (sorted_p.sum(dim=-1) >= top_p + NUCLEUS_MARGIN) & (last_kept > sorted_p[..., -1])
+        if not bool(settled.all()):  # (one host read: the verifier's rows are on the host; a draft level's, one)
+            sorted_p, order, keep = _nucleus(probs, top_p, probs.shape[-1])
     sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top ``k`` of each row in descending order, ties by id (so the top k and the whole row sorted agree on
+    every token they share: ``torch.topk`` and an unstable sort break ties each their own way), and which of them
+    the nucleus keeps. -> (probabilities, ids, keep), each [..., k]. The top k settle the nucleus when their mass
+    passes top_p and its last kept token is above the k-th (no tie across the cut decides which tokens stay)."""
+    if k < probs.shape[-1]:
+        order = torch.topk(probs, k, dim=-1).indices.sort(dim=-1).values  # by id, then stably by probability
+        sorted_p, by_p = probs.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+        order = order.gather(-1, by_p)
+    else:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p  # the mass strictly before each token
+    keep[..., 0] = True  # the top token always stays (even when top_p underflows float32)
+    return sorted_p, order, keep
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def test_top_p_and_temperature():
 
 def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties by id
     keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
     keep[..., 0] = True
     kept = torch.zeros_like(probs).scatter_(-1, order, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
@@ -139,14 +139,18 @@ def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.999])
 def test_the_nucleus_found_in_the_top_k_is_the_full_sorts(top_p):
     """``target_probs`` looks for the nucleus in the row's top NUCLEUS_K before sorting all of it: the same
-    distribution as sorting the whole row, for peaked rows (the top k settle it), flat ones (the whole row is
-    sorted) and a level mixing both. 40 rows of 4,096 ids per top_p."""
+    distribution as sorting the whole row (ties by id), for peaked rows (the top k settle it), flat ones (the
+    whole row is sorted), rows of bf16 logits (many ties: topk and an unstable sort broke them differently, 370
+    of 800 such rows kept other tokens in a review's run) and a level mixing them, each row as it is alone.
+    56 rows of 4,096 ids per top_p."""
     from sequoia_ray.sampling import NUCLEUS_K
 
     generator = torch.Generator().manual_seed(int(top_p * 1000))
     rows = []
     for scale in (0.1, 1.0, 3.0, 6.0, 12.0):  # flat to peaked (at 0.1 the top 256 of 4,096 hold ~7% of the mass)
         rows.append(torch.randn(8, 4096, generator=generator) * scale)
+    for scale in (3.0, 6.0):
+        rows.append((torch.randn(8, 4096, generator=generator) * scale).bfloat16().float())  # ties
     for logits in rows + [torch.cat([rows[0][:2], rows[-1][:2]])]:
         expected = _nucleus_by_full_sort(logits, 0.7, top_p)
         assert torch.equal(target_probs(logits, 0.7, top_p), expected)
