@@ -277,7 +277,7 @@ class PlanProvider:
         if not self.cfg.plan_store:
             return None
         key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature, bucket)
-        skips = self.store.skips if self.store else 0
+        skips = self.store.skips_here() if self.store else 0  # this thread's: a refresh fetches beside a load
         try:
             self.store = self.store or PlanStore(self.cfg.plan_store)
             planned, path = self.store.fetch_plan(key)
@@ -285,11 +285,11 @@ class PlanProvider:
             (logger.warning if bucket == 1 and self._first(str(exc)) else logger.debug)("%s", exc)
             return None
         except Exception as exc:  # noqa: BLE001 - whatever the store does, serving goes on with a good plan
-            self._store_error(exc, self.store.skips - skips if self.store else 0)  # the files it tried
+            self._store_error(exc, self.store.skips_here() - skips if self.store else 0)  # the files it tried
             return None
-        if self.store.skips > skips:  # newer files that did not read, skipped for an older good plan (logged)
-            with self.counting:
-                self.errors, self.last_error = self.errors + self.store.skips - skips, self.store.last_skip
+        if (skipped := self.store.skips_here() - skips) > 0:  # newer files that did not read, skipped for an older
+            with self.counting:  # good plan (logged)
+                self.errors, self.last_error = self.errors + skipped, self.store.last_skip
         why = self.cfg.measured_otherwise(planned.provenance)
         if why and self._first(path):  # served all the same: a tree for this machine beats the built-in one
             logger.warning("the plan %s for T=%s batch bucket %d was measured with %s: its tree was chosen for "

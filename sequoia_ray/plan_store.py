@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -138,6 +139,12 @@ class PlanStore:
         self.root = root.rstrip("/")
         self._skipped: set[str] = set()  # files that did not read, logged once each (``_newest_valid``)
         self.skips, self.last_skip = 0, None  # every skip, and why the latest was (a caller counts them as errors)
+        self._thread = threading.local()  # ``skips_here``: this thread's skips (fetches run in several threads)
+
+    def skips_here(self) -> int:
+        """The skips of fetches made by the calling thread: a caller counting the files its own fetch skipped reads
+        this before and after it (``skips`` moves with every thread's fetches)."""
+        return getattr(self._thread, "skips", 0)
 
     def check_writable(self) -> None:
         """A local store: its folder made and a probe file written and removed there, so that a store that cannot
@@ -245,6 +252,7 @@ class PlanStore:
             except StoreError as exc:
                 first = first or exc
                 self.skips, self.last_skip = self.skips + 1, f"StoreError: {exc}"
+                self._thread.skips = self.skips_here() + 1
                 if path not in self._skipped:
                     self._skipped.add(path)
                     logger.error("plan store: skipping %s, which does not read: %s", self._display(path), exc)

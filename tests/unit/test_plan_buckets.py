@@ -405,3 +405,36 @@ def test_a_refresh_stalled_in_a_store_read_holds_up_no_first_load_and_no_live_re
     assert stuck == [False, False] and not refresh.is_alive()
     assert plans.get(0.6).source == f"store:{six}"
     assert plans.get(0.0).planned.plan.n == 4 and plans.get(0.0).source.startswith("live:")
+
+
+def test_a_file_skipped_by_a_load_beside_a_refresh_is_counted_once(store, monkeypatch):
+    """A refresh fetches outside the lock while a request's first load fetches under it: each counted the store's
+    skips since its own start, so a corrupt file the load skipped was counted by the stalled refresh too (two
+    plan-store errors for one). Each fetch counts its own thread's skips."""
+    import threading
+
+    publish(store, 16, 1)
+    four = publish(store, 8, 4)
+    newest = publish(store, 6, 4)
+    Path(newest).write_text("{")  # bucket 4's newest file does not read
+    assert four != newest
+    plans = provider(store.uri)
+    plans.get(0.0)
+    entered, release, fetch = threading.Event(), threading.Event(), PlanStore.fetch_plan
+
+    def stalled(self, key):
+        if threading.current_thread().name == "refresh" and key.folder().endswith("/t0.0"):
+            entered.set()
+            release.wait(30)
+        return fetch(self, key)
+
+    monkeypatch.setattr(PlanStore, "fetch_plan", stalled)
+    refresh = threading.Thread(target=plans.refresh, name="refresh")
+    refresh.start()
+    try:
+        assert entered.wait(10)
+        assert plans.get(0.0, 4).source == f"store:{four}"  # the load skips the corrupt file: one error
+    finally:
+        release.set()
+        refresh.join(10)
+    assert plans.store.skips == 1 and plans.errors == 1
