@@ -5,6 +5,7 @@ plan reading only what the store has, and a loaded bucket costs no I/O."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -380,28 +381,13 @@ def test_a_refresh_stalled_in_a_store_read_holds_up_no_first_load_and_no_live_re
     six = publish(store, 8, 1, 0.6)
     plans = provider(store.uri)
     assert plans.get(0.0).planned.plan.n > 4
-    entered, release, fetch = threading.Event(), threading.Event(), PlanStore.fetch_plan
-
-    def stalled(self, key):
-        if threading.current_thread().name == "refresh":
-            entered.set()
-            release.wait(30)
-        return fetch(self, key)
-
-    monkeypatch.setattr(PlanStore, "fetch_plan", stalled)
-    refresh = threading.Thread(target=plans.refresh, name="refresh")
-    refresh.start()
-    try:
-        assert entered.wait(10)
+    with _refresh_stalled_in_a_read(plans, monkeypatch) as refresh:
         first = threading.Thread(target=plans.get, args=(0.6,))
         replan = threading.Thread(target=plans.adopt, args=(0.0, {1: builtin_plan(0.0, budget=4)}))
         for thread in (first, replan):
             thread.start()
             thread.join(10)
         stuck = [thread.is_alive() for thread in (first, replan)]
-    finally:
-        release.set()
-        refresh.join(10)
     assert stuck == [False, False] and not refresh.is_alive()
     assert plans.get(0.6).source == f"store:{six}"
     assert plans.get(0.0).planned.plan.n == 4 and plans.get(0.0).source.startswith("live:")
@@ -411,8 +397,6 @@ def test_a_file_skipped_by_a_load_beside_a_refresh_is_counted_once(store, monkey
     """A refresh fetches outside the lock while a request's first load fetches under it: each counted the store's
     skips since its own start, so a corrupt file the load skipped was counted by the stalled refresh too (two
     plan-store errors for one). Each fetch counts its own thread's skips."""
-    import threading
-
     publish(store, 16, 1)
     four = publish(store, 8, 4)
     newest = publish(store, 6, 4)
@@ -420,10 +404,21 @@ def test_a_file_skipped_by_a_load_beside_a_refresh_is_counted_once(store, monkey
     assert four != newest
     plans = provider(store.uri)
     plans.get(0.0)
+    with _refresh_stalled_in_a_read(plans, monkeypatch):
+        assert plans.get(0.0, 4).source == f"store:{four}"  # the load skips the corrupt file: one error
+    assert plans.store.skips == 1 and plans.errors == 1
+
+
+@contextlib.contextmanager
+def _refresh_stalled_in_a_read(plans, monkeypatch):
+    """A refresh in a thread of its own, held inside its first store read (a hung object-store read) for the
+    body's length; the refresh thread, joined after."""
+    import threading
+
     entered, release, fetch = threading.Event(), threading.Event(), PlanStore.fetch_plan
 
     def stalled(self, key):
-        if threading.current_thread().name == "refresh" and key.folder().endswith("/t0.0"):
+        if threading.current_thread().name == "refresh" and not release.is_set():
             entered.set()
             release.wait(30)
         return fetch(self, key)
@@ -433,8 +428,7 @@ def test_a_file_skipped_by_a_load_beside_a_refresh_is_counted_once(store, monkey
     refresh.start()
     try:
         assert entered.wait(10)
-        assert plans.get(0.0, 4).source == f"store:{four}"  # the load skips the corrupt file: one error
+        yield refresh
     finally:
         release.set()
         refresh.join(10)
-    assert plans.store.skips == 1 and plans.errors == 1
