@@ -23,10 +23,10 @@ call larger than the token budget still runs, alone): the calls that step a requ
 then the calls the worker answered with ``NOT_YET`` (a long prompt prefilled one chunk per forward) in the
 budget left, as vLLM's scheduler puts running requests before prefill chunks; any call passed over goes first
 in the next forward (the longest passed over first), so neither decoding steps that fill the budget nor chunks
-passed over in turn hold the other back for more than a forward or two.
-Prefill chunks went first once: two long prompts whose chunks filled the budget held a decoding request's step
-back until both were prefilled (25 forwards in the review's run). Each call gets its own result or exception;
-a batch that fails as a whole fails each of its calls.
+passed over in turn hold the other back for more than a forward or two (prefill chunks went first once: two
+long prompts whose chunks filled the budget held a decoding request's step back until both were prefilled, 25
+forwards in a review's run). Each call gets its own result or exception; a batch that fails as a whole fails
+each of its calls.
 
 All calls of a worker run on the batcher's one thread, so the worker itself needs no locks. The runner is
 given, not assumed: in-process it is the worker; on a tensor-parallel group it is rank 0 forwarding the
@@ -93,7 +93,7 @@ class _Call:
     future: Future = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
     prefilling: bool = False  # answered NOT_YET: the rest of a long prompt, one chunk per forward
-    passed: int = 0  # forwards that ran without it while it was queued (a prefill chunk passed over goes first)
+    passed: int = 0  # forwards that ran without it while it was queued (a call passed over goes first)
 
 
 class Batcher:
@@ -254,7 +254,7 @@ class Batcher:
         order = sorted(self.queue, key=rank)  # stable: arrival order within each group
         batch, tokens, skipped = [], 0, False
         for c in order:
-            if skipped or not self._fits(c, batch, tokens):  # first come, first served: nobody jumps the queue
+            if skipped or not self._fits(c, batch, tokens):  # in order: no call jumps one that did not fit
                 skipped = True
                 continue
             batch.append(c)
