@@ -79,8 +79,8 @@ class ServiceMetrics:
                               tag_keys=("hardware", "source", "temperature", "batch"),
                               series=("hardware", "temperature", "batch"))
         self.store_errors = metrics.Counter("sequoia_plan_store_errors", "Plan store reads that failed.")
-        self.live_p = HeldGauge("sequoia_live_acceptance", "Live estimate of p[k] per temperature bucket and rank k.",
-                                tag_keys=("temperature", "rank"))
+        self.live_p = HeldGauge("sequoia_live_acceptance", "Live estimate of p[k] per temperature bucket and rank k "
+                                "(once the rank has had live_min_samples trials).", tag_keys=("temperature", "rank"))
         self.live_trials = HeldGauge("sequoia_live_trials", "Effective trials (decayed) behind the live p[k].",
                                      tag_keys=("temperature", "rank"))
         self.live_samples = HeldGauge("sequoia_live_samples", "Inner-node observations since the start.",
@@ -134,10 +134,10 @@ class ServiceMetrics:
         for temperature in live.temperatures():
             snap, label = live.snapshot(temperature), f"{temperature:.1f}"
             self.live_samples.set(snap.samples, tags={"temperature": label})
-            for k, (p, tried) in enumerate(zip(snap.p_hat(), snap.tried), start=1):
+            for k, (p, tried, settled) in enumerate(zip(snap.p_hat(), snap.tried, snap.settled), start=1):
                 tags = {"temperature": label, "rank": str(k)}
                 self.live_trials.set(float(tried), tags=tags)
-                if tried > 0:
+                if settled:  # a rank with a trial or two read 0 or 1 (the planner gives it the prior or its bound)
                     self.live_p.set(float(p), tags=tags)
 
     def generated(self, tokens: int) -> None:

@@ -9,6 +9,7 @@ import pytest
 from deployments.config import ServeConfig
 from deployments.metrics import ServiceMetrics
 from deployments.service import LivePlanner, PlanProvider
+from sequoia_ray.live_acceptance import LiveSettings
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.plan_store import PlanKey, PlanStore
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
@@ -121,6 +122,10 @@ def test_the_estimate_is_exported_as_metrics():
     assert metrics.live_samples.calls == [(2, {"temperature": "0.6"})]
     assert metrics.live_trials.calls == [(pytest.approx(2.0, rel=1e-4), {"temperature": "0.6", "rank": "1"}),
                                          (pytest.approx(1.0, rel=1e-4), {"temperature": "0.6", "rank": "2"})]
+    assert metrics.live_p.calls == []  # no rank settled: a rank of one or two trials read 0.0 or 1.0 here
+    for _ in range(2 * LiveSettings().min_samples):  # rank 2 is tried at one node a verdict, and counts decay
+        planner.observe(None, Verdict([0, 1], [1, 2], ((2, 1), (1, 0))), SamplingParams(temperature=0.6))
+    metrics.live(planner.live, [])
     assert metrics.live_p.calls == [(pytest.approx(0.5, rel=1e-3), {"temperature": "0.6", "rank": "1"}),
                                     (0.0, {"temperature": "0.6", "rank": "2"})]  # decay: ~, not ==
 
