@@ -64,7 +64,7 @@ from sequoia_ray.hardware import NO_OVERHEAD, HardwareProfile, StepOverhead, cho
 from sequoia_ray.plan_store import temperature_bucket
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.dp import solve
-from sequoia_ray.tree.plan import carried_leaf, chain, expected_tokens
+from sequoia_ray.tree.plan import carried_leaf, expected_tokens
 from sequoia_ray.tree.plan_file import PlannedTree
 from sequoia_ray.tree.planning import plan_for
 
@@ -254,7 +254,7 @@ def replan(acceptance: AcceptanceVector, current: dict[int, PlannedTree], profil
         return {b: plan_for(acceptance, p.budget, p.max_depth, prov)[0] for b, p in current.items()
                 if not measured_alone(p)}
     table = solve(acceptance, max(profile.t), max_depth)
-    overhead = StepOverhead.from_dict(base.overhead) if base.overhead else NO_OVERHEAD
+    overhead = recorded_overhead(current)
     out = {}
     for bucket, (best, _) in choose_buckets(table, profile, tuple(profile.t), overhead).items():
         if bucket in current and measured_alone(current[bucket]):
@@ -300,8 +300,7 @@ def worth_serving(fresh: dict[int, PlannedTree], current: dict[int, PlannedTree]
     """The buckets of ``fresh`` whose plan, under its own (the estimated) vector, is worth more than ``MIN_GAIN``
     over the plan served there now: tokens a step without a profile (a re-plan then keeps each bucket's n and
     d), tokens per step time with one; a bucket not served yet, or a plan the profile cannot price, is taken."""
-    base = next(iter(current.values())).provenance.overhead if current else None
-    overhead = StepOverhead.from_dict(base) if base else NO_OVERHEAD
+    overhead = recorded_overhead(current) if current else NO_OVERHEAD
     out = {}
     for bucket, planned in fresh.items():
         served = current.get(bucket)
@@ -318,9 +317,15 @@ def _worth(plan, acceptance: AcceptanceVector, profile: HardwareProfile | None, 
     if profile is None:
         return tokens
     carried = carried_leaf(plan, acceptance)
-    if not (profile.can_cost(plan, batch, carried) and profile.can_cost(chain(0), batch)):
+    if not profile.can_cost(plan, batch, carried):
         return None
     return tokens / profile.step_cost(plan, batch, overhead, carried)
+
+
+def recorded_overhead(current: dict[int, PlannedTree]) -> StepOverhead:
+    """The step overhead the smallest bucket's plan recorded (none: ``NO_OVERHEAD``), which prices a re-plan."""
+    base = current[min(current)].provenance.overhead
+    return StepOverhead.from_dict(base) if base else NO_OVERHEAD
 
 
 def compared_vector(current: dict[int, PlannedTree]) -> AcceptanceVector:
