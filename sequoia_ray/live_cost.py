@@ -412,18 +412,24 @@ class StepRates:
 
     def summary(self) -> dict[str, dict]:
         """Per key ``t0.0-b8``: the arm served (``alone`` too where the plan is root-only now), each arm's
-        measured tokens/s per request (first steps included once both arms have some) and measured steps (the
-        window's), each arm's mean first step (seconds), the
+        measured tokens/s per request (first steps included once both arms have some; ``step_tok_s``: its steps'
+        alone, ``admission_s``: the seconds each admitted request adds, None while not charged) and measured steps
+        (the window's), each arm's mean first step (seconds), the
         steps each arm has run (``begun``: measured or not, since the start) and the age of each arm's newest
         measured step (``age_s``, seconds; None: none yet)."""
         with self._lock:
             out, now = {}, self.clock()
             for (temperature, bucket), state in sorted(self._keys.items()):
                 rates = {arm: self._rate(state, arm, 1) for arm in ARMS}
+                steps = {arm: state.rate(arm, 1, self.settings.phases) for arm in ARMS}
                 admits = {a: round(mean(state.admits[a]), 3) if state.admits.get(a) else None for a in ARMS}
+                charged = self._request_tokens(state) is not None
                 out[f"{temperature}-b{bucket}"] = {
                     "serving": ALONE if state.planned_alone else state.arm if not state.probing else self.best(state),
                     "tok_s": {a: None if r is None else round(r, 3) for a, r in rates.items()},
+                    "step_tok_s": {a: None if r is None else round(r, 3) for a, r in steps.items()},
+                    "admission_s": {a: round(self._admission(state, a, r), 3) if charged and r else None
+                                    for a, r in steps.items()},
                     "first_step_s": admits,
                     "steps": {a: len(state.samples.get(a, ())) for a in ARMS}, "begun": dict(state.begun),
                     "age_s": {a: round(now - state.seen[a], 1) if a in state.seen else None for a in ARMS}}

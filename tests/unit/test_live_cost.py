@@ -270,11 +270,15 @@ def test_admission_costs_count_once_requests_have_ended_with_their_length():
             step = rates.begin(key, 1, f"{arm}{i}")
             assert step.arm == arm
             rates.record(step, tokens, seconds, first=first, beside=beside)
-    assert rates.summary()["t0.0-b1"]["tok_s"] == {TREE: 4.0, ALONE: 2.0}  # no request has ended
+    summary = rates.summary()["t0.0-b1"]
+    assert summary["tok_s"] == summary["step_tok_s"] == {TREE: 4.0, ALONE: 2.0}  # no request has ended
+    assert summary["admission_s"] == {TREE: None, ALONE: None}
     rates.finished("t0.0", 6)
     rates.finished("t0.0", 10)  # L = 8
-    assert rates.summary()["t0.0-b1"]["tok_s"] == pytest.approx({TREE: 8 / (8 / 4 + 1.75), ALONE: 8 / (8 / 2 + 0.5)},
-                                                                abs=1e-3)
+    summary = rates.summary()["t0.0-b1"]
+    assert summary["tok_s"] == pytest.approx({TREE: 8 / (8 / 4 + 1.75), ALONE: 8 / (8 / 2 + 0.5)}, abs=1e-3)
+    assert summary["step_tok_s"] == {TREE: 4.0, ALONE: 2.0}  # the steps' own rates, and what admitting adds:
+    assert summary["admission_s"] == pytest.approx({TREE: 1.75, ALONE: 0.5}, abs=1e-3)
 
 
 def test_a_first_request_alone_runs_mostly_the_faster_tree_while_the_first_step_probes_wait():
