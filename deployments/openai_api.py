@@ -123,6 +123,13 @@ NO_OP_VALUES: dict[str, tuple] = {
 }
 
 
+def _shown(value, width: int = 60) -> str:
+    """``value``'s repr, cut to ``width`` characters with an ellipsis (a long tools list reads as cut, not as
+    the message going on where the repr stopped)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -166,7 +173,7 @@ class _Common(BaseModel):
             if not any(value is ok or value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in no_op):
                 raise PydanticCustomError(
                     "unsupported", "'{param}' = {value} is not supported by this server; leave it out (or send "
-                    "{no_op})", {"param": name, "value": f"{value!r:.60}", "no_op": f"{no_op[-1]!r}"})
+                    "{no_op})", {"param": name, "value": _shown(value), "no_op": f"{no_op[-1]!r}"})
         return self
 
     @model_validator(mode="after")

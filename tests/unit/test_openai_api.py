@@ -48,6 +48,13 @@ def test_a_field_that_would_change_the_output_is_refused_by_name(name, value):
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_long_refused_value_is_shown_cut_with_an_ellipsis():
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    err = api_error({**COMPLETION, "tools": tools})
+    shown = err.message.split("= ", 1)[1].split(" is not supported", 1)[0]
+    assert shown.endswith("...") and len(shown) == 60 and repr(tools).startswith(shown[:-3]), err.message
+
+
 @pytest.mark.parametrize("name,value", [
     ("presence_penalty", 0), ("frequency_penalty", 0.0), ("logit_bias", {}), ("response_format", {"type": "text"}),
     ("tool_choice", "none"), ("tool_choice", "auto"), ("logprobs", False), ("logprobs", None), ("best_of", 1), ("n", 1),
