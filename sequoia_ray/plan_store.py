@@ -17,6 +17,11 @@ other buckets' files (they sit in sibling folders, outside the bucket-1 folder i
 publish writes a new uniquely named file (to a temporary name first, then moved into place), so
 concurrent publishers cannot corrupt each other and the latest plan is the last name in sort order. A name's
 stamp is never before the folder's newest (``_new_name``), so a clock stepped back does not hide a publish.
+
+Retention: after each publish the folder keeps its newest ``keep`` files (``KEEP_FILES`` by default; 0 = all)
+and loses the temporary files of publishers that died mid-write (older than ``STALE_TMP_S``). Live re-plans
+publish for as long as a service runs, and every server lists each bucket folder every ``plan_refresh_s``:
+without it the listings (on S3, a request per 1,000 names) grew without end.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import logging
 import re
 import threading
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +45,8 @@ from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
 logger = logging.getLogger(__name__)
 FALLBACK_FILES = 4  # older files a fetch tries when the newest in a folder does not read (corrupt, another schema)
+KEEP_FILES = 100  # published files a folder keeps after a publish (the newest); older ones are deleted
+STALE_TMP_S = 3600.0  # a publish's temporary file older than this was left by a publisher that died mid-write
 
 
 class PlanNotFound(LookupError):
@@ -127,8 +135,11 @@ class PlanKey:
 
 
 class PlanStore:
-    def __init__(self, uri: str) -> None:
-        self.uri = uri
+    def __init__(self, uri: str, *, keep: int = KEEP_FILES) -> None:
+        if keep < 0 or 0 < keep <= FALLBACK_FILES:
+            raise ValueError(f"keep {keep}: a plan store folder must keep more than its {FALLBACK_FILES} fallback "
+                             f"files (a fetch may read the newest {FALLBACK_FILES + 1}), or 0 to keep every file")
+        self.uri, self.keep = uri, keep
         try:
             if is_uri(uri):
                 self.fs, root = pafs.FileSystem.from_uri(uri)
@@ -235,7 +246,33 @@ class PlanStore:
             self.fs.move(tmp, final)
         except OSError as exc:
             raise StoreError(f"cannot publish to {self._display(final)}: {exc}") from None
+        self._prune(folder)
         return final
+
+    def _prune(self, folder: str) -> None:
+        """Delete ``folder``'s published files but the newest ``keep``, and its stale temporary files. Never fails
+        the publish that calls it (logged): a file another publisher deleted first is fine, a reader still
+        reading one of them falls back to a newer one (``_newest_valid``)."""
+        if not self.keep:
+            return
+        try:
+            files = [i for i in self._infos(folder, recursive=False) if i.type == pafs.FileType.File]
+        except StoreError as exc:
+            logger.warning("plan store: could not list %s to prune it: %s", folder, exc)
+            return
+        stamped = sorted(i.path for i in files if i.base_name[:1].isdigit() and i.base_name.endswith(".json"))
+        now = time.time()
+        stale = [i.path for i in files if i.base_name.startswith(".tmp-") and i.mtime is not None
+                 and now - i.mtime.timestamp() > STALE_TMP_S]
+        for path in stamped[:-self.keep] + stale:
+            try:
+                self.fs.delete_file(path)
+            except FileNotFoundError:
+                pass  # deleted by another publisher's prune
+            except OSError as exc:
+                logger.warning("plan store: could not delete %s while pruning (%s); left in place",
+                               self._display(path), exc)
+                return
 
     def _newest_valid(self, folder: str, missing: str, read):
         """``(read(path), path)`` for the newest file in ``folder`` that reads. A newer one that does not (truncated

@@ -454,3 +454,12 @@ def test_tree_families_follow_every_live_re_plan_without_a_store():
     for budget in (4, 6):
         plans.adopt(0.0, {1: builtin_plan(0.0, budget=budget)})
         assert families.get(0.0).planned is plans.get(0.0).planned
+
+
+def test_the_service_prunes_the_store_with_its_plan_keep(tmp_path):
+    """Live plans published by a service leave each folder its newest ``plan_keep`` files."""
+    plans = PlanProvider(config(str(tmp_path), plan_keep=6), HW)
+    for budget in range(4, 14):
+        plans.adopt(0.0, {1: builtin_plan(0.0, budget=budget)})
+    published = PlanStore(str(tmp_path), keep=0).list_plans()
+    assert len(published) == 6 and plans.get(0.0).source == f"live:{max(published)}"

@@ -264,3 +264,69 @@ def test_minus_zero_is_the_greedy_bucket():
 
     assert temperature_bucket(-0.0) == temperature_bucket(0.0) == "t0.0" and plan_bucket(-0.0, 4) == "t0.0-b4"
     assert temperature_bucket(0.04) == "t0.0" and temperature_bucket(0.65) == "t0.7"
+
+
+def test_a_publish_leaves_its_folder_the_newest_keep_files_and_other_folders_alone(store):
+    """Live re-plans publish for as long as a service runs: each publish prunes its folder to the newest ``keep``
+    (the latest still fetched), and no other folder loses a file."""
+    store = PlanStore(store.uri, keep=5)
+    other = PlanKey(KEY.hardware, KEY.draft, KEY.target, 0.0)
+    first_other = store.publish_plan(planned(4), other)
+    paths = [store.publish_plan(planned(4 + i), KEY) for i in range(8)]
+    kept = [p for p in store.list_plans() if f"/{temperature_bucket(0.6)}/" in p]
+    assert sorted(kept) == sorted(paths[-5:])
+    got, path = store.fetch_plan(KEY)
+    assert path == paths[-1] and got.budget == 11
+    assert store.fetch_plan(other)[1] == first_other
+
+
+def test_keep_zero_keeps_every_file_and_a_keep_within_the_fallback_files_is_refused(tmp_path):
+    store = PlanStore(str(tmp_path), keep=0)
+    paths = [store.publish_plan(planned(4), KEY) for _ in range(7)]
+    assert sorted(store.list_plans()) == sorted(paths)
+    for keep in (-1, 1, 4):
+        with pytest.raises(ValueError, match=f"keep {keep}: .* or 0 to keep every file"):
+            PlanStore(str(tmp_path), keep=keep)
+    from deployments.config import ServeConfig
+
+    with pytest.raises(ValueError, match="plan_keep 2 would delete files a fetch may fall back to"):
+        ServeConfig(target="tiny-target", plan_store=str(tmp_path), plan_keep=2)
+
+
+def test_a_publish_removes_temporary_files_a_dead_publisher_left_and_not_a_fresh_one(tmp_path):
+    import os
+    import time
+
+    from sequoia_ray.plan_store import STALE_TMP_S
+
+    store = PlanStore(str(tmp_path))
+    folder = Path(store.publish_plan(planned(4), KEY)).parent
+    stale, fresh = folder / ".tmp-dead", folder / ".tmp-writing"
+    stale.write_text("{")
+    fresh.write_text("{")
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    store.publish_plan(planned(5), KEY)
+    assert not stale.exists() and fresh.exists()
+
+
+def test_a_prune_that_fails_never_fails_the_publish(tmp_path, caplog):
+    """The plan is in place before the prune: a store that refuses deletes (an S3 policy without
+    s3:DeleteObject) keeps every file, says so, and still publishes."""
+
+    class NoDeletes:
+        def __init__(self, fs):
+            self.fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self.fs, name)
+
+        def delete_file(self, path):
+            raise PermissionError(f"AccessDenied: {path}")
+
+    store = PlanStore(str(tmp_path), keep=5)
+    store.fs = NoDeletes(store.fs)
+    paths = [store.publish_plan(planned(4 + i), KEY) for i in range(7)]
+    assert store.fetch_plan(KEY) == (planned(10).__class__.loads(Path(paths[-1]).read_text()), paths[-1])
+    assert sorted(store.list_plans()) == sorted(paths)
+    assert "could not delete" in caplog.text and "AccessDenied" in caplog.text
