@@ -329,6 +329,8 @@ class LivePlanner:
         self.replans: Counter = Counter()  # temperature bucket -> live re-plans
 
     def observe(self, plan: TreePlan, verdict: Verdict, params: SamplingParams) -> None:
+        if not verdict.ranks and plan.n > 1:  # a dynamic tree's step, its ranks withheld (biased: the engine's
+            return  # ``seen``): a tree served, so not a blind step, which would fade the estimate after half_life
         self.live.observe(params.temperature, verdict.ranks)
 
     def tick(self) -> list[float]:

@@ -37,7 +37,8 @@ effective trials once settled, at ``FROZEN`` before, keeping its p̂. ``samples`
 start) is reported beside the effective counts. Thread-safe: many request threads feed one ``LiveAcceptance``.
 
 No tree served: the estimate fades back to exploring. A verdict with no inner node (the target alone: a
-root-only plan, or ``live_cost``'s other arm) is a *blind* step. A re-plan may serve the
+root-only plan, or ``live_cost``'s other arm) is a *blind* step (a dynamic tree's step, whose ranks the
+engine withholds, is not observed at all: ``deployments.service.LivePlanner.observe``). A re-plan may serve the
 target alone at every batch size (the cost model finds speculation does not pay at the acceptance estimated),
 and then no verdict tries a rank again: the estimate could never move and no re-plan ever restore a tree,
 however good acceptance became. So once ``half_life`` blind steps in a row have passed at a temperature (no

@@ -463,3 +463,24 @@ def test_the_service_prunes_the_store_with_its_plan_keep(tmp_path):
         plans.adopt(0.0, {1: builtin_plan(0.0, budget=budget)})
     published = PlanStore(str(tmp_path), keep=0).list_plans()
     assert len(published) == 6 and plans.get(0.0).source == f"live:{max(published)}"
+
+
+def test_dynamic_tree_steps_whose_ranks_are_withheld_are_not_blind_steps():
+    """With dynamic trees every step (``dynamic_unpruned_every`` 0) the engine withholds each verdict's ranks
+    (a pruned tree's acceptance is biased): trees are served, so the estimate must not fade as if the target
+    alone ran (after half_life such steps it turned every rank optimistic and unsettled). A root-only step
+    still is blind."""
+    cfg = config(None, live_half_life=100, live_min_samples=10)
+    plans = PlanProvider(cfg, HW)
+    planner = LivePlanner(cfg, plans)
+    feed(planner, plans, 300)
+    settled = planner.live.snapshot(0.0)
+    assert settled.settled[:2].all()
+    tree, params = plans.get(0.0).planned.plan, SamplingParams(seed=1)
+    for _ in range(300):
+        planner.observe(tree, Verdict([0], [1], ()), params)
+    after = planner.live.snapshot(0.0)
+    assert after.blind == 0 and np.array_equal(after.tried, settled.tried) and after.settled[:2].all()
+    for _ in range(300):
+        planner.observe(builtin_plan(0.0, budget=1).plan, Verdict([0], [1], ()), params)
+    assert not planner.live.snapshot(0.0).settled[:2].any()  # the target alone: faded
