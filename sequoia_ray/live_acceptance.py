@@ -82,6 +82,8 @@ class LiveSettings:
             raise ValueError(f"min_samples {self.min_samples} must be >= 1")
         if not self.z > 0:
             raise ValueError(f"z {self.z} must be > 0 (e.g. 3)")
+        if not self.half_life > 0:  # nan too: it passed every comparison below and left p̂ all zeros
+            raise ValueError(f"half_life {self.half_life} must be > 0 (observations; inf: no decay)")
         if self.half_life / math.log(2) < self.min_samples:
             raise ValueError(f"half_life {self.half_life} keeps at most {self.half_life / math.log(2):.0f} effective "
                              f"samples < min_samples {self.min_samples}: raise half_life or lower min_samples")
@@ -252,7 +254,7 @@ def replan(acceptance: AcceptanceVector, current: dict[int, PlannedTree], profil
     prov = replace(base, source="live", live_samples=samples, measured_speedup=None, candidates=None,
                    prompts=None, tokens_measured=None, predicted_speedup=None)
     if profile is None:  # (a measured target-alone plan stays, as below: no profile cannot overrule it either)
-        return {b: plan_for(acceptance, p.budget, p.max_depth, prov)[0] for b, p in current.items()
+        return {b: plan_for(acceptance, p.budget, p.max_depth, _for_bucket(prov, b))[0] for b, p in current.items()
                 if not measured_alone(p)}
     table = solve(acceptance, max(profile.t), max_depth)
     overhead = recorded_overhead(current)
@@ -261,8 +263,13 @@ def replan(acceptance: AcceptanceVector, current: dict[int, PlannedTree], profil
         if bucket in current and measured_alone(current[bucket]):
             continue  # the measurement said the target alone: the cost model's pick does not overrule it
         out[bucket] = PlannedTree(best.plan, acceptance, best.n, best.d, table.value(best.n, best.d),
-                                  replace(prov, predicted_speedup=best.predicted_speedup))
+                                  replace(_for_bucket(prov, bucket), predicted_speedup=best.predicted_speedup))
     return out
+
+
+def _for_bucket(prov, bucket: int):
+    """``prov`` (the smallest bucket's, made live) for ``bucket``'s plan: its batch is that bucket's (None = 1)."""
+    return replace(prov, batch=None if bucket == 1 else bucket)
 
 
 def measured_alone(planned: PlannedTree) -> bool:

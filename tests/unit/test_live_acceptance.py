@@ -128,6 +128,9 @@ def test_temperature_buckets_and_bad_observations():
         live.observe(0.0, [(2, 3)])
     with pytest.raises(ValueError, match="min_samples"):
         LiveSettings(min_samples=1_000, half_life=100)
+    for bad in (math.nan, 0.0, -5.0):  # nan passed every check and gave p̂ all zeros
+        with pytest.raises(ValueError, match=f"half_life {bad} must be > 0"):
+            LiveSettings(half_life=bad)
 
 
 # ---- provenance ------------------------------------------------------------------------------------
@@ -347,3 +350,19 @@ def test_without_a_profile_a_re_plan_keeps_a_bucket_measured_to_serve_the_target
     current = {1: plan_for(old, 8, 4)[0], 8: alone}
     fresh = live_acceptance.replan(AcceptanceVector.from_p([0.8, 0.1]), current, None, samples=1000, max_depth=6)
     assert set(fresh) == {1} and fresh[1].plan.n > 1
+
+
+@pytest.mark.parametrize("with_profile", [False, True])
+def test_each_bucket_s_re_plan_says_its_own_batch_in_its_provenance(with_profile):
+    """The re-plans start from the smallest bucket's provenance: bucket 4's plan said batch 1 (None)."""
+    from dataclasses import replace
+
+    from sequoia_ray import live_acceptance
+
+    old = AcceptanceVector.from_p([0.3, 0.1])
+    current = {b: replace(p := plan_for(old, 8, 4)[0], provenance=replace(p.provenance, batch=None if b == 1 else b))
+               for b in (1, 4)}
+    profile = profile_of(0.02, 0.05) if with_profile else None
+    fresh = live_acceptance.replan(AcceptanceVector.from_p([0.8, 0.1]), current, profile, samples=1000, max_depth=6)
+    assert {1, 4} <= set(fresh)
+    assert {b: p.provenance.batch for b, p in fresh.items()} == {b: None if b == 1 else b for b in fresh}
