@@ -122,6 +122,8 @@ def _read(path: Path) -> Any:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise AcceptanceError(f"acceptance file {path} does not exist") from None
+    except OSError as exc:  # a folder, no permission, ...
+        raise AcceptanceError(f"acceptance file {path} cannot be read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AcceptanceError(f"acceptance file {path} is not valid JSON ({exc})") from None
     except RecursionError:
@@ -136,11 +138,19 @@ def is_number_list(text: str) -> bool:
 
 def _numbers(text: str) -> list[float] | None:
     """The numbers of a comma-separated list, or None when ``text`` is not one."""
-    parts = [x for x in text.split(",") if x.strip()]
+    fields = text.split(",")
+    while fields and not fields[-1].strip():  # a trailing comma
+        fields.pop()
+    parts = [x for x in fields if x.strip()]
     try:
-        return [float(x) for x in parts] if parts else None
+        values = [float(x) for x in parts] if parts else None
     except ValueError:
         return None
+    if values is not None and len(parts) < len(fields):  # "0.6,,0.1": rank 3's value would be read as rank 2's
+        rank = next(i for i, f in enumerate(fields, 1) if not f.strip())
+        raise AcceptanceError(f"acceptance {text!r:.200} has an empty field at rank {rank}; give one number per "
+                              "rank (0 for a rank never accepted)")
+    return values
 
 
 def _is_file(path: Path) -> bool:

@@ -132,6 +132,9 @@ def _parse(obj: Any, source: str) -> PlannedTree:
         plan = TreePlan(tuple(_int_list(parents)))
     except (PlanError, TypeError) as exc:
         raise bad("parents", str(exc)) from None
+    for name, actual in (("nodes", plan.n), ("depth", plan.num_levels)):  # written for readers: said right
+        if name in obj and not (type(obj[name]) is int and obj[name] == actual):
+            raise bad(name, f"{obj[name]!r} but the tree's parents give {actual}; re-create the plan")
     _check_acceptance_size(obj.get("acceptance"), bad)
     try:
         acceptance = AcceptanceVector.from_dict(obj.get("acceptance"), source="acceptance")

@@ -100,6 +100,9 @@ def corrupt(obj: dict, path: tuple, value) -> dict:
         (("max_depth",), 1, "max_depth"),
         (("provenance", "temperature"), -1, "provenance.temperature"),
         (("provenance",), {"gpu": "x"}, "provenance"),
+        (("nodes",), 999, "nodes"),  # said wrong: loaded as the parents' tree without a word
+        (("depth",), 2, "depth"),
+        (("nodes",), True, "nodes"),
     ],
 )
 def test_corrupted_fields_name_the_field_and_file(tmp_path, path, value, field):
@@ -143,6 +146,12 @@ def test_acceptance_parse_forms(tmp_path):
         AcceptanceVector.parse("0.5,abc")
     with pytest.raises(AcceptanceError, match="does not exist"):
         AcceptanceVector.parse(str(tmp_path / "missing.json"))
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(AcceptanceError, match="folder.json cannot be read"):  # was a bare IsADirectoryError
+        AcceptanceVector.parse(str(tmp_path / "folder.json"))
+    with pytest.raises(AcceptanceError, match="empty field at rank 2"):  # was read as (0.6, 0.1): rank 3 as rank 2
+        AcceptanceVector.parse("0.6,,0.1")
+    assert AcceptanceVector.parse("0.6,0.2,").rows == ((0.6, 0.2),)  # a trailing comma is no rank
     assert math.isclose(sum(AcceptanceVector.parse("0.3,0.3,0.4").rows[0]), 1.0)
 
 
