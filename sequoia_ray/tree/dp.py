@@ -35,6 +35,7 @@ more than n levels).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,10 +134,11 @@ def _best_size(
 
 def solve(acceptance: AcceptanceVector, max_nodes: int, max_depth: int | None = None) -> DPTable:
     """G(n, d) for n = 1..max_nodes, d = 1..max_depth (None: unbounded depth)."""
-    if not isinstance(max_nodes, int) or max_nodes < 1:
+    if not _integer(max_nodes) or max_nodes < 1:
         raise DPError(f"max_nodes = {max_nodes!r} must be an integer >= 1")
-    if max_depth is not None and (not isinstance(max_depth, int) or max_depth < 1):
+    if max_depth is not None and (not _integer(max_depth) or max_depth < 1):
         raise DPError(f"max_depth = {max_depth!r} must be an integer >= 1 or None (unbounded)")
+    max_nodes, max_depth = int(max_nodes), None if max_depth is None else int(max_depth)  # numpy's ints too
     limit = max_nodes if max_depth is None else max_depth  # a tree of n nodes has at most n levels
     used = _usable(acceptance, max_nodes, limit)
     n_rows = len(used.rows)
@@ -152,6 +154,10 @@ def solve(acceptance: AcceptanceVector, max_nodes: int, max_depth: int | None = 
             break
     G = np.stack(columns, axis=1)
     return DPTable(acceptance, max_nodes, G.shape[1] - 1, max_depth is None, G, levels, used)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _usable(acceptance: AcceptanceVector, max_nodes: int, max_levels: int) -> AcceptanceVector:

@@ -131,10 +131,16 @@ def test_out_of_table_queries_name_the_fix(n: int, d: int, message: str):
         table.value(n, d)
 
 
-@pytest.mark.parametrize("nodes,depth", [(0, 3), (5, 0), (2.5, 3)])
+@pytest.mark.parametrize("nodes,depth", [(0, 3), (5, 0), (2.5, 3), (True, 3), (5, np.float64(3.0))])
 def test_bad_arguments(nodes, depth):
     with pytest.raises(DPError):
         solve(AcceptanceVector.from_p([0.5]), nodes, depth)
+
+
+def test_numpy_integers_are_integers():
+    """A budget taken from a numpy array (np.int64) was refused as 'must be an integer'."""
+    p = AcceptanceVector.from_p([0.6, 0.2])
+    assert solve(p, np.int64(8), np.int32(4)).value(8, 4) == solve(p, 8, 4).value(8, 4)
 
 
 # ---- unsorted vectors: the exchange bounds must stay exact whatever the order of p --------------------
