@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from sequoia_ray.arguments import is_uri
+from sequoia_ray.arguments import is_uri, one_line
 from sequoia_ray.hardware import BATCH_BUCKETS, ID_UNSAFE, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
@@ -158,10 +158,13 @@ class PlanStore:
         return getattr(self._thread, "skips", 0)
 
     def check_writable(self) -> None:
-        """A local store: its folder made and a probe file written and removed there, so that a store that cannot
-        be written is said when a job starts, not at its first publish after profiling (StoreError naming the
-        folder). A URI is left to its publish."""
+        """The store's folder made and a probe file written and removed there, so that a store that cannot be
+        written (a folder of root's, an S3 bucket without credentials or a wrong endpoint: ~6 s to find the
+        endpoint unreachable) is said when a job starts, not at its first publish after profiling (StoreError
+        naming the store). A URI whose probe cannot be deleted is only warned about: publishing works, pruning
+        old files (``keep``) will not."""
         if is_uri(self.uri):
+            self._check_uri_writable()
             return
         probe = Path(self.root) / f".probe-{uuid.uuid4().hex}"
         try:
@@ -171,6 +174,21 @@ class PlanStore:
         except OSError as exc:
             raise StoreError(f"plan store {self.root} cannot be written ({exc.strerror or exc}); give a folder "
                              "this user can write") from None
+
+    def _check_uri_writable(self) -> None:
+        probe = f"{self.root}/.probe-{uuid.uuid4().hex}"
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            with self.fs.open_output_stream(probe) as out:
+                out.write(b"")
+        except OSError as exc:
+            raise StoreError(f"plan store {self._shown_uri()} cannot be written ({one_line(exc)}); check "
+                             "its URI, endpoint and credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from None
+        try:
+            self.fs.delete_file(probe)
+        except OSError as exc:
+            logger.warning("plan store %s: a probe file cannot be deleted (%s): old plan files will not be pruned",
+                           self._shown_uri(), one_line(exc))
 
     # ---- plans ---------------------------------------------------------------------------------
     def publish_plan(self, planned: PlannedTree, key: PlanKey) -> str:
@@ -317,4 +335,8 @@ class PlanStore:
             raise StoreError(f"cannot read {self._display(path)}: {exc}") from None
 
     def _display(self, path: str) -> str:
-        return f"{self.uri.split('?')[0].rstrip('/')}/{path[len(self.root) + 1:]}" if path.startswith(self.root) else path
+        return f"{self._shown_uri()}/{path[len(self.root) + 1:]}" if path.startswith(self.root) else path
+
+    def _shown_uri(self) -> str:
+        """The store's URI without its query (which may carry an endpoint's options), for messages."""
+        return self.uri.split("?")[0].rstrip("/")

@@ -290,6 +290,7 @@ def run(cfg: ProfileJobConfig, options: TrialOptions) -> tuple[list[dict], list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sequoia_ray.plan_store import PlanStore, StoreError
     from sequoia_ray.profiling import TrialResult, format_results
 
     try:
@@ -298,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     except ValueError as exc:
         print(f"tuning/profile.py: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:  # before Ray starts: Tune keeps its results under the store too, and failed there with a traceback
+        PlanStore(cfg.storage).check_writable()
+    except StoreError as exc:
+        print(f"tuning/profile.py: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         rows, failed = run(cfg, options)

@@ -139,12 +139,13 @@ def test_profile_refuses_a_store_it_cannot_write_before_the_models_load(files, c
     assert not list(files.glob("plans")) and not list(files.glob("profiles"))
 
 
-def test_a_new_local_store_is_made_and_left_without_a_probe(tmp_path):
-    from sequoia_ray.plan_store import PlanStore
+def test_a_new_local_store_is_made_and_left_without_a_probe_and_an_unreachable_uri_is_refused(tmp_path):
+    from sequoia_ray.plan_store import PlanStore, StoreError
 
     PlanStore(str(tmp_path / "new" / "store")).check_writable()
     assert (tmp_path / "new" / "store").is_dir() and not list((tmp_path / "new" / "store").iterdir())
-    PlanStore(f"s3://bucket/p?endpoint_override=127.0.0.1:1&scheme=http").check_writable()  # a URI: its publish says
+    with pytest.raises(StoreError, match="s3://bucket/p cannot be written .*check its URI, endpoint and credentials"):
+        PlanStore("s3://bucket/p?endpoint_override=127.0.0.1:1&scheme=http").check_writable()  # said before profiling
 
 
 def test_measure_width_has_the_profiling_jobs_bound(files, capsys, no_models):

@@ -330,3 +330,14 @@ def test_a_prune_that_fails_never_fails_the_publish(tmp_path, caplog):
     assert store.fetch_plan(KEY) == (planned(10).__class__.loads(Path(paths[-1]).read_text()), paths[-1])
     assert sorted(store.list_plans()) == sorted(paths)
     assert "could not delete" in caplog.text and "AccessDenied" in caplog.text
+
+
+def test_an_s3_store_is_probed_before_a_job_starts(s3_uri, tmp_path):
+    """check_writable wrote nothing to a URI: a bucket that did not exist failed only at the publish after
+    profiling. A good one is left without the probe."""
+    good = PlanStore(s3_uri.format(prefix=tmp_path.name))
+    good.check_writable()
+    assert good.list_plans() == [] and good._infos("", recursive=True) == []
+    missing = PlanStore(s3_uri.replace("s3://plans/", "s3://no-such-bucket/").format(prefix="p"))
+    with pytest.raises(StoreError, match="s3://no-such-bucket/p cannot be written"):
+        missing.check_writable()

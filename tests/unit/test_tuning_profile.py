@@ -234,3 +234,16 @@ def test_a_trial_no_node_can_hold_is_refused_before_any_trial(tmp_path, capsys, 
     with pytest.raises(MissingHardware, match="--hardware cpu: a trial takes CPU 2 on one node"):
         check_hardware(["cpu"], {"CPU": 3.0}, one_cpu * 3, lambda hw: trial_need(hw, 1, 2.0))
     check_hardware(["cpu"], {"CPU": 3.0}, one_cpu * 3, lambda hw: trial_need(hw, 1, 1.0))
+
+
+@pytest.mark.parametrize("storage, needle", [("bogus://x", "cannot open plan store 'bogus://x'"),
+                                             ("/proc/nope", "plan store /proc/nope cannot be written")])
+def test_a_store_the_job_cannot_write_fails_the_command_before_ray_starts(storage, needle, capsys, monkeypatch):
+    """Tune builds its storage under <storage>/tune after ray.init: a bad store was a traceback and exit 1 (the
+    RayJob's "a trial failed"), not one line and exit 2 as the profile verb gives."""
+    import tuning.profile as job
+
+    monkeypatch.setattr(job, "run", lambda *a: pytest.fail("the job ran with a store it cannot write"))
+    assert main(["--storage", storage]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith("tuning/profile.py: error: ") and needle in err and "Traceback" not in err
