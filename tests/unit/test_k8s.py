@@ -389,3 +389,22 @@ def test_rayjob_does_not_retry():
     assert job["backoffLimit"] == 0
     lines = (REPO / "k8s" / "rayjob.yaml").read_text().splitlines()
     assert lines[lines.index("  backoffLimit: 0") - 1].lstrip().startswith("#"), "say why, in a comment"
+
+
+def test_the_image_pins_the_torch_every_script_installs():
+    """Ray's GPU images ship no torch: unpinned, the project's install took PyPI's newest (a CUDA build that may
+    want a newer driver than the nodes have). The image pins the version scripts/setup.sh installs (its CUDA
+    build), and its work folder is made by the image's user, where the editable install writes."""
+    import re
+
+    docker = (REPO / "k8s" / "Dockerfile").read_text()
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    pinned = re.search(r"^ARG TORCH_SPEC=(torch==[\d.]+)$", docker, re.M)
+    served = re.search(r"TORCH_SPEC=\$\{SEQUOIA_TORCH:-(torch==[\d.]+)\+cpu\}", setup)
+    assert pinned and served and pinned.group(1) == served.group(1), (pinned, served)
+    lines = [line for line in docker.splitlines() if line and not line.startswith("#")]
+    install = next(i for i, line in enumerate(lines) if line.startswith("RUN pip install") and "-e ." in line)
+    assert '"$TORCH_SPEC"' in lines[install]  # the project's install keeps that torch
+    assert any(line.startswith("RUN pip install") and "$TORCH_SPEC" in line for line in lines[:install])
+    workdir = next(i for i, line in enumerate(lines) if line.startswith("WORKDIR "))
+    assert lines[workdir - 1] == f"RUN mkdir -p {lines[workdir].split()[1]}"
