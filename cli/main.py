@@ -226,14 +226,15 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="profile this machine, choose the tree, publish plan + profile (no Ray)")
     add_job_args(p)
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads of the profiled forwards, and of the plans' hardware id: the target's "
-                        "`threads` in the Serve config that will serve them (default: torch's, one per core)")
+                   help="torch threads of the profiled forwards, and of a CPU plan's hardware id: the target's "
+                        "`threads` in the Serve config that will serve them (default on CPU: 2, as "
+                        "deployments/config.yaml serves; on a GPU: torch's)")
     p.set_defaults(run=_run_profile)
 
 
 def _run_profile(args: argparse.Namespace) -> int:
     from sequoia_ray.devices import resolve_device
-    from sequoia_ray.hardware import accelerator_name, hardware_id, torch_threads
+    from sequoia_ray.hardware import SERVED_THREADS, accelerator_name, hardware_id, torch_threads
     from sequoia_ray.arguments import job_config
     from sequoia_ray.profiling import format_results, publish_heatmaps, run_trial
 
@@ -243,11 +244,17 @@ def _run_profile(args: argparse.Namespace) -> int:
                          "profile a tensor-parallel target with the Ray job: python tuning/profile.py --tp-size "
                          f"{cfg.tp_size} --storage ...")
     device = resolve_device(cfg.device)
-    hw = hardware_id(accelerator_name(device), cfg.tp_size, args.threads)  # threads count in a CPU's id only
-    with torch_threads(args.threads):
+    accelerator = accelerator_name(device)
+    # threads count in a CPU's id only: by default the shipped config's, whose service then finds the plans (one
+    # per core filed them under ...-8c on an 8-core machine, where that config looks up ...-2c)
+    threads = args.threads or (SERVED_THREADS if accelerator is None else None)
+    hw = hardware_id(accelerator, cfg.tp_size, threads)
+    with torch_threads(threads):
         results, grids = run_trial(cfg, hw)
     reports = publish_heatmaps(cfg, hw, grids)
     print(format_results(results))
+    print(f"plans filed under hardware id {hw} (a service finds them with `threads: {threads}` for the target)"
+          if threads else f"plans filed under hardware id {hw}")
     print("heatmaps: " + ", ".join(reports))
     return 0
 

@@ -633,6 +633,12 @@ def library_versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 
+SERVED_THREADS = 2  # the target's torch threads in the shipped Serve config, deployments/config.yaml (a test holds
+# them equal): a CPU hardware id counts threads, and the service looks plans up under its own
+# (``deployments.launch.serving_hardware_id``), so the profiling jobs default to it. A constant, not read from the
+# Serve app: the core and the Tune job import no Serve code.
+
+
 @contextlib.contextmanager
 def torch_threads(threads: int | None):
     """torch's thread count set to ``threads`` for a block (None: left as it is), then put back: timings taken

@@ -42,14 +42,13 @@ sys.path.insert(0, str(_HERE.parent))
 from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, is_uri, job_config, one_line,  # noqa: E402
                                    positive_int)
 from sequoia_ray.config import ProfileJobConfig  # noqa: E402
+from sequoia_ray.hardware import SERVED_THREADS  # noqa: E402,F401 (tests import it from here too)
 
 ACCEL_PREFIX = "accelerator_type:"
 CPU = "cpu"
 EXIT_TRIAL_FAILED = 1  # some trial failed (the others' plans are published)
-SERVED_THREADS = 2  # the target's torch threads in the shipped Serve config, deployments/config.yaml (a test holds
-# them equal): a CPU hardware id counts threads, and the service looks plans up under its own
-# (``deployments.launch.serving_hardware_id``): the trial's 1 CPU, hence 1 thread, filed them under ``...-1c`` where
-# that config serves ``...-2c``. A constant, not read from the Serve app: the Tune job imports no sibling layer.
+# SERVED_THREADS (sequoia_ray.hardware): the trial's 1 CPU, hence 1 thread, filed plans under ``...-1c`` where the
+# shipped config serves ``...-2c``.
 
 
 @dataclass(frozen=True)

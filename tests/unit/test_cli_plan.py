@@ -140,4 +140,10 @@ def test_profile_files_its_plans_under_the_threads_the_service_will_run(tmp_path
     monkeypatch.setattr(profiling, "format_results", lambda results: "")
     assert main(["profile", "--storage", str(tmp_path), "--threads", "3"]) == 0
     assert seen == [(hardware_id(None, 1, 3), 3)] and torch.get_num_threads() == before  # put back
+    assert f"plans filed under hardware id {hardware_id(None, 1, 3)}" in capsys.readouterr().out
     assert main(["profile", "--storage", str(tmp_path), "--threads", "0"]) == 2
+    # without --threads: the shipped config's 2 (it was one per core: '-16c' plans the default service never read)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    seen.clear()
+    assert main(["profile", "--storage", str(tmp_path)]) == 0
+    assert [hw for hw, _ in seen] == [hardware_id(None, 1, 2)]
