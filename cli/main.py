@@ -13,8 +13,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, depth, described, field_type, given,
-                                   nonneg_float, one_line, positive_int)
+from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, check_output, depth, described, field_type,
+                                   given, nonneg_float, one_line, positive_int)
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.devices import DEVICE_CHOICES
 from sequoia_ray.tree.builtin import DEFAULT_DEPTH
@@ -39,8 +39,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     from sequoia_ray.tree.planning import plan_for
 
     acceptance = AcceptanceVector.parse(args.acceptance)
-    if args.out:  # a file `generate --plan` would refuse: said before solving
-        check_plan_size(args.budget, args.max_depth, acceptance)
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path:
+            check_output(path, flag)
+    # said before solving: a file `generate --plan` would refuse, and a budget past any plan's (3,000,000 nodes
+    # ran for minutes, past 1 GB)
+    check_plan_size(args.budget, args.max_depth, acceptance)
     planned, table = plan_for(acceptance, args.budget, args.max_depth)
     if args.out:
         planned.save(args.out)
@@ -194,6 +198,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     from sequoia_ray.prompts import load_prompts
 
     prompts = load_prompts(args.prompts)[: args.limit]
+    check_output(args.out, "--out")  # written after the whole measurement: said before it
     pair = _load_pair(args)
     encoded = [pair.encode(p.text, chat=p.chat) for p in prompts]
     acceptance, steps = measure(pair.decoder, encoded, width=args.width, temperature=args.temperature,

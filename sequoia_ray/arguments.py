@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -42,6 +44,19 @@ def one_line(exc: Exception) -> str:
 
 
 # ---- argument types ------------------------------------------------------------------------------
+def check_output(path: str, flag: str) -> None:
+    """A file a command writes at its end, checked at its start (before the models load and the work runs):
+    ValueError naming ``flag`` when it is a folder, its folder does not exist, or either cannot be written."""
+    target = Path(path).expanduser()
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {path} cannot be written by this user; give a path it can write")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

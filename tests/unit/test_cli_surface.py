@@ -61,6 +61,20 @@ def test_plan_out_refuses_a_plan_its_file_could_not_hold(tmp_path, capsys, args,
     out = tmp_path / "plan.json"
     assert main(["plan", *args, "--out", str(out)]) == 2
     assert needle in one_error(capsys) and not out.exists()
+    assert main(["plan", *args]) == 2  # without --out too: a budget of 3,000,000 ran for minutes, past 1 GB
+    assert needle in one_error(capsys)
+
+
+@pytest.mark.parametrize("verb, flag", [(["plan", "--acceptance", "0.6", "--budget", "4"], "--out"),
+                                        (["plan", "--acceptance", "0.6", "--budget", "4"], "--plot"),
+                                        (["measure", "--prompts", "prompts.txt"], "--out")])
+@pytest.mark.parametrize("path, needle", [("nowhere/x.json", "the folder nowhere does not exist"),
+                                          (".", "is a folder; give a file name")])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(files, capsys, no_models, verb, flag,
+                                                                          path, needle):
+    """measure wrote its --out after loading the models and measuring: a missing folder failed at the end."""
+    assert main([*verb, flag, path]) == 2
+    assert f"{flag} {path}" in (err := one_error(capsys)) and needle in err
 
 
 # ---- 2: generate --plan, --no-speculation ---------------------------------------------------------
