@@ -214,6 +214,33 @@ def _check_acceptance(cfg: ProfileJobConfig) -> None:
         if recorded is not None and recorded != t:
             raise ValueError(f"--acceptance {t}={text}: the file was measured at temperature {recorded}, not {t}; "
                              f"give it as {recorded}={text} (and {recorded} in --temperatures)")
+        for role, profiled in (("draft", cfg.draft), ("target", cfg.target)):
+            measured = _recorded_model(text, role)
+            if measured is not None and not _same_model(measured, profiled):
+                raise ValueError(f"--acceptance {t}={text}: the file was measured with {role} {measured!r}, not the "
+                                 f"{role} profiled here ({profiled!r}); measure this pair (sequoia-ray measure) or "
+                                 f"profile with --{role} {measured}")
+
+
+def _recorded_model(text: str, role: str) -> str | None:
+    """The draft or target an acceptance file records (``measure`` writes both; None: a number list, or none)."""
+    import json
+
+    if not text.endswith(".json"):
+        return None
+    try:
+        value = json.loads(Path(text).expanduser().read_text()).get(role)
+    except (OSError, ValueError, AttributeError):
+        return None  # read already, by parse_recorded
+    return value if isinstance(value, str) and value else None
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model sources name one model: equal, or paths to one folder or file (``./m`` and ``/abs/m``)."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:

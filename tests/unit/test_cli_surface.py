@@ -111,10 +111,24 @@ def test_an_acceptance_file_for_a_profiled_temperature_is_kept(files):
     (["--acceptance", "0.6=missing.json"], "does not exist"),
     (["--acceptance", "0.6,0.7=acc.json"], "one temperature T"),
     (["--acceptance", "0=acc.json"], "measured at temperature 0.6, not 0.0"),
+    (["--acceptance", "0.6=pair.json"], "measured with draft 'other-draft', not the draft profiled here "
+                                        "('default-draft'); measure this pair"),
+    (["--target", "models/t", "--acceptance", "0.6=pair.json"], "measured with draft 'other-draft'"),
 ])
 def test_profile_reads_every_acceptance_file_before_the_models_load(files, capsys, no_models, argv, needle):
+    (files / "pair.json").write_text(json.dumps({"p": [0.6, 0.2], "temperature": 0.6, "draft": "other-draft",
+                                                 "target": "default-target"}))
     assert main(["profile", "--storage", str(files / "store"), *argv]) == 2
     assert needle in one_error(capsys)
+
+
+def test_an_acceptance_file_of_the_same_pair_by_another_path_is_kept(files):
+    """measure records the sources as given: ./models/t and its absolute path are one target."""
+    (files / "models" / "t").mkdir(parents=True)
+    (files / "same.json").write_text(json.dumps({"p": [0.6], "temperature": 0.6, "draft": "default-draft",
+                                                 "target": "./models/t"}))
+    assert job("--target", str(files / "models" / "t"), "--acceptance", "0.6=same.json").acceptance == {
+        0.6: "same.json"}
 
 
 # ---- 4: temperatures ------------------------------------------------------------------------------
