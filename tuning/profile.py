@@ -86,7 +86,8 @@ def parse_config(argv: list[str] | None) -> tuple[ProfileJobConfig, TrialOptions
     args = build_parser().parse_args(argv)
     if args.cpus_per_trial is not None and not args.cpus_per_trial > 0:
         raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} must be > 0")
-    cfg = job_config(args, hardware=tuple(h for h in args.hardware.split(",") if h))
+    kinds = (h.strip() for h in args.hardware.split(","))
+    cfg = job_config(args, hardware=tuple(dict.fromkeys(h for h in kinds if h)))  # each once: one trial a type
     threads = args.threads or SERVED_THREADS
     cpus = args.cpus_per_trial or float(threads)
     return absolute_paths(cfg), TrialOptions(cpus, args.check_placement, threads)

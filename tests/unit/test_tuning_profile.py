@@ -247,3 +247,9 @@ def test_a_store_the_job_cannot_write_fails_the_command_before_ray_starts(storag
     assert main(["--storage", storage]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert err.startswith("tuning/profile.py: error: ") and needle in err and "Traceback" not in err
+
+
+def test_a_hardware_type_given_twice_is_profiled_once(tmp_path):
+    """--hardware A100,A100 started two identical trials, each publishing the same plans."""
+    cfg, _ = parse_config(["--storage", str(tmp_path), "--hardware", "A100, L4,A100,"])
+    assert cfg.hardware == ("A100", "L4")
