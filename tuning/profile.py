@@ -273,6 +273,11 @@ def run(cfg: ProfileJobConfig, options: TrialOptions) -> tuple[list[dict], list[
     if options.check_placement:
         nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
         check_hardware(types, resources, nodes, lambda hw: trial_need(hw, cfg.tp_size, options.cpus))
+    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+    if alive > 1 and not is_uri(cfg.storage):
+        print(f"warning: --storage {cfg.storage} is a local path on a cluster of {alive} nodes: each trial publishes "
+              "on its own node's disk unless that path is one shared mount everywhere; give an s3://... URI "
+              "otherwise", flush=True)
     print(f"profiling hardware types: {types}", flush=True)
     placed = tune.with_resources(
         trainable, lambda spec: trial_resources(spec["hw"], cfg.tp_size, options.cpus))

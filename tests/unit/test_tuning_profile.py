@@ -253,3 +253,17 @@ def test_a_hardware_type_given_twice_is_profiled_once(tmp_path):
     """--hardware A100,A100 started two identical trials, each publishing the same plans."""
     cfg, _ = parse_config(["--storage", str(tmp_path), "--hardware", "A100, L4,A100,"])
     assert cfg.hardware == ("A100", "L4")
+
+
+def test_a_local_store_on_a_cluster_of_several_nodes_is_warned_about(tmp_path, capsys, stub_ray, monkeypatch):
+    """Each trial publishes where it runs: a local path on two nodes left plans on each node's own disk, while the
+    driver said "plans published under <path>". A URI, or one node, is no warning."""
+    assert main(["--storage", str(tmp_path), "--temperatures", "0", "--hardware", "A"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: --storage {tmp_path} is a local path on a cluster of 2 nodes" in out
+    import ray
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "accelerator_type:A": 1.0}},
+                                               {"Alive": False, "Resources": {"CPU": 4.0}}])
+    assert main(["--storage", str(tmp_path), "--temperatures", "0", "--hardware", "A"]) == 0
+    assert "warning" not in capsys.readouterr().out
