@@ -263,7 +263,8 @@ def test_a_local_store_on_a_cluster_of_several_nodes_is_warned_about(tmp_path, c
     assert f"warning: --storage {tmp_path} is a local path on a cluster of 2 nodes" in out
     import ray
 
-    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "accelerator_type:A": 1.0}},
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "GPU": 2.0,
+                                                                             "accelerator_type:A": 1.0}},
                                                {"Alive": False, "Resources": {"CPU": 4.0}}])
     assert main(["--storage", str(tmp_path), "--temperatures", "0", "--hardware", "A"]) == 0
     assert "warning" not in capsys.readouterr().out
