@@ -24,23 +24,34 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # see tuning/profile.py
 sys.path.insert(0, str(_HERE.parent))
 
+from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, check_output, nonneg_float, one_line,  # noqa: E402
+                                   positive_int)
 from sequoia_ray.hardware import (BATCH_BUCKETS, Choice, HardwareProfile, ProfileError, choose, profile,  # noqa: E402
                                   time_steps)
 from sequoia_ray.tree.plan import chain  # noqa: E402
 
 
+def sizes(text: str) -> tuple[int, ...]:
+    """``--sizes 1,2,4``: tree sizes, each a positive integer."""
+    try:
+        return tuple(positive_int(x.strip()) for x in text.split(",") if x.strip())
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}; give tree sizes like 1,2,4,8") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tuning/batch_table.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="tuning/batch_table.py", description=__doc__.splitlines()[0])
     p.add_argument("--smoke-test", action="store_true", help="the tiny random pair")
     p.add_argument("--target", default="default-target")
     p.add_argument("--draft", default="default-draft")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--draft-quantize", choices=["int8"])
-    p.add_argument("--sizes", default="1,2,4,8,16,32", help="tree sizes n profiled (the largest bounds B·n)")
-    p.add_argument("--context", type=int, default=64, help="cached tokens per request when timing")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-depth", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sizes", type=sizes, default=(1, 2, 4, 8, 16, 32),
+                   help="tree sizes n profiled (the largest bounds B·n)")
+    p.add_argument("--context", type=positive_int, default=64, help="cached tokens per request when timing")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--max-depth", type=positive_int, default=8)
+    p.add_argument("--temperature", type=nonneg_float, default=0.0)
     p.add_argument("--acceptance", default="measure", help="measure | builtin | a list '0.8,0.1' or JSON file")
     p.add_argument("--json", help="write the profile and the rows here")
     p.add_argument("--profile", help="a profile written by --json (or the store) to use instead of profiling")
@@ -104,19 +115,37 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _given_profile(path: str) -> HardwareProfile:
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--profile {path}: {one_line(exc)}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--profile {path}: expected a JSON object (a profile, or --json's output)")
+    return HardwareProfile.from_dict(obj.get("profile", obj), source=path)
+
+
 def main(argv: list[str] | None = None) -> int:
     from sequoia_ray.hardware import hardware_id
     from sequoia_ray.profiling import monotone
     from sequoia_ray.tree.dp import solve
 
     args = build_parser().parse_args(argv)
-    sizes = tuple(int(x) for x in args.sizes.split(","))
+    try:  # every input read before the models load (a bad one failed after loading, or after profiling)
+        given = _given_profile(args.profile) if args.profile else None
+        if args.acceptance not in ("measure", "builtin"):
+            acceptance_of(args, None)
+        if args.json:
+            check_output(args.json, "--json")
+    except (ValueError, OSError, ProfileError) as exc:
+        print(f"tuning/batch_table.py: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    sizes = args.sizes
     began = time.perf_counter()
     pair = load(args)
     loaded = time.perf_counter()
-    if args.profile:
-        obj = json.loads(Path(args.profile).read_text())
-        prof = HardwareProfile.from_dict(obj.get("profile", obj), source=args.profile)
+    if given is not None:
+        prof = given
         sizes = tuple(n for n in sizes if n <= max(prof.t))
     else:
         prof = monotone(profile(pair.target.model, pair.draft.model, hardware=hardware_id(), budgets=sizes,
