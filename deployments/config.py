@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.placement import ActorResources
 from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, STEP_TIMEOUT_S, ModelActorSpec, check_backend
-from sequoia_ray.config import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC, DraftQuantize, DraftVocab
+from sequoia_ray.config import (DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC, PLAN_FALLBACK_FILES, PLAN_KEEP_FILES,
+                                 DraftQuantize, DraftVocab)
 from sequoia_ray.devices import check_device
-from sequoia_ray.plan_store import FALLBACK_FILES, KEEP_FILES
 
 
 class ServeConfig(BaseModel):
@@ -49,9 +49,9 @@ class ServeConfig(BaseModel):
     plan_store: str | None = Field(None, description="Plan store URI; None = built-in plans only.")
     hardware_id: str | None = Field(None, description="Override the hardware id used to look plans up.")
     plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
-    plan_keep: int = Field(KEEP_FILES, ge=0, description="Published files a plan store folder keeps when this "
-                           "service publishes a live plan there (the newest; older ones are deleted): 0 keeps "
-                           f"every file, else more than {FALLBACK_FILES}.")
+    plan_keep: int = Field(PLAN_KEEP_FILES, ge=0, description="Published files a plan store folder keeps when "
+                           "this service publishes a live plan there (the newest; older ones are deleted): 0 keeps "
+                           f"every file, else more than {PLAN_FALLBACK_FILES}.")
     live_acceptance: bool = Field(False, description="Learn the acceptance vector from the verdicts of live traffic "
                                   "(per temperature bucket) and re-plan when the served plan's vector leaves its "
                                   "confidence bound; the new plan is served at once and published as a live plan. "
@@ -166,9 +166,10 @@ class ServeConfig(BaseModel):
     @field_validator("plan_keep")
     @classmethod
     def _plan_keep(cls, value):
-        if 0 < value <= FALLBACK_FILES:
+        if 0 < value <= PLAN_FALLBACK_FILES:
             raise ValueError(f"plan_keep {value} would delete files a fetch may fall back to (it reads the newest "
-                             f"{FALLBACK_FILES + 1}): give more than {FALLBACK_FILES}, or 0 to keep every file")
+                             f"{PLAN_FALLBACK_FILES + 1}): give more than {PLAN_FALLBACK_FILES}, or 0 to keep every "
+                             "file")
         return value
 
     @field_validator("dtype")

@@ -26,6 +26,9 @@ def draft_vocab_value(value):
 DraftVocab = Annotated[int | None, BeforeValidator(draft_vocab_value)]  # ServeConfig's and the profiling job's
 DraftQuantize = Literal["int8"] | None  # the one quantisation loading knows (models/loading.py); checked at the config
 
+PLAN_FALLBACK_FILES = 4  # older files a plan store fetch tries when the newest in a folder does not read
+PLAN_KEEP_FILES = 100  # published files a plan store folder keeps after a publish (sequoia_ray.plan_store); here,
+# not there, so the Serve config reads them without importing torch (the routing replicas import no torch)
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the limit T -> 0, without logits / T overflowing

@@ -40,12 +40,13 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from sequoia_ray.arguments import is_uri, one_line
+from sequoia_ray.config import PLAN_FALLBACK_FILES, PLAN_KEEP_FILES
 from sequoia_ray.hardware import BATCH_BUCKETS, ID_UNSAFE, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
 logger = logging.getLogger(__name__)
-FALLBACK_FILES = 4  # older files a fetch tries when the newest in a folder does not read (corrupt, another schema)
-KEEP_FILES = 100  # published files a folder keeps after a publish (the newest); older ones are deleted
+FALLBACK_FILES = PLAN_FALLBACK_FILES  # older files a fetch tries when the newest does not read (corrupt, a new schema)
+KEEP_FILES = PLAN_KEEP_FILES  # published files a folder keeps after a publish (the newest); older ones deleted
 STALE_TMP_S = 3600.0  # a publish's temporary file older than this was left by a publisher that died mid-write
 
 
