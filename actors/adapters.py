@@ -117,8 +117,9 @@ class RanksTarget:
             return ray.get(self.ranks[0].call.remote(method, *args), timeout=timeout_s or self.timeout_s)
         except (RayError, GetTimeoutError) as exc:
             self.failed = True
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            raise TargetUnavailable(f"the target group failed during {method}: {type(exc).__name__}: "
+            cause = getattr(exc, "cause", None) or exc  # a RayTaskError's first line is Ray's task header
+            first_line = str(cause).splitlines()[0] if str(cause) else ""
+            raise TargetUnavailable(f"the target group failed during {method}: {type(cause).__name__}: "
                                     f"{first_line}") from exc
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:

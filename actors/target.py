@@ -121,6 +121,8 @@ class TargetRank(ModelActor):
             return mine
 
     def _gather(self, refs) -> list:
+        if not refs:  # no followers (TP 1): ray.get([]) outside a Ray worker (in process) would start local Ray
+            return []
         return ray.get(refs, timeout=self.spec.collective_timeout_s)
 
     @staticmethod

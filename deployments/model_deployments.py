@@ -31,7 +31,7 @@ DRAIN_STALL_S = 5.0  # held requests but no forward ran or ran on for this long:
 
 
 async def drain(state: Callable[[], Awaitable[tuple[int, float]]], timeout_s: float, *,
-                stall_s: float = DRAIN_STALL_S, poll_s: float = DRAIN_POLL_S) -> int:
+                stall_s: float = DRAIN_STALL_S, poll_s: float = DRAIN_POLL_S, call_s: float = 30.0) -> int:
     """Wait while the replica's actors hold requests that still progress; returns how many are left.
 
     ``state()``: (requests the actors hold, seconds they have spent running forwards, the one running now
@@ -39,12 +39,14 @@ async def drain(state: Callable[[], Awaitable[tuple[int, float]]], timeout_s: fl
     counts only its own calls, and the ingress calls the actors directly), so each model deployment's
     ``__del__`` waits here and a request that began on a replica ends on it. The wait ends when none is held,
     when no forward ran for ``stall_s`` (requests whose ingress is gone, e.g. the whole app shutting down), after
-    ``timeout_s``, or when the actor is dead."""
+    ``timeout_s``, or when the actor is dead or does not answer ``state()`` within ``call_s`` (a frozen actor,
+    the case the health check fails by its timeout: waited for, it kept the replica's bundles reserved for the
+    whole ``timeout_s``, where its replacement may need them)."""
     deadline, busy, moved = time.monotonic() + timeout_s, None, time.monotonic()
     while True:
         try:
-            left, busy_now = await state()
-        except Exception:  # noqa: BLE001 - a dead or unreachable actor: nothing left to wait for
+            left, busy_now = await asyncio.wait_for(state(), call_s)
+        except Exception:  # noqa: BLE001 - a dead, unreachable or frozen actor: nothing left to wait for
             return 0
         now = time.monotonic()
         if busy_now != busy:
@@ -100,7 +102,8 @@ class DraftDeployment:
         return {HELD: await self.actor.active.remote()}
 
     async def __del__(self) -> None:  # Serve awaits it when it stops this replica
-        await drain(lambda: actor_state(self.actor, self.cfg.step_timeout_s), self.cfg.drain_timeout_s)
+        await drain(lambda: actor_state(self.actor, self.cfg.step_timeout_s), self.cfg.drain_timeout_s,
+                    call_s=self.cfg.health_check_timeout_s)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -133,7 +136,8 @@ class TargetDeployment:
             return
         try:
             if await group_whole(group.ranks, self.cfg.health_check_timeout_s):
-                await drain(lambda: actor_state(group.ranks[0], self.cfg.step_timeout_s), self.cfg.drain_timeout_s)
+                await drain(lambda: actor_state(group.ranks[0], self.cfg.step_timeout_s), self.cfg.drain_timeout_s,
+                            call_s=self.cfg.health_check_timeout_s)
         finally:
             group.kill()
 

@@ -94,3 +94,36 @@ def test_a_grow_that_times_out_frees_the_request_with_one_finish(monkeypatch):
     link = _DraftLink(ActorDraft(handle, timeout_s=10.0), "r", ([1, 2, 3], SamplingParams(max_tokens=8), 0))
     assert link.call("grow", chain(2)) is None and not link.alive
     assert handle.sent == [("call", "start"), ("grow", "grow"), ("call", "finish")]
+
+
+def test_a_target_failure_names_its_cause_not_rays_task_header(monkeypatch):
+    """A RayTaskError's first line is Ray's header ('ray::...call() (pid=..., ip=...)'): the error logged for the
+    failed request said nothing of what failed."""
+    import traceback
+
+    from ray.exceptions import RayTaskError
+
+    from actors.adapters import TargetUnavailable
+    from sequoia_ray.request_errors import UnknownRequest
+
+    try:
+        raise UnknownRequest("request 'r' is not active here")
+    except UnknownRequest as exc:
+        wrapped = RayTaskError("call", traceback.format_exc(), exc, proctitle="ray::TargetRank.call()", pid=7,
+                               ip="10.0.0.2").as_instanceof_cause()
+
+    def fail(ref, timeout=None):
+        raise wrapped
+
+    monkeypatch.setattr(adapters.ray, "get", fail)
+    target = RanksTarget([Handle()])
+    with pytest.raises(TargetUnavailable, match="during verify: UnknownRequest: .?request 'r' is not active here"):
+        target.verify("r", chain(0), None)
+
+
+def test_a_rank_without_followers_gathers_nothing_and_starts_no_ray(monkeypatch):
+    """TP 1 in process: _gather([]) called ray.get([]), which starts a local Ray outside a Ray worker."""
+    from actors.target import TargetRank
+
+    monkeypatch.setattr("actors.target.ray.get", lambda *a, **k: pytest.fail("ray.get with no followers"))
+    assert TargetRank._gather(object.__new__(TargetRank), []) == []

@@ -49,6 +49,17 @@ def test_a_dead_actor_holds_nothing():
     assert asyncio.run(drain(state, 10.0)) == 0
 
 
+def test_a_frozen_actor_is_not_waited_for_past_one_call():
+    """An actor that never answers (frozen: the health check fails it by its timeout) kept the drain, and the
+    replica's bundles, for the whole drain timeout (300 s by default)."""
+    async def state():
+        await asyncio.sleep(3600)
+
+    start = time.monotonic()
+    assert asyncio.run(drain(state, 10.0, call_s=0.2)) == 0
+    assert time.monotonic() - start < 2.0
+
+
 class _Method:
     """An actor method as the code calls it: ``method.remote()``, awaited."""
 
