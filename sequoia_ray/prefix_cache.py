@@ -67,7 +67,8 @@ class PrefixCache:
         if store is None or store.keys is None:
             return
         b, keys = self.block, []
-        for i, key in enumerate(self._keys(prompt, min(len(prompt) - 1, store.length) // b)):
+        written = min(store.lengths, default=0)  # slots every layer holds (a failed forward may leave some longer)
+        for i, key in enumerate(self._keys(prompt, min(len(prompt) - 1, written) // b)):
             if key not in self._blocks:
                 self._ids += 1
                 self._blocks[key] = Block(self._ids, store.keys[..., i * b : (i + 1) * b, :].clone(),

@@ -91,14 +91,23 @@ class KVSession:
         mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=device)
         mask[0, 0, :, start:].masked_fill_(~allowed, torch.finfo(dtype).min)
         decoder = self.model.get_decoder()
-        out = decoder(
-            input_ids=tokens[None],
-            position_ids=positions[None],
-            attention_mask=mask,
-            cache_position=torch.arange(past, past + q, device=device),
-            use_cache=True,
-            **{cache_keyword(type(decoder)): self.cache},
-        )
+        try:
+            out = decoder(
+                input_ids=tokens[None],
+                position_ids=positions[None],
+                attention_mask=mask,
+                cache_position=torch.arange(past, past + q, device=device),
+                use_cache=True,
+                **{cache_keyword(type(decoder)): self.cache},
+            )
+        except Exception:
+            # layers before the failing one have appended their K/V: every layer back to ``past``, or the cache
+            # holds slots some layers never wrote (a prefix cache then kept them for every later request)
+            try:
+                self.truncate(past)
+            except Exception:  # noqa: BLE001 - a device the error left unusable: the original error says why
+                pass
+            raise
         return out.last_hidden_state[0]
 
     @torch.inference_mode()

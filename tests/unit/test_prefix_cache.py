@@ -82,3 +82,44 @@ def test_requests_sharing_a_preamble_skip_its_prefill_and_keep_their_tokens(temp
         assert out.token_ids == plain.generate(prompt, params).token_ids
         assert tw.prefilled - before == (41 if r == 0 else 1)
     assert tw.prefix_cache.reused == dw.prefix_cache.reused == 2 * 40
+
+
+def test_only_slots_every_layer_holds_are_cached():
+    """A store whose layers differ in length (a forward that failed after its first layers appended) has slots
+    the others never wrote: only the shortest layer's length is cached."""
+    store = _store(13)
+    store.lengths = [13, 5]  # layer 1 stopped at 5
+    cache = PrefixCache(block=4, max_tokens=64)
+    cache.insert(list(range(100, 113)), store)
+    assert cache.tokens == 4  # one whole block of the 5 slots both layers hold (was 12: 3 blocks)
+
+
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_a_draft_forward_that_fails_midway_leaves_no_half_written_slots_to_cache(layout, monkeypatch):
+    """A grow that failed in its first layer's MLP (an out-of-memory), after that layer's attention appended its
+    K/V, left the other layers short: the engine then
+    finished the request, and the prefix cache kept slots the failed layers never wrote (uninitialised memory)
+    for every later request with that preamble: 34 of 40 nodes of the next same-prompt tree differed."""
+    from sequoia_ray.models.kv_store import store_of
+
+    _, draft = agreeing_pair(0.3)
+    prompt, params, tree = SYSTEM[:33], SamplingParams(max_tokens=10, temperature=0), k_ary(3, 3)
+    worker = DraftWorker(draft, layout=layout, prefix_cache=PrefixCache(8, 256))
+    worker.start("a", prompt, params, 0)
+    layers = draft.model.layers
+    assert len(layers) >= 2
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory in layer 0's MLP")
+
+    monkeypatch.setattr(layers[0].mlp, "forward", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        worker.grow("a", tree)
+    lengths = store_of(worker.requests["a"].session.cache).lengths
+    assert len(set(lengths)) <= 1, lengths  # every layer back where it was
+    monkeypatch.undo()
+    worker.finish("a")
+    worker.start("b", prompt, params, 0)
+    fresh = DraftWorker(draft, layout=layout)
+    fresh.start("c", prompt, params, 0)
+    assert worker.grow("b", tree).tokens.tolist() == fresh.grow("c", tree).tokens.tolist()
