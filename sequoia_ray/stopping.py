@@ -10,6 +10,11 @@ import os
 
 
 PREFIX_TOKENS = 4  # prompt tokens decoded before the output (vLLM's incremental detokenizer reads 5)
+# Every decode leaves the spaces as the tokens spell them. A tokenizer whose config asks to "clean up" spaces
+# (Llama 3.x's, under the transformers versions that apply it to byte-level BPE: before 5.x) drops the space of
+# " '" before "s" once the "s" arrives, after that space was sent: text[sent:] then skipped a character
+# ("{'key': 'server'}" streamed as "{'key': 'erver'}").
+DECODE = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 
 
 class StopChecker:
@@ -35,7 +40,7 @@ class StopChecker:
         as U+FFFD for the rest of the request (a stop string made of them never found). Its first tokens are
         dropped until the text no longer starts with U+FFFD."""
         while self.prefix:
-            text = self.tokenizer.decode(self.prefix, skip_special_tokens=True)
+            text = self.tokenizer.decode(self.prefix, **DECODE)
             if not text.startswith("\ufffd"):
                 return text
             self.prefix.pop(0)
@@ -79,10 +84,10 @@ class StopChecker:
     def _decode(self) -> str:
         """The output's text, as it reads after the prompt."""
         if self.prefix:
-            text = self.tokenizer.decode(self.prefix + self.ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(self.prefix + self.ids, **DECODE)
             if text.startswith(self.prefix_text):  # else the output changed the prompt's last character: alone
                 return text[len(self.prefix_text):]
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self.tokenizer.decode(self.ids, **DECODE)
 
     def _delta(self, final: bool) -> str:
         end = len(self.text)

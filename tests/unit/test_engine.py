@@ -185,7 +185,7 @@ def test_max_tokens_inside_a_path(models, max_tokens):
 class CharTokenizer:
     """token t <-> the letter chr(97 + t % 26); enough to test stop strings."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return "".join(chr(97 + t % 26) for t in ids)
 
 

@@ -12,7 +12,7 @@ class PieceTokenizer:
 
     PIECES = {1: "x", 2: "ab", 3: "fo", 4: "o", 5: "bar", 6: "\xc3", 7: "\xa9", 8: " done", 9: "é", 10: " \xc3"}
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         raw = "".join(self.PIECES[i] for i in ids)
         out = raw.encode("latin-1", errors="surrogateescape") if any(i in (6, 7, 10) for i in ids) else None
         return raw if out is None else out.decode("utf-8", errors="replace")
@@ -120,3 +120,24 @@ def test_a_prompt_window_starting_inside_a_byte_fallback_character_does_not_garb
     checker = StopChecker(tok, ("✅",), frozenset({2}), prefix=prompt)
     steps = [checker.feed([t], 100) for t in output[:3]]
     assert steps[-1][1:] == ("", "stop")  # found at its third byte, nothing of it returned
+
+
+class CleaningTokenizer(PieceTokenizer):
+    """transformers' clean-up of spaces, applied unless the caller says clean_up_tokenization_spaces=False (the
+    tokenizer's config asks for it: Llama 3.x's; transformers before 5.x applied it to byte-level BPE too)."""
+
+    PIECES = {1: "x", 2: " '", 3: "s", 4: "erver", 5: "'"}
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=True):
+        text = "".join(self.PIECES[i] for i in ids)
+        return text.replace(" 's", "'s") if clean_up_tokenization_spaces else text
+
+
+def test_text_streamed_token_by_token_is_the_whole_texts_whatever_the_tokenizers_clean_up():
+    """With the clean-up, " '" was sent, then the "s" that follows made the decode drop that space: text[sent:]
+    skipped a character (" 'server'" streamed as " 'erver'")."""
+    tokens = [1, 2, 3, 4, 5]
+    checker, streamed = StopChecker(CleaningTokenizer(), (), frozenset()), ""
+    for token in tokens:
+        streamed += checker.feed([token], 100)[1]
+    assert streamed == "x 'server'" == "".join(CleaningTokenizer.PIECES[t] for t in tokens)
