@@ -94,8 +94,18 @@ class StopChecker:
         if not final:  # an incomplete character first, then what could begin a stop string before it
             while end > self.sent and self.text[end - 1] == "\ufffd":
                 end -= 1
-            end -= self.holdback
+            end -= self._open_tail(end)
         if end <= self.sent:
             return ""
         out, self.sent = self.text[self.sent : end], end
         return out
+
+    def _open_tail(self, end: int) -> int:
+        """The length of the longest tail of ``text[:end]`` that begins a stop string (held back: the next tokens
+        may complete it). Any shorter such tail is inside it. It was ``holdback`` characters whatever the text: a
+        40-character stop string held 39 characters of every stream back until its end."""
+        for k in range(min(self.holdback, end), 0, -1):
+            tail = self.text[end - k : end]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

@@ -39,7 +39,7 @@ def test_cuts_at_the_earliest_stop_string_whatever_the_list_order(stop):
 
 def test_a_stop_string_across_tokens_is_held_back_then_cut():
     checker = StopChecker(PieceTokenizer(), ("foo",), frozenset())
-    assert checker.feed([1], 100) == ([1], "", None)  # the last len("foo") - 1 characters are held back
+    assert checker.feed([1], 100) == ([1], "x", None)  # "x" cannot begin "foo": sent (held back before)
     new, delta, reason = checker.feed([3], 100)
     assert (new, reason) == ([3], None) and "fo" not in delta
     new, delta, reason = checker.feed([4], 100)
@@ -58,8 +58,8 @@ def test_a_held_back_tail_does_not_count_an_incomplete_character():
     # " \xc3": a space, then half of "é" (U+FFFD until "\xa9" completes it). The half character is held back
     # and so is the space, which may begin the stop string " é" (it does): before, the space was sent.
     checker = StopChecker(PieceTokenizer(), (" é",), frozenset())
-    assert checker.feed([1], 100) == ([1], "", None)
-    assert checker.feed([10], 100) == ([10], "x", None)
+    assert checker.feed([1], 100) == ([1], "x", None)  # "x" cannot begin " é"
+    assert checker.feed([10], 100) == ([10], "", None)  # the space can: held, with the half character
     assert checker.feed([7], 100) == ([7], "", "stop") and checker.text == "x"
     assert run((" é",), [1, 10, 7, 8]) == ([1, 10, 7], "x", "stop")
 
@@ -141,3 +141,14 @@ def test_text_streamed_token_by_token_is_the_whole_texts_whatever_the_tokenizers
     for token in tokens:
         streamed += checker.feed([token], 100)[1]
     assert streamed == "x 'server'" == "".join(CleaningTokenizer.PIECES[t] for t in tokens)
+
+
+def test_only_a_tail_that_could_begin_a_stop_string_is_held_back():
+    """The hold-back was len(longest stop) - 1 characters whatever the text: with a 12-character stop string
+    nothing of "xabfoo" was sent before the end. Now only a tail that begins a stop string waits."""
+    checker = StopChecker(PieceTokenizer(), ("o barxxxxxxx",), frozenset())
+    sent = [checker.feed([token], 100)[1] for token in (1, 2, 3, 4)]  # "x", "ab", "fo", "o"
+    assert sent == ["x", "ab", "f", "o"]  # the last "o" could begin the stop string: held, the one before it sent
+    new, delta, reason = checker.feed([5], 100)  # "xabfoobar": no stop string in it, no tail that begins one
+    assert (delta, reason) == ("obar", None)
+    assert checker.feed([8], 100)[1:] == (" done", None)
