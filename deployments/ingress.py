@@ -65,7 +65,8 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
 @app.exception_handler(StarletteHTTPException)
 async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(api.APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
+    return JSONResponse(api.APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))  # a 405's Allow
 
 
 # A client that went away: Serve cancels its request's task (a Ray call awaited then raises TaskCancelledError),
@@ -282,6 +283,7 @@ class OpenAIIngress:
         self.warming: asyncio.Task | None = None  # /health's look for the target, until it has answered
         self.setting_up: asyncio.Future | None = None  # the plans' set-up (``_plans``), shared by the first requests
         self.expected_auth = api_key_header(self.cfg)
+        self.created = int(time.time())  # /v1/models' "created" (OpenAI's Model requires it): when this replica began
 
     @property
     def active(self) -> int:
@@ -316,8 +318,7 @@ class OpenAIIngress:
                 "live_acceptance": self.live.summary() if self.live else None,
                 "step_rates": self.rates.summary() if self.rates else None,
                 "dynamic_trees": self.rules.summary() if self.rules else None}
-        return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "sequoia-ray",
-                                            "metadata": meta}]}
+        return {"object": "list", "data": [{**self._model_entry(self.cfg.model_name), "metadata": meta}]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> dict:
@@ -325,7 +326,10 @@ class OpenAIIngress:
         self._authorize(request)
         if model_id != self.cfg.model_name:
             raise _no_model(model_id, self.cfg.model_name)
-        return {"id": model_id, "object": "model", "owned_by": "sequoia-ray"}
+        return self._model_entry(model_id)
+
+    def _model_entry(self, model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "sequoia-ray"}
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -352,8 +356,9 @@ class OpenAIIngress:
     def _authorize(self, request: Request) -> None:
         if self.expected_auth is None:
             return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, self.expected_auth):  # constant time
+        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+        given = f"Bearer {credentials.strip()}" if scheme.lower() == "bearer" else scheme  # the scheme: any case
+        if not hmac.compare_digest(given.encode(), self.expected_auth):  # constant time
             raise api.APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                                type="authentication_error", code="invalid_api_key")
 

@@ -165,10 +165,12 @@ class _Common(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
         return value
 
+    ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {}  # a route's own no-op values (beside NO_OP_VALUES)
+
     @model_validator(mode="after")
     def _unsupported(self):
         extra = self.model_extra or {}
-        for name, no_op in NO_OP_VALUES.items():
+        for name, no_op in {**NO_OP_VALUES, **self.ROUTE_NO_OPS}.items():
             value = extra.get(name)
             if not any(value is ok or value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in no_op):
                 raise PydanticCustomError(
@@ -243,6 +245,8 @@ def _one_prompt(value):
 
 class CompletionRequest(_Common):
     prompt_param: ClassVar[str] = "prompt"  # the field that holds the prompt, for errors
+    ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, True)}  # vLLM's: a prompt is encoded
+    # with the tokenizer's special tokens (its BOS, if it has one), as vLLM's completions are
     id_kind: ClassVar[str] = "cmpl"  # the prefix of the response's id
     prompt: Annotated[str | list[str] | list[Int], BeforeValidator(_one_prompt)] = Field(
         description="Text, a one-element list of text, token ids, or a one-element list of token ids.")
@@ -296,6 +300,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     prompt_param: ClassVar[str] = "messages"
     id_kind: ClassVar[str] = "chatcmpl"
+    ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, False)}  # the chat template writes
+    # them, as vLLM's chats do
     messages: list[ChatMessage] = Field(min_length=1)
 
 

@@ -5,6 +5,7 @@ environment and malformed launch arguments."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -424,9 +425,14 @@ def test_an_internal_error_is_counted_as_a_500():
 
 
 def test_retrieve_model_answers_for_the_served_model_only():
+    """Its entry is an OpenAI Model, ``created`` included (it was missing: the SDK's strict model and clients
+    typed as OpenAI's, e.g. async-openai's u32, refuse an entry without it)."""
+    from openai.types import Model
+
     replica = ingress()
-    replica.expected_auth = None
-    assert asyncio.run(replica.model("m", _Request(b"")))["id"] == "m"
+    replica.expected_auth, replica.created = None, 1_796_616_776
+    entry = asyncio.run(replica.model("m", _Request(b"")))
+    assert entry["id"] == "m" and Model.model_validate(entry, strict=True).created == 1_796_616_776
     with pytest.raises(api.APIError) as info:
         asyncio.run(replica.model("org/other", _Request(b"")))
     assert (info.value.status, info.value.code) == (404, "model_not_found")
@@ -444,3 +450,42 @@ def test_validation_messages_read_as_ours_and_point_at_the_other_route():
     assert "Value error" not in err.message and err.message.startswith("stop: at most 4 stop strings")
     err = api_error({**COMPLETION, "temperature": "x" * 200})
     assert err.message.endswith("…)") and err.param == "temperature"
+
+
+def test_add_special_tokens_is_accepted_only_at_what_each_route_does():
+    """vLLM's add_special_tokens changes the prompt's ids and was ignored whatever its value: a completion is
+    encoded with the tokenizer's special tokens, a chat by its template without them."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    api.CompletionRequest.model_validate({**COMPLETION, "add_special_tokens": True})
+    api.ChatCompletionRequest.model_validate({**chat, "add_special_tokens": False})
+    err = api_error({**COMPLETION, "add_special_tokens": False})
+    assert (err.status, err.param, err.code) == (400, "add_special_tokens", "unsupported_parameter")
+    err = api_error({**chat, "add_special_tokens": True}, api.ChatCompletionRequest)
+    assert (err.status, err.param, err.code) == (400, "add_special_tokens", "unsupported_parameter")
+
+
+@pytest.mark.parametrize("header, allowed", [("Bearer k1", True), ("bearer k1", True), ("BEARER  k1 ", True),
+                                             ("Bearer k2", False), ("k1", False), ("Basic k1", False), ("", False)])
+def test_the_bearer_scheme_is_read_in_any_case_and_the_key_exactly(header, allowed):
+    """RFC 9110: an authentication scheme is case-insensitive; 'bearer <key>' was refused."""
+    replica = ingress(api_key="k1")
+    replica.expected_auth = api_key_header(replica.cfg)
+    request = _Request(b"")
+    request.headers = {"authorization": header}
+    if allowed:
+        replica._authorize(request)
+    else:
+        with pytest.raises(api.APIError) as info:
+            replica._authorize(request)
+        assert (info.value.status, info.value.code) == (401, "invalid_api_key")
+
+
+def test_a_method_not_allowed_says_which_are():
+    """A 405 must carry Allow (RFC 9110); the error handler rebuilt the response without the exception's headers."""
+    from starlette.exceptions import HTTPException
+
+    from deployments.ingress import _http
+
+    response = asyncio.run(_http(None, HTTPException(405, headers={"Allow": "POST"})))
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert json.loads(response.body)["error"]["type"] == "invalid_request_error"
