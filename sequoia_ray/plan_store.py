@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 FALLBACK_FILES = PLAN_FALLBACK_FILES  # older files a fetch tries when the newest does not read (corrupt, a new schema)
 KEEP_FILES = PLAN_KEEP_FILES  # published files a folder keeps after a publish (the newest); older ones deleted
 STALE_TMP_S = 3600.0  # a publish's temporary file older than this was left by a publisher that died mid-write
+PRUNE_MAX = 16  # files one publish deletes at most (the oldest first): a folder of thousands (a store kept whole,
+# then pruned) shrinks over several publishes, each bounded (on S3 a delete is ~3 requests, and a live re-plan
+# publishes under the lock a bucket's first request waits on)
 
 
 class PlanNotFound(LookupError):
@@ -162,8 +165,8 @@ class PlanStore:
         """The store's folder made and a probe file written and removed there, so that a store that cannot be
         written (a folder of root's, an S3 bucket without credentials or a wrong endpoint: ~6 s to find the
         endpoint unreachable) is said when a job starts, not at its first publish after profiling (StoreError
-        naming the store). A URI whose probe cannot be deleted is only warned about: publishing works, pruning
-        old files (``keep``) will not."""
+        naming the store). A store that cannot delete is refused too: a publish moves a temporary file into
+        place, which on S3 is a copy and a delete."""
         if is_uri(self.uri):
             self._check_uri_writable()
             return
@@ -184,12 +187,16 @@ class PlanStore:
                 out.write(b"")
         except OSError as exc:
             raise StoreError(f"plan store {self._shown_uri()} cannot be written ({one_line(exc)}); check "
-                             "its URI, endpoint and credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from None
+                             f"its URI, endpoint and credentials{self._credentials_hint()}") from None
         try:
             self.fs.delete_file(probe)
-        except OSError as exc:
-            logger.warning("plan store %s: a probe file cannot be deleted (%s): old plan files will not be pruned",
-                           self._shown_uri(), one_line(exc))
+        except OSError as exc:  # a publish moves its temporary file into place: on S3 a copy, then a delete
+            raise StoreError(f"plan store {self._shown_uri()} takes files but cannot delete them ({one_line(exc)});"
+                             " a publish moves a temporary file into place (on S3: a copy and a delete), so grant "
+                             "the delete too (s3:DeleteObject)") from None
+
+    def _credentials_hint(self) -> str:
+        return " (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)" if self.uri.startswith("s3:") else ""
 
     # ---- plans ---------------------------------------------------------------------------------
     def publish_plan(self, planned: PlannedTree, key: PlanKey) -> str:
@@ -283,7 +290,7 @@ class PlanStore:
         now = time.time()
         stale = [i.path for i in files if i.base_name.startswith(".tmp-") and i.mtime is not None
                  and now - i.mtime.timestamp() > STALE_TMP_S]
-        for path in stamped[:-self.keep] + stale:
+        for path in (stamped[:-self.keep] + stale)[:PRUNE_MAX]:
             try:
                 self.fs.delete_file(path)
             except FileNotFoundError:

@@ -311,8 +311,9 @@ def test_a_publish_removes_temporary_files_a_dead_publisher_left_and_not_a_fresh
 
 
 def test_a_prune_that_fails_never_fails_the_publish(tmp_path, caplog):
-    """The plan is in place before the prune: a store that refuses deletes (an S3 policy without
-    s3:DeleteObject) keeps every file, says so, and still publishes."""
+    """The plan is in place before the prune: a local store whose deletes fail keeps every file, says so, and
+    still publishes. (An S3 store without deletes cannot publish at all, its move being a copy and a delete:
+    check_writable refuses it, below.)"""
 
     class NoDeletes:
         def __init__(self, fs):
@@ -341,3 +342,39 @@ def test_an_s3_store_is_probed_before_a_job_starts(s3_uri, tmp_path):
     missing = PlanStore(s3_uri.replace("s3://plans/", "s3://no-such-bucket/").format(prefix="p"))
     with pytest.raises(StoreError, match="s3://no-such-bucket/p cannot be written"):
         missing.check_writable()
+
+
+def test_an_s3_store_that_cannot_delete_is_refused_before_a_job_starts(s3_uri, tmp_path):
+    """pyarrow's S3 move is a copy and a delete: without s3:DeleteObject every publish failed after its file
+    was in place (and left its temporary file). The probe said only that pruning would not work."""
+
+    class NoDeletes:
+        def __init__(self, fs):
+            self.fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self.fs, name)
+
+        def delete_file(self, path):
+            raise PermissionError(f"AccessDenied: {path}")
+
+    store = PlanStore(s3_uri.format(prefix=tmp_path.name))
+    store.fs = NoDeletes(store.fs)
+    with pytest.raises(StoreError, match="takes files but cannot delete them .*s3:DeleteObject"):
+        store.check_writable()
+
+
+def test_a_folder_far_over_keep_shrinks_a_bounded_number_of_files_a_publish(tmp_path):
+    """A folder kept whole (keep 0), then pruned: the first publish deleted every file past keep at once (on S3
+    ~3 requests each, under the lock a live re-plan publishes in). Each publish deletes PRUNE_MAX at most."""
+    from sequoia_ray.plan_store import PRUNE_MAX
+
+    whole = PlanStore(str(tmp_path), keep=0)
+    for _ in range(PRUNE_MAX + 20):
+        whole.publish_plan(planned(4), KEY)
+    pruned, counts = PlanStore(str(tmp_path), keep=5), []
+    for _ in range(3):
+        newest = pruned.publish_plan(planned(5), KEY)
+        counts.append(len(pruned.list_plans()))
+        assert pruned.fetch_plan(KEY)[1] == newest
+    assert counts == [PRUNE_MAX + 21 - PRUNE_MAX, 22 - PRUNE_MAX, 5]  # 37 files -> 21 -> 6 -> 5
