@@ -100,11 +100,11 @@ class KVSession:
                 use_cache=True,
                 **{cache_keyword(type(decoder)): self.cache},
             )
-        except Exception:
+        except BaseException:  # an interrupt too, as the ragged layout's rollback
             # layers before the failing one have appended their K/V: every layer back to ``past``, or the cache
             # holds slots some layers never wrote (a prefix cache then kept them for every later request)
             try:
-                self.truncate(past)
+                self._roll_back(past)
             except Exception:  # noqa: BLE001 - a device the error left unusable: the original error says why
                 pass
             raise
@@ -144,6 +144,17 @@ class KVSession:
             assert not layer.is_sliding, "KV compaction supports full-attention layers only"
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
+
+    def _roll_back(self, past: int) -> None:
+        """Every layer back to ``past`` slots after a failed forward. A store's layers are cut whatever layer 0's
+        length says (``truncate`` reads that one only, and layer 0 may be the one the forward did not reach)."""
+        from sequoia_ray.models.kv_store import store_of
+
+        store = store_of(self.cache)
+        if store is not None:
+            store.truncate(past)
+        else:
+            self.truncate(past)
 
     def truncate(self, length: int) -> None:
         """Drop every slot at or after ``length``."""

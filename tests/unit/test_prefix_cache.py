@@ -94,8 +94,9 @@ def test_only_slots_every_layer_holds_are_cached():
     assert cache.tokens == 4  # one whole block of the 5 slots both layers hold (was 12: 3 blocks)
 
 
-@pytest.mark.parametrize("layout", ["padded", "ragged"])
-def test_a_draft_forward_that_fails_midway_leaves_no_half_written_slots_to_cache(layout, monkeypatch):
+@pytest.mark.parametrize("layout, error", [("padded", RuntimeError), ("ragged", RuntimeError),
+                                           ("padded", KeyboardInterrupt)])
+def test_a_draft_forward_that_fails_midway_leaves_no_half_written_slots_to_cache(layout, error, monkeypatch):
     """A grow that failed in its first layer's MLP (an out-of-memory), after that layer's attention appended its
     K/V, left the other layers short: the engine then
     finished the request, and the prefix cache kept slots the failed layers never wrote (uninitialised memory)
@@ -110,10 +111,10 @@ def test_a_draft_forward_that_fails_midway_leaves_no_half_written_slots_to_cache
     assert len(layers) >= 2
 
     def out_of_memory(*args, **kwargs):
-        raise RuntimeError("out of memory in layer 0's MLP")
+        raise error("out of memory in layer 0's MLP")
 
     monkeypatch.setattr(layers[0].mlp, "forward", out_of_memory)
-    with pytest.raises(RuntimeError, match="out of memory"):
+    with pytest.raises(error, match="out of memory"):
         worker.grow("a", tree)
     lengths = store_of(worker.requests["a"].session.cache).lengths
     assert len(set(lengths)) <= 1, lengths  # every layer back where it was
