@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, check_output, depth, described, field_type,
-                                   given, nonneg_float, one_line, positive_int)
+                                   given, model_source, nonneg_float, one_line, positive_int)
 from sequoia_ray.config import ProfileJobConfig, SamplingParams
 from sequoia_ray.devices import DEVICE_CHOICES
 from sequoia_ray.tree.builtin import DEFAULT_DEPTH
@@ -203,7 +203,9 @@ def _run_measure(args: argparse.Namespace) -> int:
     encoded = [pair.encode(p.text, chat=p.chat) for p in prompts]
     acceptance, steps = measure(pair.decoder, encoded, width=args.width, temperature=args.temperature,
                                 max_tokens=args.max_tokens)
-    m = Measurement(acceptance, steps, args.temperature, args.width, pair.draft.name, pair.target.name)
+    # the sources as a job elsewhere reads them (a path absolute): profile compares them with its pair
+    m = Measurement(acceptance, steps, args.temperature, args.width, model_source(pair.draft.name),
+                    model_source(pair.target.name))
     m.save(args.out)
     print(f"p = {[round(x, 4) for x in acceptance.rows[0]]}, reject = {acceptance.reject[0]:.4f} "
           f"over {steps} steps -> {args.out}")

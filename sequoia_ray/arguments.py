@@ -222,6 +222,21 @@ def _check_acceptance(cfg: ProfileJobConfig) -> None:
                                  f"profile with --{role} {measured}")
 
 
+def model_source(source: str) -> str:
+    """A ``--draft``/``--target`` value as the trials read it (``sequoia_ray.models.loading.resolve``): a name it
+    knows (``default-draft``, ``tiny-target``) and a hub id (``Qwen/Qwen2.5-0.5B``) as given, a local path
+    absolute — one written as a path (``./m``, ``~/m``, ``/m``) or one that exists here (``m``, ``m/``,
+    ``m.gguf``), as ``resolve`` would have loaded it in this directory. Left relative, ``./m`` named nothing
+    in the trial's directory, and ``m`` was taken there for a hub id."""
+    from sequoia_ray.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
+
+    path = Path(source).expanduser()
+    if source in (DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET) or not source.strip():
+        return source  # names first, as resolve reads them; "" is resolve's to refuse (Path("") is here)
+    local = source.startswith(("/", ".", "~")) or path.exists()
+    return str(path.resolve()) if local and not is_uri(source) else source
+
+
 def _recorded_model(text: str, role: str) -> str | None:
     """The draft or target an acceptance file records (``measure`` writes both; None: a number list, or none)."""
     import json
@@ -236,11 +251,16 @@ def _recorded_model(text: str, role: str) -> str | None:
 
 
 def _same_model(a: str, b: str) -> bool:
-    """Two model sources name one model: equal, or paths to one folder or file (``./m`` and ``/abs/m``)."""
+    """Whether two model sources may name one model: False only when they surely differ — two paths here to
+    different folders or files, or two names or hub ids that differ. A path against a hub id (a snapshot of
+    it?) or a path that does not exist here (written on another machine) cannot be told apart: True."""
+    a, b = model_source(a), model_source(b)
     if a == b:
         return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    pa, pb = Path(a), Path(b)
+    if pa.is_absolute() and pb.is_absolute() and pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return pa.is_absolute() or pb.is_absolute()
 
 
 def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:

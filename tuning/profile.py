@@ -39,8 +39,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, is_uri, job_config, one_line,  # noqa: E402
-                                   positive_int)
+from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, is_uri, job_config,  # noqa: E402
+                                   model_source, one_line, positive_int)
 from sequoia_ray.config import ProfileJobConfig  # noqa: E402
 from sequoia_ray.hardware import SERVED_THREADS  # noqa: E402,F401 (tests import it from here too)
 
@@ -101,20 +101,6 @@ def absolute_paths(cfg: ProfileJobConfig) -> ProfileJobConfig:
         "storage": join_uri(cfg.storage), "prompts": cfg.prompts and _local(cfg.prompts),
         "acceptance": {t: acceptance_value(v) for t, v in cfg.acceptance.items()},
         "draft": model_source(cfg.draft), "target": model_source(cfg.target)})
-
-
-def model_source(source: str) -> str:
-    """A ``--draft``/``--target`` value as the trials read it (``sequoia_ray.models.loading.resolve``): a name it
-    knows (``default-draft``, ``tiny-target``) and a hub id (``Qwen/Qwen2.5-0.5B``) as given, a local path
-    absolute — one written as a path (``./m``, ``~/m``, ``/m``) or one that exists here (``m``, ``m/``,
-    ``m.gguf``), as ``resolve`` would have loaded it in this directory. Left relative, ``./m`` named nothing
-    in the trial's directory, and ``m`` was taken there for a hub id."""
-    from sequoia_ray.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
-
-    path = Path(source).expanduser()
-    if source in (DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET) or not source.strip():
-        return source  # names first, as resolve reads them; "" is resolve's to refuse (Path("") is here)
-    return _local(source) if source.startswith(("/", ".", "~")) or path.exists() else source
 
 
 def acceptance_value(text: str) -> str:
@@ -274,7 +260,7 @@ def run(cfg: ProfileJobConfig, options: TrialOptions) -> tuple[list[dict], list[
         nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
         check_hardware(types, resources, nodes, lambda hw: trial_need(hw, cfg.tp_size, options.cpus))
     alive = sum(1 for node in ray.nodes() if node.get("Alive"))
-    if alive > 1 and not is_uri(cfg.storage):
+    if alive > 1 and (not is_uri(cfg.storage) or cfg.storage.startswith("file:")):  # file:// is node-local too
         print(f"warning: --storage {cfg.storage} is a local path on a cluster of {alive} nodes: each trial publishes "
               "on its own node's disk unless that path is one shared mount everywhere; give an s3://... URI "
               "otherwise", flush=True)

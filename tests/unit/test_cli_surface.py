@@ -122,13 +122,23 @@ def test_profile_reads_every_acceptance_file_before_the_models_load(files, capsy
     assert needle in one_error(capsys)
 
 
-def test_an_acceptance_file_of_the_same_pair_by_another_path_is_kept(files):
-    """measure records the sources as given: ./models/t and its absolute path are one target."""
-    (files / "models" / "t").mkdir(parents=True)
-    (files / "same.json").write_text(json.dumps({"p": [0.6], "temperature": 0.6, "draft": "default-draft",
-                                                 "target": "./models/t"}))
-    assert job("--target", str(files / "models" / "t"), "--acceptance", "0.6=same.json").acceptance == {
-        0.6: "same.json"}
+@pytest.mark.parametrize("recorded, kept", [
+    ("./models/t", True),  # the same folder by another path
+    ("/elsewhere/models/t", True),  # a path not here (measured on another machine): cannot be told apart
+    ("Qwen/Qwen2.5-1.5B", True),  # a hub id against a local folder (its snapshot?): cannot be told apart
+    ("./models/u", False),  # another folder here
+])
+def test_an_acceptance_file_is_refused_only_for_a_pair_surely_not_this_one(files, capsys, recorded, kept):
+    for folder in ("models/t", "models/u"):
+        (files / folder).mkdir(parents=True, exist_ok=True)
+    (files / "pair.json").write_text(json.dumps({"p": [0.6], "temperature": 0.6, "draft": "default-draft",
+                                                 "target": recorded}))
+    argv = ["--target", str(files / "models" / "t"), "--acceptance", "0.6=pair.json"]
+    if kept:
+        assert job(*argv).acceptance == {0.6: "pair.json"}
+    else:
+        with pytest.raises(ValueError, match="measured with target .*models/u"):
+            job(*argv)
 
 
 # ---- 4: temperatures ------------------------------------------------------------------------------
@@ -212,6 +222,24 @@ def test_measure_records_the_default_pair_it_loaded(files, monkeypatch, capsys):
                  "--device", "cpu"]) == 0
     recorded = json.loads(Path("m.json").read_text())
     assert (recorded["draft"], recorded["target"]) == ("tiny-draft", "tiny-target")
+
+
+def test_measure_records_a_local_models_path_absolute(files, monkeypatch, capsys):
+    """Recorded as given ('./models/t'), a profile run from another folder read another path: it is absolute."""
+    from sequoia_ray.local import LocalPair
+
+    real = LocalPair.load.__func__
+    (files / "models" / "t").mkdir(parents=True)
+
+    def load(cls, target, draft, **kw):  # the tiny pair, its target named as the command line gave it
+        pair = real(cls, "tiny-target", "tiny-draft", **kw)
+        object.__setattr__(pair.target, "name", target)  # LoadedModel is frozen
+        return pair
+
+    monkeypatch.setattr(LocalPair, "load", classmethod(load))
+    assert main(["measure", "--prompts", "prompts.txt", "--out", "m.json", "--width", "2", "--max-tokens", "4",
+                 "--device", "cpu", "--target", "./models/t", "--draft", "tiny-draft"]) == 0
+    assert json.loads(Path("m.json").read_text())["target"] == str(files / "models" / "t")
 
 
 # ---- 11: booleans are not probabilities ------------------------------------------------------------

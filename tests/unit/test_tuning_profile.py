@@ -261,6 +261,8 @@ def test_a_local_store_on_a_cluster_of_several_nodes_is_warned_about(tmp_path, c
     assert main(["--storage", str(tmp_path), "--temperatures", "0", "--hardware", "A"]) == 0
     out = capsys.readouterr().out
     assert f"warning: --storage {tmp_path} is a local path on a cluster of 2 nodes" in out
+    assert main(["--storage", f"file://{tmp_path}", "--temperatures", "0", "--hardware", "A"]) == 0
+    assert f"warning: --storage file://{tmp_path} is a local path" in capsys.readouterr().out
     import ray
 
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0, "GPU": 2.0,
