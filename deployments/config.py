@@ -51,7 +51,8 @@ class ServeConfig(BaseModel):
     plan_refresh_s: float = Field(30.0, gt=0, description="How often to look for a newly published plan.")
     plan_keep: int = Field(PLAN_KEEP_FILES, ge=0, description="Published files a plan store folder keeps when "
                            "this service publishes a live plan there (the newest; older ones are deleted): 0 keeps "
-                           f"every file, else more than {PLAN_FALLBACK_FILES}.")
+                           f"every file, else more than {PLAN_FALLBACK_FILES}. Per publisher: the profiling "
+                           f"jobs keep {PLAN_KEEP_FILES} in the folders they publish to.")
     live_acceptance: bool = Field(False, description="Learn the acceptance vector from the verdicts of live traffic "
                                   "(per temperature bucket) and re-plan when the served plan's vector leaves its "
                                   "confidence bound; the new plan is served at once and published as a live plan. "
