@@ -310,20 +310,23 @@ def test_a_publish_removes_temporary_files_a_dead_publisher_left_and_not_a_fresh
     assert not stale.exists() and fresh.exists()
 
 
+class NoDeletes:
+    """A file system whose deletes are refused (a policy without delete rights); everything else passes."""
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+    def delete_file(self, path):
+        raise PermissionError(f"AccessDenied: {path}")
+
+
 def test_a_prune_that_fails_never_fails_the_publish(tmp_path, caplog):
     """The plan is in place before the prune: a local store whose deletes fail keeps every file, says so, and
     still publishes. (An S3 store without deletes cannot publish at all, its move being a copy and a delete:
     check_writable refuses it, below.)"""
-
-    class NoDeletes:
-        def __init__(self, fs):
-            self.fs = fs
-
-        def __getattr__(self, name):
-            return getattr(self.fs, name)
-
-        def delete_file(self, path):
-            raise PermissionError(f"AccessDenied: {path}")
 
     store = PlanStore(str(tmp_path), keep=5)
     store.fs = NoDeletes(store.fs)
@@ -347,16 +350,6 @@ def test_an_s3_store_is_probed_before_a_job_starts(s3_uri, tmp_path):
 def test_an_s3_store_that_cannot_delete_is_refused_before_a_job_starts(s3_uri, tmp_path):
     """pyarrow's S3 move is a copy and a delete: without s3:DeleteObject every publish failed after its file
     was in place (and left its temporary file). The probe said only that pruning would not work."""
-
-    class NoDeletes:
-        def __init__(self, fs):
-            self.fs = fs
-
-        def __getattr__(self, name):
-            return getattr(self.fs, name)
-
-        def delete_file(self, path):
-            raise PermissionError(f"AccessDenied: {path}")
 
     store = PlanStore(s3_uri.format(prefix=tmp_path.name))
     store.fs = NoDeletes(store.fs)
