@@ -60,17 +60,19 @@ def test_profile_verb_in_process(tmp_path, capsys, monkeypatch):
     assert published == sorted(BATCH_BUCKETS, reverse=True)  # batch 1 last: its plan marks the set complete
     out = capsys.readouterr().out
     assert "pred" in out and "heatmap" in out
-    from sequoia_ray.hardware import hardware_id
+    from sequoia_ray.hardware import SERVED_THREADS, hardware_id
 
-    planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware_id(), "tiny-draft", "tiny-target", 0.0))
+    hw = hardware_id(threads=SERVED_THREADS)  # the verb's default on CPU: the shipped config's threads
+    assert f"plans filed under hardware id {hw}" in out
+    planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hw, "tiny-draft", "tiny-target", 0.0))
     assert planned.plan.n <= planned.budget
     assert list((store / "reports").glob("heatmap-*.png"))
-    prof = PlanStore(str(store)).fetch_profile(hardware_id())
+    prof = PlanStore(str(store)).fetch_profile(hw)
     assert set(prof.batch_t) == set(prof.batch_c) == set(BATCH_BUCKETS[1:])  # the in-process target: timed
-    rows = [line.split() for line in out.splitlines() if line.startswith(hardware_id())]
+    rows = [line.split() for line in out.splitlines() if line.startswith(hw)]
     assert [int(r[2]) for r in rows] == list(BATCH_BUCKETS)  # a table row per bucket
     for batch, row in zip(BATCH_BUCKETS, rows):
-        planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hardware_id(), "tiny-draft", "tiny-target", 0.0, batch))
+        planned, _ = PlanStore(str(store)).fetch_plan(PlanKey(hw, "tiny-draft", "tiny-target", 0.0, batch))
         assert (planned.budget, planned.provenance.batch) == (int(row[3]), None if batch == 1 else batch)
 
 
