@@ -104,7 +104,7 @@ class KVSession:
             # layers before the failing one have appended their K/V: every layer back to ``past``, or the cache
             # holds slots some layers never wrote (a prefix cache then kept them for every later request)
             try:
-                self._roll_back(past)
+                self.truncate(past)
             except Exception:  # noqa: BLE001 - a device the error left unusable: the original error says why
                 pass
             raise
@@ -145,27 +145,15 @@ class KVSession:
             layer.keys = layer.keys.index_select(-2, index)
             layer.values = layer.values.index_select(-2, index)
 
-    def _roll_back(self, past: int) -> None:
-        """Every layer back to ``past`` slots after a failed forward. A store's layers are cut whatever layer 0's
-        length says (``truncate`` reads that one only, and layer 0 may be the one the forward did not reach)."""
-        from sequoia_ray.models.kv_store import store_of
-
-        store = store_of(self.cache)
-        if store is not None:
-            store.truncate(past)
-        else:
-            self.truncate(past)
-
     def truncate(self, length: int) -> None:
-        """Drop every slot at or after ``length``."""
-        if length >= self.length:
-            return
+        """Drop every slot at or after ``length``, in every layer: a store's layers are cut whatever layer 0's
+        length says (after a failed forward layer 0 may be one the forward did not reach)."""
         from sequoia_ray.models.kv_store import store_of
 
         store = store_of(self.cache)
         if store is not None:
-            store.truncate(length)
-        else:
-            self.keep(range(min(length, self.length)))
+            store.truncate(length)  # moves no data: each layer's length is min(its length, ``length``)
+        elif length < self.length:
+            self.keep(range(length))
 
 
