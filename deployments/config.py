@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from actors.placement import ActorResources
 from actors.spec import COLLECTIVE_TIMEOUT_S, IDLE_TIMEOUT_S, STEP_TIMEOUT_S, ModelActorSpec, check_backend
 from sequoia_ray.config import (DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_DOC, PLAN_FALLBACK_FILES, PLAN_KEEP_FILES,
-                                 DraftQuantize, DraftVocab)
+                                 DraftQuantize, DraftVocab, check_plan_keep)
 from sequoia_ray.devices import check_device
 
 
@@ -167,11 +167,7 @@ class ServeConfig(BaseModel):
     @field_validator("plan_keep")
     @classmethod
     def _plan_keep(cls, value):
-        if 0 < value <= PLAN_FALLBACK_FILES:
-            raise ValueError(f"plan_keep {value} would delete files a fetch may fall back to (it reads the newest "
-                             f"{PLAN_FALLBACK_FILES + 1}): give more than {PLAN_FALLBACK_FILES}, or 0 to keep every "
-                             "file")
-        return value
+        return check_plan_keep(value, "plan_keep")
 
     @field_validator("dtype")
     @classmethod

@@ -179,12 +179,17 @@ class PlanProvider:
             self.folders = folders
         return folders is not None
 
+    def _open_store(self) -> PlanStore:
+        """The plan store, opened at its first use (a bad URI raises there, counted by the caller as a fault)."""
+        self.store = self.store or PlanStore(self.cfg.plan_store, keep=self.cfg.plan_keep)
+        return self.store
+
     def _read_folders(self) -> set[str] | None:
         """The bucket folders the store has for this hardware and pair (None: no store, or a fault, counted)."""
         if not self.cfg.plan_store:
             return None
         try:
-            self.store = self.store or PlanStore(self.cfg.plan_store, keep=self.cfg.plan_keep)
+            self._open_store()
             return self.store.plan_folders(self.hardware, self.cfg.draft or "", self.cfg.target)
         except Exception as exc:  # noqa: BLE001 - whatever the store does, serving goes on with a good plan
             self._store_error(exc, 0)
@@ -254,7 +259,7 @@ class PlanProvider:
         if not self.cfg.plan_store:
             return None
         try:
-            self.store = self.store or PlanStore(self.cfg.plan_store, keep=self.cfg.plan_keep)
+            self._open_store()
             key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature, bucket)
             return self.store.publish_plan(planned, key)
         except Exception as exc:  # noqa: BLE001 - the live plan is served anyway; the store is optional
@@ -267,7 +272,7 @@ class PlanProvider:
         if not self.cfg.plan_store:
             return None
         try:
-            self.store = self.store or PlanStore(self.cfg.plan_store, keep=self.cfg.plan_keep)
+            self._open_store()
             return self.store.fetch_profile(self.hardware)
         except Exception as exc:  # noqa: BLE001 - without a profile live re-planning keeps each (n, d)
             logger.debug("no hardware profile for live re-planning (%s: %s)", type(exc).__name__, exc)
@@ -279,7 +284,7 @@ class PlanProvider:
         key = PlanKey(self.hardware, self.cfg.draft or "", self.cfg.target, temperature, bucket)
         skips = self.store.skips_here() if self.store else 0  # this thread's: a refresh fetches beside a load
         try:
-            self.store = self.store or PlanStore(self.cfg.plan_store, keep=self.cfg.plan_keep)
+            self._open_store()
             planned, path = self.store.fetch_plan(key)
         except PlanNotFound as exc:  # a bigger bucket without a plan of its own is normal: it uses batch 1's
             (logger.warning if bucket == 1 and self._first(str(exc)) else logger.debug)("%s", exc)

@@ -29,6 +29,15 @@ DraftQuantize = Literal["int8"] | None  # the one quantisation loading knows (mo
 PLAN_FALLBACK_FILES = 4  # older files a plan store fetch tries when the newest in a folder does not read
 PLAN_KEEP_FILES = 100  # published files a plan store folder keeps after a publish (sequoia_ray.plan_store); here,
 # not there, so the Serve config reads them without importing torch (the routing replicas import no torch)
+
+
+def check_plan_keep(keep: int, name: str = "keep") -> int:
+    """``keep`` (a plan store's, a Serve config's ``plan_keep``): 0 (every file) or more than the fallback files a
+    fetch may read; ValueError naming ``name`` otherwise."""
+    if keep < 0 or 0 < keep <= PLAN_FALLBACK_FILES:
+        raise ValueError(f"{name} {keep} would delete files a fetch may fall back to (it reads the newest "
+                         f"{PLAN_FALLBACK_FILES + 1}): give more than {PLAN_FALLBACK_FILES}, or 0 to keep every file")
+    return keep
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the limit T -> 0, without logits / T overflowing

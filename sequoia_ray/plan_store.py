@@ -40,7 +40,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from sequoia_ray.arguments import is_uri, one_line
-from sequoia_ray.config import PLAN_FALLBACK_FILES, PLAN_KEEP_FILES
+from sequoia_ray.config import PLAN_FALLBACK_FILES, PLAN_KEEP_FILES, check_plan_keep
 from sequoia_ray.hardware import BATCH_BUCKETS, ID_UNSAFE, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
@@ -140,10 +140,7 @@ class PlanKey:
 
 class PlanStore:
     def __init__(self, uri: str, *, keep: int = KEEP_FILES) -> None:
-        if keep < 0 or 0 < keep <= FALLBACK_FILES:
-            raise ValueError(f"keep {keep}: a plan store folder must keep more than its {FALLBACK_FILES} fallback "
-                             f"files (a fetch may read the newest {FALLBACK_FILES + 1}), or 0 to keep every file")
-        self.uri, self.keep = uri, keep
+        self.uri, self.keep = uri, check_plan_keep(keep)
         try:
             if is_uri(uri):
                 self.fs, root = pafs.FileSystem.from_uri(uri)

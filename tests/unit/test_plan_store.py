@@ -285,7 +285,8 @@ def test_keep_zero_keeps_every_file_and_a_keep_within_the_fallback_files_is_refu
     paths = [store.publish_plan(planned(4), KEY) for _ in range(7)]
     assert sorted(store.list_plans()) == sorted(paths)
     for keep in (-1, 1, 4):
-        with pytest.raises(ValueError, match=f"keep {keep}: .* or 0 to keep every file"):
+        with pytest.raises(ValueError, match=f"keep {keep} would delete files a fetch may fall back to .* or 0 to "
+                                             "keep every file"):
             PlanStore(str(tmp_path), keep=keep)
     from deployments.config import ServeConfig
 
