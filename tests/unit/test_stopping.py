@@ -152,3 +152,101 @@ def test_only_a_tail_that_could_begin_a_stop_string_is_held_back():
     new, delta, reason = checker.feed([5], 100)  # "xabfoobar": no stop string in it, no tail that begins one
     assert (delta, reason) == ("obar", None)
     assert checker.feed([8], 100)[1:] == (" done", None)
+
+
+def _byte_level_tokenizer():
+    """A GPT-2/Qwen-style byte-level BPE trained here on text with 2-, 3- and 4-byte characters: its tokens often
+    end inside a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    corpus = ["the café served crème brûlée", "数据 模型 服务器", "deploy 🚀 then ✅ done", "def f(x): return x"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def _whole_text(tok, prompt, ids):
+    """The oracle: the output decoded whole after the prompt's last 4 tokens (their first tokens dropped while
+    they read as U+FFFD), or alone when it changes their text — what a decode of everything at every token gives."""
+    window, decode = list(prompt[-4:]), lambda x: tok.decode(x, skip_special_tokens=True,
+                                                              clean_up_tokenization_spaces=False)
+    while window and decode(window).startswith("\ufffd"):
+        window.pop(0)
+    text, before = decode(window + ids), decode(window)
+    return text[len(before):] if text.startswith(before) else decode(ids)
+
+
+def _fuzz_case(tok, rng, length, splice=True):
+    """A prompt and an output: real text's tokens, with random ids spliced in (splitting characters anywhere) when
+    ``splice``."""
+    words = ["the", " café", " 数据", " 🚀", " ✅", " crème", "(x)", " 模型", "\n", " done", " Paris", " nice", "."]
+    ids = tok.encode("".join(rng.choice(words) for _ in range(length)), add_special_tokens=False)
+    pool = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
+    if splice:
+        ids = [rng.choice(pool) if rng.random() < 0.3 else i for i in ids]
+    cut = rng.randrange(1, 8)
+    return ids[:cut], ids[cut : cut + length]
+
+
+def _byte_fallback_case(rng, length):
+    """Pieces and whole characters' ``<0xNN>`` bytes: a byte-fallback decoder reads a run holding an invalid byte
+    as U+FFFD a byte, its valid characters too, so only valid runs have one whole text to compare with."""
+    tok, vocab, byte_ids = _byte_fallback_tokenizer()
+    spell = [[vocab["▁Rate"]], [vocab[":"]], [vocab["▁yes"]], *(byte_ids(c) for c in "aé数🚀✅ \n")]
+    groups = [rng.choice(spell) for _ in range(length)]  # the output ends on a whole character too
+    cut = rng.randrange(1, 8)
+    return tok, [i for g in groups[:cut] for i in g], [i for g in groups[cut:] for i in g]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace", "byte-fallback"])
+def test_incremental_text_equals_decoding_the_whole_output_at_every_token(kind):
+    """Fuzz, 40 cases of up to 200 tokens per tokenizer (past SETTLE_AFTER several times each), fed in random step
+    sizes: the streamed text equals the oracle's whole decode, and a stop string taken from that text stops at the
+    token that completes its first occurrence, with the text before it — exactly, in every case."""
+    import random
+
+    rng = random.Random(7)
+    tok = {"byte-level": _byte_level_tokenizer, "metaspace": metaspace_tokenizer}.get(kind, lambda: None)()
+    for case in range(40):
+        if kind == "byte-fallback":
+            tok, prompt, ids = _byte_fallback_case(rng, 200)
+        else:
+            prompt, ids = _fuzz_case(tok, rng, 200)
+        whole = _whole_text(tok, prompt, ids)
+        checker, streamed, at = StopChecker(tok, (), frozenset(), prefix=tuple(prompt)), "", 0
+        while at < len(ids):
+            step = rng.randrange(1, 6)
+            streamed += checker.feed(ids[at : at + step], 10_000)[1]
+            at += step
+        assert streamed + checker._delta(final=True) == whole, (kind, case)
+        start = rng.randrange(len(whole))
+        stop = whole[start : start + rng.randrange(1, 6)]
+        k = next(k for k in range(1, len(ids) + 1) if stop in _whole_text(tok, prompt, ids[:k]))
+        expected = _whole_text(tok, prompt, ids[:k])
+        checker, streamed, reason = StopChecker(tok, (stop,), frozenset(), prefix=tuple(prompt)), "", None
+        for token in ids:
+            new, delta, reason = checker.feed([token], 10_000)
+            streamed += delta
+            if reason:
+                break
+        assert (streamed, reason, checker.count) == (expected[: expected.find(stop)], "stop", k), (kind, case, stop)
+
+
+def test_a_token_decodes_a_bounded_window_however_long_the_output():
+    """Every decode of a 2,000-token output reads at most PREFIX_TOKENS + SETTLE_AFTER ids (it read the whole
+    output at every token: O(length) a token, 2.4 s over 4,096 tokens of the default tokenizer)."""
+    from sequoia_ray.models.tiny import char_tokenizer
+    from sequoia_ray.stopping import DECODE, PREFIX_TOKENS, SETTLE_AFTER
+
+    tok, read = char_tokenizer(), []
+    decode = tok.decode
+    tok.decode = lambda ids, **kw: read.append(len(ids)) or decode(ids, **kw)
+    ids = tok.encode("def f(x): return x * 2  # doubled; " * 60, add_special_tokens=False)[:2000]
+    checker, streamed = StopChecker(tok, ("never",), frozenset(), prefix=(5, 6, 7, 8, 9)), ""
+    for token in ids:
+        streamed += checker.feed([token], 10_000)[1]
+    assert streamed + checker._delta(final=True) == decode(ids, **DECODE)
+    assert len(read) > len(ids) and max(read) <= PREFIX_TOKENS + SETTLE_AFTER
