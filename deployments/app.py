@@ -10,7 +10,7 @@ from __future__ import annotations
 import ray
 from ray.serve import Application
 
-from deployments.autoscaling import autoscaling_config, check_reachable, ingress_autoscaling_config
+from deployments.autoscaling import autoscaling_config, check_reachable, ingress_autoscaling_config, model_bounds
 from deployments.capacity import Demand, check_placeable, cluster_nodes
 from deployments.config import ServeConfig
 from deployments.ingress import OpenAIIngress
@@ -64,9 +64,16 @@ def _strategy(cfg: ServeConfig) -> str:
     return "STRICT_PACK" if cfg.num_gpus else "PACK"
 
 
+def _starting_replicas(autoscaling: dict) -> int:
+    """The replicas Serve starts: ``initial_replicas`` when given (min_replicas alone passed a config starting more
+    than the cluster holds; the extra ones waited unscheduled), else ``min_replicas`` (at least 1)."""
+    bounds = model_bounds(autoscaling)
+    return max(1, bounds.initial_replicas if bounds.initial_replicas is not None else bounds.min_replicas)
+
+
 def demands(cfg: ServeConfig) -> list[Demand]:
     """What the model deployments reserve at start (the ingress reserves nothing)."""
-    replicas = max(1, int(cfg.autoscaling.get("min_replicas", 1))) if cfg.autoscaling else cfg.num_replicas
+    replicas = _starting_replicas(cfg.autoscaling) if cfg.autoscaling else cfg.num_replicas
     out = [Demand("TargetDeployment", tuple(replica_bundles(cfg, cfg.tp_size)), _strategy(cfg), replicas)]
     if cfg.draft:
         out.insert(0, Demand("DraftDeployment", tuple(replica_bundles(cfg, 1)), _strategy(cfg), replicas))

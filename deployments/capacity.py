@@ -55,7 +55,11 @@ def check_placeable(demands: list[Demand], nodes: list[dict[str, float]]) -> Non
 def _fits_a_node(demand: Demand, need: dict[str, float], nodes: list[dict[str, float]], what: str) -> None:
     if any(_covers(node, need) for node in nodes):
         return
-    resource = next(r for r in need if not any(node.get(r, 0.0) >= need[r] for node in nodes))
+    resource = next((r for r in need if not any(node.get(r, 0.0) >= need[r] for node in nodes)), None)
+    if resource is None:  # each resource on some node, never all of them on one
+        raise Unplaceable(f"deployment {demand.deployment} needs {_fmt_need(need)} on one node for {what}: some node "
+                          f"has each of them, none has them all; lower the request (num_cpus, num_gpus) to fit one "
+                          f"node, or add nodes that offer them together")
     largest = max((node.get(resource, 0.0) for node in nodes), default=0.0)
     raise Unplaceable(f"deployment {demand.deployment} needs {_fmt(need[resource])} {resource} on one node for "
                       f"{what}, but the largest node has {_fmt(largest)}; {_fix(resource)}")

@@ -42,6 +42,30 @@ def test_missing_gpu_and_accelerator_type():
         check_placeable(demands(1.0, gpus=1.0, accel="A100"), [{"CPU": 8.0, "GPU": 2.0, "accelerator_type:L4": 1.0}])
 
 
+def test_resources_on_different_nodes_but_never_together():
+    """Each resource on some node, none with them all: a StopIteration with no message before (Serve's
+    DEPLOY_FAILED said nothing)."""
+    gpu_node, cpu_node = {"CPU": 1.0, "GPU": 4.0, "accelerator_type:A100": 1.0}, {"CPU": 8.0}
+    with pytest.raises(Unplaceable, match=r"needs 2 CPU, 1 GPU, 0.001 accelerator_type:A100 on one node for one of "
+                                          r"its bundles: some node has each of them, none has them all"):
+        check_placeable(demands(2.0, gpus=1.0, accel="A100"), [gpu_node, cpu_node])
+
+
+def test_the_replicas_serve_starts_are_the_initial_ones():
+    from deployments.app import demands as app_demands
+    from deployments.config import ServeConfig
+    from deployments.launch import DEFAULT_CONFIG, app_args
+
+    cfg = ServeConfig.model_validate(app_args(DEFAULT_CONFIG, []))
+    bounds = {"min_replicas": 1, "max_replicas": 3}
+    assert [d.replicas for d in app_demands(cfg.model_copy(update={"autoscaling": bounds}))] == [1, 1]
+    three = cfg.model_copy(update={"autoscaling": {**bounds, "initial_replicas": 3}})
+    assert [d.replicas for d in app_demands(three)] == [3, 3]
+    with pytest.raises(Unplaceable, match="needs 6 CPU in all"):  # passed before: min_replicas 1 was checked
+        check_placeable(app_demands(three), TWO_CPU)
+    assert [d.replicas for d in app_demands(cfg.model_copy(update={"autoscaling": {"min_replicas": 0}}))] == [1, 1]
+
+
 def test_replicas_multiply_the_demand():
     ok = [Demand("TargetDeployment", ({"CPU": 1.0},), replicas=2)]
     check_placeable(ok, TWO_CPU)
