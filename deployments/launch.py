@@ -30,6 +30,7 @@ import argparse
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import yaml
 from deployments.config import ServeConfig
 from sequoia_ray.arguments import Parser, is_uri, nonneg_float
 from sequoia_ray.config import ProfileJobConfig
+from sequoia_ray.models import loading
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000  # Serve's proxy when neither the config nor the command line says
@@ -116,21 +118,31 @@ def port_number(text: str) -> int:
     return int(text)
 
 
-def port_taken(host: str, port: int) -> str | None:
-    """Why Serve's proxy could not have ``host``:``port`` to itself, None when it can. Serve's proxy binds with
-    SO_REUSEPORT, so a second local service on the port of a running one did not fail: both listened and the
-    kernel split the clients between them (a user's requests answered by the other service's models). A bind
-    without that option fails where anything already listens (SO_REUSEADDR: not where connections of a service
-    just stopped linger in TIME_WAIT)."""
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why Serve's proxy could not have ``host``:``port`` to itself (the message, with the fix), None when it can.
+    Serve's proxy binds with SO_REUSEPORT, so a second local service on the port of a running one did not fail:
+    both listened and the kernel split the clients between them (a user's requests answered by the other
+    service's models). A bind without that option fails where anything already listens (SO_REUSEADDR: not where
+    connections of a service just stopped linger in TIME_WAIT). A host that does not resolve, or is no address of
+    this machine, is said as such (both read "port taken" before)."""
+    import errno
     import socket
 
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        return f"--host {host!r} does not resolve ({exc.strerror}); give a name or address of this machine (0.0.0.0: all)"
+    try:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed service's TIME_WAIT is no owner
             sock.bind((host, port))
     except OSError as exc:
-        return exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            return (f"port {port} on {host} is taken ({exc.strerror}): another service listens there (a `sequoia-ray "
+                    f"serve` still running? `ray stop` ends a local one); pick another with --port")
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"--host {host} is not an address of this machine ({exc.strerror}); give one of its own, or 0.0.0.0"
+        return f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --host or --port"
     return None
 
 
@@ -160,8 +172,16 @@ def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None
                (is_uri(cfg.plan_store or ""), f"the plan store {cfg.plan_store} is remote: run tuning/profile.py"),
                (cfg.draft is None, "no draft model: the target alone needs no plan"),
                (address not in (None, "local"), f"the actors run on the cluster at {address}, not on this machine"),
-               (cfg.tp_size > 1, f"tp_size {cfg.tp_size}: profile the TP group with tuning/profile.py")]
+               (cfg.tp_size > 1, f"tp_size {cfg.tp_size}: profile the TP group with tuning/profile.py"),
+               (cfg.device_type == "cuda" and not _cuda_here(), "the actors run on GPUs this process does not see: "
+                                                                "run tuning/profile.py where they are")]
     return next((why for bad, why in reasons if bad), None)
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def missing_temperatures(cfg: ServeConfig, hardware: str, seconds: float | None = None) -> tuple[float, ...]:
@@ -288,8 +308,22 @@ def start(args: dict, port: int, address: str | None, quiet: bool = True, host: 
 
     init_ray(address, quiet)
     serve.start(http_options={"host": host, "port": port})
+    host, port = proxy_address(host, port)
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     return service_url(host, port, address)
+
+
+def proxy_address(host: str, port: int) -> tuple[str, int]:
+    """The host and port Serve's proxy really has. Serve already running on a cluster keeps its own (``serve.start``
+    only logs that new ones are ignored): the launcher printed, and sent its demo to, a port nothing listened on."""
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config
+    if (config.host, config.port) != (host, port):
+        print(f"Serve already runs on this cluster with its HTTP proxy on {config.host}:{config.port}, which it keeps "
+              f"(--host/--port {host}:{port} apply when Serve starts; `serve shutdown` first to change them)",
+              flush=True)
+    return config.host, config.port
 
 
 def service_url(host: str, port: int, address: str | None) -> str:
@@ -380,10 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     host, port = opts.host or host, opts.port or port  # the command line over the config file
     cfg = ServeConfig.model_validate(args)  # fail fast, before Ray starts
     check_api_key_env(cfg, opts.address)
-    if opts.address in (None, "local") and (why := port_taken(host, port)):  # a new local Ray: its proxy binds here
-        p.error(f"port {port} on {host} is taken ({why}): another service listens there (a `sequoia-ray serve` "
-                f"still running? `ray stop` ends a local one); pick another with --port")
-    if str(cfg.draft or "").startswith("default") or cfg.target.startswith("default"):
+    if opts.address in (None, "local") and (why := cannot_listen(host, port)):  # a new local Ray: its proxy binds here
+        p.error(why)
+    if opts.address in (None, "local"):  # the actors load the models on this machine: a missing path said now
+        check_sources(cfg)
+    if {cfg.draft, cfg.target} & {loading.DEFAULT_DRAFT, loading.DEFAULT_TARGET}:  # not any "default…" path
         from sequoia_ray.models.fetch import DEFAULT_DRAFT, DEFAULT_TARGET, fetch_default_pair, is_fetched
 
         if not (is_fetched(DEFAULT_DRAFT) and is_fetched(DEFAULT_TARGET)):  # said only when it takes minutes
@@ -396,10 +431,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"off its clients; pass --replace to do so, or `serve shutdown` / `serve delete` it first")
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
     print("starting Ray Serve ...", flush=True)
-    url = start(args, port, opts.address, host=host)
-    print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)
-    if opts.demo:
-        demo(url, cfg.model_name)
+    try:
+        url = start(args, port, opts.address, host=host)
+        print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)
+        if opts.demo:
+            demo(url, cfg.model_name)
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - what started is stopped, then one line
+        return failed_start(exc, opts.address)
     if opts.exit:
         stop(opts.address)
         return 0
@@ -407,6 +445,29 @@ def main(argv: list[str] | None = None) -> int:
           f"-d '{json.dumps({'model': cfg.model_name, 'prompt': 'def add(a, b):', 'max_tokens': 32})}'")
     print("Ctrl-C stops the service.")
     return serve_until_stopped(opts.address, cfg.drain_timeout_s)
+
+
+def check_sources(cfg: ServeConfig) -> None:
+    """A draft or target path that does not exist (or is no checkpoint), before Ray starts: it failed the deploy
+    minutes later, in the replicas."""
+    for source in filter(None, (cfg.draft, cfg.target)):
+        loading.check_source(source)
+
+
+def failed_start(exc: BaseException, address: str | None) -> int:
+    """A deploy or demo that failed or was interrupted (Ctrl-C while the models load): the app it started is deleted
+    (else a failed one stayed on the cluster, holding its GPUs, and the next run was refused without --replace),
+    and one line says why (Serve's error, its first line; before: a traceback). Exit 130 for Ctrl-C, else 1."""
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    first = (str(exc).strip().splitlines() or [""])[0]  # Serve's deploy error goes on with the replica's traceback
+    why = "interrupted" if interrupted else f"{type(exc).__name__}: {first[:400]}"
+    print(f"sequoia-ray serve: error: {why}; stopping what this command started (the replicas' logs: "
+          f"/tmp/ray/session_latest/logs/serve on their nodes)", file=sys.stderr, flush=True)
+    try:
+        stop(address)
+    except Exception as again:  # noqa: BLE001 - said; the first failure is the one that matters
+        print(f"sequoia-ray serve: could not stop it: {type(again).__name__}: {again}", file=sys.stderr, flush=True)
+    return 130 if interrupted else 1
 
 
 def stop(address: str | None) -> None:

@@ -85,8 +85,31 @@ def test_serve_passes_host_to_the_proxy(monkeypatch):
     monkeypatch.setattr(serve, "start", lambda http_options: started.update(http_options))
     monkeypatch.setattr(serve, "run", lambda app, name, route_prefix: None)
     monkeypatch.setattr("deployments.app.build_app", lambda args: object())
+    monkeypatch.setattr(launch, "proxy_address", lambda host, port: (host, port))  # Serve started here: as asked
     url = launch.start({}, 8123, "ray://10.0.0.5:10001", host="0.0.0.0")
     assert started == {"host": "0.0.0.0", "port": 8123} and url == "http://10.0.0.5:8123"
+
+
+def test_the_url_is_the_proxy_serve_already_runs(monkeypatch, capsys):
+    """Serve already running on the cluster keeps its proxy's host and port (``serve.start`` only logs that the new
+    ones are ignored): the launcher printed, and sent its demo to, the port asked for, where nothing listened."""
+    from types import SimpleNamespace
+
+    import ray.serve.context
+    from ray import serve
+
+    from deployments import launch
+
+    monkeypatch.setattr(launch, "init_ray", lambda address, quiet: None)
+    monkeypatch.setattr(serve, "start", lambda http_options: None)
+    monkeypatch.setattr(serve, "run", lambda app, name, route_prefix: None)
+    monkeypatch.setattr("deployments.app.build_app", lambda args: object())
+    client = SimpleNamespace(http_config=SimpleNamespace(host="0.0.0.0", port=8000))
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: client)
+    assert launch.start({}, 9000, "ray://10.0.0.5:10001", host="0.0.0.0") == "http://10.0.0.5:8000"
+    assert "HTTP proxy on 0.0.0.0:8000, which it keeps (--host/--port 0.0.0.0:9000" in capsys.readouterr().out
+    assert launch.start({}, 8000, "ray://10.0.0.5:10001", host="0.0.0.0") == "http://10.0.0.5:8000"
+    assert capsys.readouterr().out == ""
 
 
 def test_an_unset_api_key_env_is_refused_before_ray_starts(monkeypatch, capsys):
@@ -135,8 +158,8 @@ def test_a_second_local_service_on_a_taken_port_is_refused_before_ray_starts(mon
         code = main(["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=tiny-target",
                      "--set", "plan_store=null", "--port", str(port), "--exit"])
         assert code == 2 and f"port {port} on 127.0.0.1 is taken" in capsys.readouterr().err
-        assert launch.port_taken("127.0.0.1", port) is not None
-    assert launch.port_taken("127.0.0.1", port) is None  # closed: free again
+        assert launch.cannot_listen("127.0.0.1", port) is not None
+    assert launch.cannot_listen("127.0.0.1", port) is None  # closed: free again
 
 
 @pytest.mark.parametrize("apps, replace, starts", [({"sequoia": None}, False, False), ({"sequoia": None}, True, True),
@@ -151,7 +174,7 @@ def test_a_cluster_already_serving_the_app_is_not_replaced_unless_asked(monkeypa
     from cli.main import main
     from deployments import launch
 
-    class Started(Exception):
+    class Started(BaseException):  # not an error the launcher stops the app for
         pass
 
     def start(*args, **kwargs):
@@ -220,3 +243,60 @@ def test_a_second_ctrl_c_stops_without_waiting(monkeypatch, capsys):
 
     assert launch.serve_until_stopped(None, 300.0, wait=wait) == 130
     assert "stopped without waiting" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error, code", [(RuntimeError("Deploying application sequoia failed: replica died\nTraceback"
+                                                      " (most recent call last):\n  File ..."), 1),
+                                         (KeyboardInterrupt(), 130)])
+@pytest.mark.parametrize("address, stopped", [(None, ["delete sequoia", "shutdown"]),
+                                              ("ray://10.0.0.5:10001", ["delete sequoia"])])
+def test_a_failed_or_interrupted_deploy_stops_what_it_started_and_says_one_line(monkeypatch, capsys, error, code,
+                                                                               address, stopped):
+    """A deploy that failed printed a traceback and left the failed app on the cluster (the next run refused
+    without --replace); a Ctrl-C while the models loaded did the same, the app going on loading."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from cli.main import main
+    from deployments import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "init_ray", lambda address, quiet: None)
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
+    monkeypatch.setattr(launch, "ensure_plans", lambda cfg, seconds, address=None: "skipped")
+    monkeypatch.setattr(launch, "start", lambda *a, **k: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(f"delete {name}"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("shutdown"))
+    argv = ["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=tiny-target", "--exit",
+            "--set", "plan_store=null", "--port", "1", *(["--address", address] if address else [])]
+    monkeypatch.setattr(launch, "cannot_listen", lambda host, port: None)
+    assert main(argv) == code and calls == stopped
+    err = capsys.readouterr().err
+    assert ("interrupted" if code == 130 else "RuntimeError: Deploying application sequoia failed: replica died;") in err
+    assert "Traceback" not in err and "stopping what this command started" in err
+
+
+def test_a_model_path_that_does_not_exist_is_refused_before_ray_starts(monkeypatch, capsys, tmp_path):
+    """It failed the deploy minutes later, in the replicas (a traceback); a source merely beginning "default" no
+    longer fetches the default pair (3 minutes, GBs) it never uses."""
+    from cli.main import main
+    from deployments import launch
+    from sequoia_ray.models import fetch
+
+    monkeypatch.setattr(launch, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    monkeypatch.setattr(fetch, "fetch_default_pair", lambda *a, **k: pytest.fail("fetched the default pair"))
+    missing = tmp_path / "default-ish" / "target"
+    code = main(["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", f"target={missing}", "--exit"])
+    assert code == 2 and str(missing) in capsys.readouterr().err
+    monkeypatch.setattr(launch, "init_ray", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    assert main(["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=defaults-org/model",
+                 "--exit"]) == 7  # got past the pair's fetch to Ray
+
+
+@pytest.mark.parametrize("host, said", [("no-such-host.invalid", "does not resolve"),
+                                        ("192.0.2.1", "is not an address of this machine")])
+def test_a_host_that_cannot_be_listened_on_is_not_called_a_taken_port(host, said):
+    from deployments import launch
+
+    assert said in launch.cannot_listen(host, 8000)

@@ -375,8 +375,13 @@ def test_a_failing_profile_serves_the_builtin_plan(tmp_path, capsys):
     (60.0, {"draft": None}, None, "no draft"),
     (60.0, {}, "ray://head:10001", "on the cluster"),
     (60.0, {"tp_size": 2}, None, "tp_size 2"),
+    (60.0, {"num_gpus": 1.0}, None, "GPUs this process does not see"),  # raised "device 'cuda' ..." after Ray started
 ])
 def test_profiling_is_skipped_when_it_cannot_or_must_not_run(tmp_path, capsys, seconds, extra, address, why):
+    if extra.get("num_gpus"):
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("this process sees a GPU: the launcher profiles it")
     cfg = ServeConfig.model_validate({**TINY, "plan_store": str(tmp_path / "plans"), **extra})
     assert ensure_plans(cfg, seconds, address=address, run=_never) == "skipped"
     assert why in capsys.readouterr().out
