@@ -52,9 +52,10 @@ DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number it
 def app_args(config: Path, overrides: list[str]) -> dict:
     """The first application's args in a Serve config file, with ``KEY=VALUE`` overrides (VALUE read as YAML).
     A malformed file or override is a ValueError naming it."""
+    spec = _spec(config)
     try:
-        args = dict(_spec(config)["applications"][0].get("args") or {})
-    except (TypeError, KeyError, IndexError, AttributeError):
+        args = dict(spec["applications"][0].get("args") or {})
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError):  # ValueError: args: "abc"
         raise ValueError(f"config {str(config)!r} has no 'applications:' list with an application's 'args:' "
                          "(see deployments/config.yaml)") from None
     args.update(override(item) for item in overrides)

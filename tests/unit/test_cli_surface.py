@@ -265,7 +265,7 @@ def test_serve_listens_where_the_config_says_unless_told_otherwise(tmp_path, mon
     config.write_text("http_options: {host: 0.0.0.0, port: 8123}\napplications:\n  - args: {draft: tiny-draft, "
                       "target: tiny-target, plan_store: null}\n")
 
-    class Started(Exception):
+    class Started(BaseException):  # not an error the launcher stops the app for
         pass
 
     def start(args, port, address, quiet=True, host="127.0.0.1"):
@@ -323,3 +323,15 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(monkeypatch, capsy
     monkeypatch.setattr(cli, "_run_generate", closed)
     assert main(["generate", "--target", "tiny-target", "--prompt", "x"]) == cli.EXIT_BROKEN_PIPE
     assert capsys.readouterr().err == ""
+
+
+def test_a_config_whose_args_are_not_a_mapping_names_the_file(tmp_path):
+    from deployments import launch
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("applications:\n  - args: abc\n")  # "dictionary update sequence element #0 has length 1"
+    with pytest.raises(ValueError, match=f"config '{config}' has no 'applications:' list with an application's"):
+        launch.app_args(config, [])
+    config.write_text("applications: [\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        launch.app_args(config, [])
