@@ -46,9 +46,11 @@ def write_json(name: str, payload: dict, out: Path | None = None) -> Path:
     return out
 
 
-def quartiles(values: list[float], method: str = "exclusive") -> tuple[float, float, float]:
+def quartiles(values: list[float], method: str = "inclusive") -> tuple[float, float, float]:
     """(q1, median, q3) of ``values`` (``statistics.quantiles``' ``method``); one value is all three:
-    ``statistics.quantiles`` needs two, and ``--rounds 1`` gives one."""
+    ``statistics.quantiles`` needs two, and ``--rounds 1`` gives one. Inclusive: the quartiles of the rounds
+    measured, within them (``exclusive`` estimates a population's, beyond the data for few rounds: [1, 2] gave
+    0.75 and 2.25)."""
     if len(values) < 2:
         return (values[0],) * 3
     q1, median, q3 = statistics.quantiles(values, n=4, method=method)

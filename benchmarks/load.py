@@ -283,6 +283,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def pooled_tokens_per_step(ok: list[Result]) -> float | None:
+    """All the streams' tokens over all their steps (each stream's steps: its tokens over its tokens/step), as
+    vLLM's counters pool its requests; the mean of the streams' own ratios weighs a short stream as a long one.
+    Ours count the step that ends on EOS without the EOS; vLLM's accepted tokens include it."""
+    counted = [r for r in ok if r.tokens_per_step and r.tokens]
+    steps = sum(r.tokens / r.tokens_per_step for r in counted)
+    return sum(r.tokens for r in counted) / steps if steps else None
+
+
 def summarize(results: list[Result], alone: list[Result], mismatches: int, seconds: float, clients: int,
               duration: float, max_tokens: int) -> dict:
     """The load's numbers; ``alone`` (the sequential target-only references) gives tokens/s for scale."""
@@ -296,6 +305,7 @@ def summarize(results: list[Result], alone: list[Result], mismatches: int, secon
             "p99 latency s": percentile(latency, 99), "p50 TTFT s": percentile(ttft, 50),
             "p99 TTFT s": percentile(ttft, 99), "tokens": tokens, "tokens/s": tokens / seconds,
             "tokens/step (mean)": float(np.mean(steps)) if steps else None,
+            "tokens/step (pooled)": pooled_tokens_per_step(ok),
             "target alone tokens/s": sum(r.tokens for r in alone) / sum(r.latency for r in alone) if alone else None}
 
 
@@ -419,9 +429,21 @@ def build_config(args, clients: int) -> dict:
     return cfg
 
 
+def vllm_differs(cfg: dict) -> str | None:
+    """How our config's pair or dtype differs from what vLLM's server runs (None: the same; our draft's int8 and
+    65,536-id head are ours alone, said in the README)."""
+    from vllm_peer import DRAFT, TARGET
+
+    cfg = ServeConfig.model_validate(cfg)  # the fields a config leaves out at their defaults
+    for role, default, path in (("target", "default-target", TARGET), ("draft", "default-draft", DRAFT)):
+        if getattr(cfg, role) not in (default, str(path)):
+            return f"our {role} is {getattr(cfg, role)!r}"
+    return None if cfg.dtype == "bfloat16" else f"our dtype is {cfg.dtype!r}"
+
+
 def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
     from load_sweep import cycle_rows, ratios, sweep
-    from vllm_server import parse_settings
+    from vllm_server import VLLM_PYTHON, parse_settings, provenance
 
     modes = [m.strip() for m in args.modes.split(",")]
     if bad := [m for m in modes if m not in ("a", "b", "c", "d")]:
@@ -431,6 +453,10 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
         vllm = parse_settings(args.vllm) if args.vllm else []
     except ValueError as exc:
         raise SystemExit(f"load.py: --vllm: {exc}") from None
+    if vllm and (why := vllm_differs(cfg)):
+        raise SystemExit(f"load.py: --vllm serves the default pair in bfloat16 (benchmarks/vllm_server.py), but {why}: "
+                         "the cells would compare different models; give --real (or --config deployments/config.yaml) "
+                         "and --dtype bfloat16")
     options = {"python": args.vllm_python} if args.vllm_python else {}
     options["prefix_caching"] = cfg.get("prefix_cache_tokens", ServeConfig().prefix_cache_tokens) > 0  # as ours
     rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout, vllm, options,
@@ -447,6 +473,7 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
                 + (["(c)/(a) rounds"] if args.repeats > 1 else []))
     write_json(f"load-sweep-{pair_name(cfg)}",
                {"config": cfg, "rows": rows, "ratios": ratios(rows), "prompts": len(prompts),
+                **({"vllm": provenance(Path(options.get("python", VLLM_PYTHON)), vllm, **options)} if vllm else {}),
                 "duration s": args.duration, "max tokens": args.max_tokens}, args.out)
     failed = any(r["errors"] or r["held after"] or (cfg["dtype"] == "float32" and r["mismatches"]) for r in rows)
     return 1 if failed else 0

@@ -70,20 +70,27 @@ def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration:
     held = wait_idle(url, 30.0)
     return {**_row(mode, results, refs, seconds, clients, duration, max_tokens, tokens_per_step=None,
                    requests_per_forward=mean_batch(before, forwards(rank0)), target_busy=target_busy,
-                   held=sum(v for v in held.values() if v != "dead"),
+                   held=held_after(held),
                    step_rates=step_rates(url) if mode in "cd" else None), "cycle": steps}
+
+
+def held_after(counts: dict[str, int | str]) -> int | str:
+    """What the service still holds after a cell: the requests, or ``dead`` when an actor died (it read 0 before,
+    and the run's failure check passed it)."""
+    return "dead" if "dead" in counts.values() else sum(counts.values())
 
 
 def _row(mode: str, results, refs: list[str], seconds: float, clients: int, duration: float, max_tokens: int, *,
          tokens_per_step: float | None, requests_per_forward: float | None, target_busy: float | None, held: int,
          step_rates: dict | None) -> dict:
     """A sweep row: the cell's summary (texts compared with the target alone's ``refs``) and what was measured
-    beside it (``tokens_per_step`` None: the mean of the streams' own)."""
+    beside it (``tokens_per_step`` None: the streams' own, pooled: their tokens over their steps, as vLLM's
+    counters pool theirs)."""
     mismatched = sum(r.ok and r.text != refs[r.prompt] for r in results)
     s = summarize(results, [], mismatched, seconds, clients, duration, max_tokens)
     return {"mode": mode, "clients": clients, "tokens/s": s["tokens/s"], "p50 latency s": s["p50 latency s"],
             "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"],
-            "tokens/step": s["tokens/step (mean)"] if tokens_per_step is None else tokens_per_step,
+            "tokens/step": s["tokens/step (pooled)"] if tokens_per_step is None else tokens_per_step,
             "requests/forward": requests_per_forward, "target busy": target_busy, "completed": s["completed"],
             "errors": s["errors"], "mismatches": mismatched, "held after": held, "step rates": step_rates}
 
@@ -115,7 +122,10 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
           timeout: float, vllm: list[str] = (), vllm_options: dict | None = None,
           repeats: int = 1) -> tuple[list[dict], list[str]]:
     """Every mode at every client count, then every vLLM setting's server (``vllm_server``) at every client
-    count; the references come from the first deployment. ``repeats``: (a) and (c), which share a deployment,
+    count, each count after a warm-up at that count (one request a client: at the largest count only, a
+    deployment's first cell at 1 client ran its batch-1 path cold); the references come from the first
+    deployment. vLLM runs after our rounds, not between them: (c) over vLLM is not a paired ratio, and moves
+    with the host between the two (both services up at once would share the two cores while idle). ``repeats``: (a) and (c), which share a deployment,
     run that many rounds per client count, in alternating order (a, c, then c, a, ...): the host's speed moves
     up to 2x within minutes here, and a ratio of cells side by side, in both orders, is what holds still. Each
     row carries its ``round``."""
@@ -133,8 +143,8 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
             if refs is None:
                 log(f"references: {len(prompts)} prompts, target alone, one at a time")
                 refs = [r.text for r in references(url, prompts, max_tokens, timeout)]
-            run_clients(url, prompts, max(counts), 0.0, max_tokens, timeout)  # warm-up
             for clients in counts:
+                run_clients(url, prompts, clients, 0.0, max_tokens, timeout)  # warm-up, at this count's batch
                 for round_ in range(repeats if its_modes[0] in "ac" else 1):
                     for mode in its_modes if round_ % 2 == 0 else its_modes[::-1]:
                         row = point(url, prompts, refs, mode, clients, duration, max_tokens, timeout)
@@ -145,9 +155,10 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
     for setting in vllm:
         log(f"starting vLLM's server ({setting}); on CPU this takes minutes")
         with vllm_serving(setting, model_name=MODEL, **(vllm_options or {})) as url:
-            run_clients(url, prompts, max(counts), 0.0, max_tokens, timeout, **USAGE)  # warm-up
-            rows += [{**vllm_point(url, prompts, refs, setting, clients, duration, max_tokens, timeout), "round": 0}
-                     for clients in counts]
+            for clients in counts:
+                run_clients(url, prompts, clients, 0.0, max_tokens, timeout, **USAGE)  # warm-up, as ours
+                rows.append({**vllm_point(url, prompts, refs, setting, clients, duration, max_tokens, timeout),
+                             "round": 0})
     rows.sort(key=lambda r: (r["clients"], r["mode"], r.get("round", 0)))
     return rows, refs
 

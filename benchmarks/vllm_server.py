@@ -38,6 +38,19 @@ SPEC_PREFIX = "vllm:spec_decode_num_"
 USAGE = {"stream_options": {"include_usage": True}}
 
 
+def provenance(python: Path, settings: list[str], **options) -> dict:
+    """What the JSON keeps of the vLLM side: its version (asked of its venv), each setting's server command
+    (port 0 for the free port it got) and the options given (prefix caching, threads, KV space)."""
+    try:
+        version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                 text=True, timeout=300).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        version = None
+    commands = {s: server_command(python, s, 0, model_name="bench",
+                                  prefix_caching=options.get("prefix_caching", False)) for s in settings}
+    return {"version": version, "commands": commands, "options": {k: str(v) for k, v in options.items()}}
+
+
 def parse_settings(text: str) -> list[str]:
     """``plain,k3`` -> ["plain", "k3"]; anything else names the value and the form."""
     out = [s.strip() for s in text.split(",") if s.strip()]

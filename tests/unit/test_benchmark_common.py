@@ -29,8 +29,9 @@ def test_without_torch_the_processor_stands_in(monkeypatch):
 def test_quartiles_of_one_value_and_of_several():
     """One value (``--rounds 1``) is its own median and quartiles; several are ``statistics.quantiles``'."""
     assert common.quartiles([1.5]) == (1.5, 1.5, 1.5)
-    assert common.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.5, 3.0, 4.5)
-    assert common.quartiles([1.0, 2.0, 3.0, 4.0, 5.0], method="inclusive") == (2.0, 3.0, 4.0)
+    assert common.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert common.quartiles([1.0, 2.0, 3.0, 4.0, 5.0], method="exclusive") == (1.5, 3.0, 4.5)
+    assert common.quartiles([1.0, 2.0]) == (1.25, 1.5, 1.75)  # within the rounds (exclusive: 0.75, 2.25)
 
 
 def test_rotated_starts_each_round_one_case_later():

@@ -150,3 +150,42 @@ def test_vllm_servers_usage_is_counted_without_the_eos(monkeypatch):
     monkeypatch.setattr(load_sweep, "run_clients", lambda *a, **kw: (results, 1.0))
     row = load_sweep.vllm_point("http://vllm", [], ["ab"], "plain", 2, 1.0, 3, 10.0)
     assert row["tokens/s"] == 2 + 3 and row["completed"] == 2
+
+
+def test_vllm_is_compared_only_with_the_pair_and_dtype_it_serves():
+    """vLLM's server always runs the default pair in bfloat16: `--modes a,c --vllm plain` on the tiny float32
+    pair (load.py's default) set the two engines' cells side by side on different models."""
+    from load import REAL, TINY, vllm_differs
+
+    assert vllm_differs(REAL) is None
+    assert vllm_differs(TINY) == "our target is 'tiny-target'"
+    assert vllm_differs({**REAL, "dtype": "float32"}) == "our dtype is 'float32'"
+    assert vllm_differs({**REAL, "draft": "/models/other-draft"}) == "our draft is '/models/other-draft'"
+    assert vllm_differs({"model_name": "m"}) is None  # a config leaving them out serves the defaults
+
+
+def test_pooled_tokens_per_step_weighs_streams_by_their_steps():
+    from load import Result, pooled_tokens_per_step
+
+    ok = [Result(0, True, 1.0, tokens=40, tokens_per_step=4.0), Result(1, True, 1.0, tokens=2, tokens_per_step=1.0)]
+    assert pooled_tokens_per_step(ok) == 42 / 12  # the mean of the streams' own: 2.5
+    assert pooled_tokens_per_step([Result(0, True, 1.0)]) is None
+
+
+def test_a_dead_actor_after_a_cell_fails_the_sweep():
+    from load_sweep import held_after
+
+    assert held_after({"TargetRank 0": 0, "DraftActor": "dead"}) == "dead"  # read 0 before: passed
+    assert held_after({"TargetRank 0": 2, "DraftActor": 1}) == 3
+
+
+def test_the_json_keeps_vllms_version_and_commands(tmp_path):
+    from vllm_server import provenance
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 0.32.0\n")
+    python.chmod(0o755)
+    got = provenance(python, ["plain", "k3"], prefix_caching=True)
+    assert got["version"] == "0.32.0" and got["options"] == {"prefix_caching": "True"}
+    assert "--enable-prefix-caching" in got["commands"]["plain"] and "--speculative-config" in got["commands"]["k3"]
+    assert provenance(tmp_path / "missing", ["plain"])["version"] is None
