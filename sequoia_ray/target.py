@@ -125,6 +125,10 @@ class TargetWorker(RequestTable):
                 # the forward, which is rolled back and retried request by request like the decoder's.
                 rows = list(trees.values())
                 logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows)) if trees else None
+                # The walks' inputs too (on an accelerator an argmax and the sampled rows' copy to the host): what
+                # fails there must roll back the sessions as well, or their tree K/V stayed for the next verify.
+                inputs = batch_inputs(logits, [r.shape[0] for r in rows],
+                                      [prepared[i].req.params.greedy for i in trees]) if trees else []
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
             if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
                 raise
@@ -138,10 +142,8 @@ class TargetWorker(RequestTable):
             return {i: out for i, p in prepared.items() for out in self._verify_prepared({i: p}).values()}
         out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
         self.prefilled += sum(p.pending for p in prepared.values())
-        if trees:  # logits: [sum n, V]
-            greedy = [prepared[i].req.params.greedy for i in trees]
-            for i, node_logits in zip(trees, batch_inputs(logits, [r.shape[0] for r in rows], greedy)):
-                out[i] = self._walk(prepared[i], node_logits)
+        for i, node_logits in zip(trees, inputs):  # each request's rows of the [sum n, V] logits (or argmax ids)
+            out[i] = self._walk(prepared[i], node_logits)
         return out
 
     def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree) -> _Prepared:

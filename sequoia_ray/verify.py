@@ -51,7 +51,7 @@ def verify_tree(
     if params.greedy:
         best = logits.__getitem__ if isinstance(logits, list) else _argmax_per_node(logits)
         return _walk(plan, tree_tokens, lambda node, kids: _greedy_step(best(node), kids))
-    host = logits.float().cpu()  # [n, V]: the one transfer of a sampled walk (a no-op on a CPU target)
+    host = logits.cpu().float()  # [n, V]: the one transfer of a sampled walk (in the model's dtype: half the bytes)
     return _walk(plan, tree_tokens,
                  lambda node, kids: _sampled_step(host[node], draft, node, kids, params, generator))
 
@@ -72,7 +72,7 @@ def batch_inputs(logits: torch.Tensor, sizes: list[int], greedy: list[bool]) -> 
                 parts[i] = ids[start : start + size]
     sampled = [i for i, g in enumerate(greedy) if not g]
     if sampled:
-        host = torch.cat([parts[i] for i in sampled]).float().cpu()  # the sampled walks' one read
+        host = torch.cat([parts[i] for i in sampled]).cpu().float()  # the sampled walks' one read (then fp32: exact)
         for i, rows in zip(sampled, host.split([sizes[i] for i in sampled])):
             parts[i] = rows
     return parts

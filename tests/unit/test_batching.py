@@ -206,6 +206,30 @@ def test_a_head_that_fails_on_the_batch_is_retried_request_by_request(models, mo
     assert tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)]) == want
 
 
+def test_walk_inputs_that_fail_on_the_batch_are_retried_request_by_request(models, monkeypatch):
+    """The walks' inputs (on an accelerator the argmax and the sampled rows' copy, a second [sum n, V] buffer)
+    failed outside the rollback: every request of the batch failed and kept its tree K/V, corrupting its next
+    verify. Now as a failed head: rolled back, each verified alone, the same verdicts."""
+    import sequoia_ray.target as target_module
+
+    target, draft = models
+    params = SamplingParams(max_tokens=50, temperature=0.8, seed=3)
+    tw, dw = _started(target, draft, 3, params)
+    ref_t, ref_d = _started(target, draft, 3, params)
+    trees = dw.grow_batch([(str(r), PLAN) for r in range(3)])
+    want = [ref_t.verify(str(r), PLAN, ref_d.grow(str(r), PLAN)) for r in range(3)]
+    real = target_module.batch_inputs
+
+    def failing(logits, sizes, greedy):
+        if len(sizes) > 1:
+            raise torch.OutOfMemoryError("out of memory copying the sampled rows")
+        return real(logits, sizes, greedy)
+
+    monkeypatch.setattr(target_module, "batch_inputs", failing)
+    assert tw.verify_batch([(str(r), PLAN, trees[r]) for r in range(3)]) == want
+    assert all(tw.requests[str(r)].session.length == len(tw.requests[str(r)].committed) - 1 for r in range(3))
+
+
 @pytest.mark.parametrize("where", ["forward", "walk"])
 def test_a_cuda_error_is_not_caught_per_request(models, monkeypatch, where):
     """A CUDA error leaves the device unusable: retrying the batch's requests one by one, or failing one request
