@@ -20,6 +20,11 @@ cost the cost model charges it does not see that: in process at batch 1 (``bench
 a tree per request on top of the shipped dynamic trees gave 1.00-1.18x on 4 rows, through Serve at 8
 clients 0.98x against 1.02x without (another run).
 
+A request whose p̂[1] makes the cost model pick the target alone (the root-only tree) sees no more trials: its
+estimate would stay where it was for the rest of the request, though its text may turn predictable (prose, then
+code). Each such step fades its counts by ``FADE`` until it has fewer than ``min_trials`` again and gets the
+served plan, whose steps measure it afresh: a probe about every 11 steps after 12 trials.
+
 Exactness. A step's tree is a function of the request's earlier verdicts only, and the verifier is exact
 for any tree. So the output is the target's (greedy) or has the target's law (sampled), as with any plan.
 """
@@ -99,20 +104,29 @@ class RequestTrees:
         return _RequestTree(self, batch)
 
 
+FADE = 0.9  # a step on the target alone the request's own tree chose: its counts x FADE (see the docstring)
+
+
 class _RequestTree:
     def __init__(self, trees: RequestTrees, batch: Callable[[], int]) -> None:
         self.trees, self.batch = trees, batch
-        self.accepted = self.trials = 0
+        self.accepted = self.trials = 0.0
+        self.alone = False  # the last plan was the target alone, chosen for this request's p̂[1]
 
     def plan(self, base: TreePlan) -> TreePlan:
+        self.alone = False
         if self.trees.profile is None or self.trials < self.trees.min_trials or base.n <= 1:
             return base  # not enough of its own yet; or no cost model; or the target alone was chosen
         batch = max(1, self.batch())
         if self.trees.max_batch is not None and batch_bucket(batch, self.trees.profile.buckets()) > self.trees.max_batch:
             return base  # a batch this large: the bucket's plan (one request's deeper tree would hold up the rest)
-        return self.trees.tree(self.trees.level(self.accepted, self.trials), batch)
+        chosen = self.trees.tree(self.trees.level(self.accepted, self.trials), batch)
+        self.alone = chosen.n <= 1
+        return chosen
 
     def observe(self, plan: TreePlan, verdict: Verdict, seconds: float) -> None:
+        if self.alone and not verdict.ranks:  # no trial: the estimate fades until the served plan probes again
+            self.accepted, self.trials = self.accepted * FADE, self.trials * FADE
         for _children, rank in verdict.ranks:
             self.trials += 1
             self.accepted += rank == 1

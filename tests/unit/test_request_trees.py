@@ -136,3 +136,27 @@ def test_tilt_of_a_vector_summing_just_above_one(q):
     v = tilt(served.row(0), q)
     assert v.rows[0][0] == q and sum(v.rows[0]) <= 1.0 + 1e-12
     assert v.rows[0][1] == pytest.approx(1 - q) and v.reject[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_request_moved_to_the_target_alone_is_probed_again():
+    """A draft level at 0.6 of a target step and 12 rejected rank-1 trials: the cost model gives the request the
+    target alone, whose steps carry no trials, so before it stayed there for the rest of the request (1,000 steps
+    later still n = 1). Its counts fade on those steps: within 12 steps it gets the served plan again, and a
+    text that turned predictable earns its trees back."""
+    t = {n: 1 + 0.05 * (n - 1) for n in SIZES}
+    slow_draft = HardwareProfile("hw", t, {w: 0.6 * v for w, v in t.items()}, 0.1, 64, "float32")
+    family = trees(slow_draft)
+    base, policy = family.planned.plan, family.policy(SamplingParams())
+    for _ in range(12):
+        policy.plan(base)
+        policy.observe(base, Verdict([0], [1], ((3, 0),)), 0.1)
+    assert policy.plan(base).n == 1
+    served = []
+    for _ in range(12):
+        policy.observe(ROOT_ONLY, Verdict([0], [1], ()), 0.1)
+        served.append(policy.plan(base))
+    probe = next(i for i, p in enumerate(served) if p is base)  # 12 x 0.9^11 = 3.77 < min_trials 4
+    assert probe == 10 and all(p.n == 1 for p in served[:probe])  # 11 steps on the target alone, then a probe
+    for _ in range(30):  # the text turned predictable: every rank-1 trial accepted
+        policy.observe(base, Verdict([0, 1], [1, 2], ((3, 1), (3, 1))), 0.1)
+    assert policy.plan(base).n > 1
