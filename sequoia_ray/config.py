@@ -53,7 +53,9 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE,
                                description="0 = greedy; > 0 samples from softmax(logits / T).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus: sample only from the smallest set of mass top_p.")
-    seed: int | None = Field(None, ge=0, lt=2**62, description="Same seed, same request -> same tokens. None = random.")
+    seed: int | None = Field(None, ge=0, lt=2**62,
+                             description="Same seed, same request, same trees -> same tokens (the served tree follows "
+                                         "the load; the tokens' law is always the target's). None = random.")
     stop: tuple[str, ...] = Field((), description=f"Up to {MAX_STOP_STRINGS} strings that end generation (not returned).")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
 
