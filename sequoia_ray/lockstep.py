@@ -81,20 +81,23 @@ def run_lockstep(target: TargetWorker, draft: DraftWorker | None, prompts: list[
     tree, or no draft: the target alone), all in lockstep. Request i's generators are seeded from ``seed + i``.
     Any request's failure raises (a measurement has no partial result). ``time_forwards``: also record each
     step's seconds inside the models' forwards (turns the workers' ``forward_clock`` on)."""
+    if not prompts:
+        raise ValueError("run_lockstep needs at least one prompt")
     params = params.model_copy(update={"ignore_eos": True})
     running = [_Running(f"lockstep-{seed}-{i}", len(p), p[-1]) for i, p in enumerate(prompts)]
     workers = [w for w in (target, draft if plan.n > 1 else None) if w is not None]
     for worker in workers:
         worker.forward_clock.on = worker.forward_clock.on or time_forwards
-    for i, (r, prompt) in enumerate(zip(running, prompts)):
-        for k, worker in enumerate(workers):
-            worker.start(r.rid, prompt, params, 2 * (seed + i) + k)
+    started: list[tuple[TargetWorker | DraftWorker, str]] = []  # finished whatever fails (a start too)
     try:
+        for i, (r, prompt) in enumerate(zip(running, prompts)):
+            for k, worker in enumerate(workers):
+                worker.start(r.rid, prompt, params, 2 * (seed + i) + k)
+                started.append((worker, r.rid))
         return _steps(target, draft if len(workers) > 1 else None, running, plan, params.max_tokens)
     finally:
-        for r in running:
-            for worker in workers:
-                worker.finish(r.rid)
+        for worker, rid in started:
+            worker.finish(rid)
 
 
 def _steps(target: TargetWorker, draft: DraftWorker | None, running: list[_Running], plan: TreePlan,

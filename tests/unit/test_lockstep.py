@@ -73,6 +73,27 @@ def test_a_failing_request_fails_the_run(models):
         run_lockstep(TargetWorker(target), DraftWorker(draft), bad, PLAN, SamplingParams(max_tokens=4))
 
 
+def test_a_start_that_fails_finishes_the_requests_started_before_it(models):
+    """The starts ran outside the try: a prompt the draft refuses (the third here) left the first two held on
+    both workers. And no prompts divided by zero steps."""
+    target, draft = models
+    tw, dw = TargetWorker(target), DraftWorker(draft)
+    real, calls = dw.start, []
+
+    def start(rid, prompt, params, seed):
+        calls.append(rid)
+        if len(calls) == 3:
+            raise ValueError("prompt too long for the draft")
+        return real(rid, prompt, params, seed)
+
+    dw.start = start
+    with pytest.raises(ValueError, match="too long"):
+        run_lockstep(tw, dw, ragged_prompts(3), PLAN, SamplingParams(max_tokens=4))
+    assert not tw.requests and not dw.requests
+    with pytest.raises(ValueError, match="at least one prompt"):
+        run_lockstep(tw, dw, [], PLAN, SamplingParams(max_tokens=4))
+
+
 def _slowed(fn, seconds: float):
     def slow(*args, **kwargs):
         time.sleep(seconds)
