@@ -91,7 +91,8 @@ class ServiceMetrics:
                                    "alone (arm), per temperature and batch bucket.",
                                    tag_keys=("temperature", "batch", "arm"))
         self.speculating = HeldGauge("sequoia_speculating", "1 where the tree measures faster than the target "
-                                     "alone and is served, per temperature and batch bucket.",
+                                     "alone and is served, per batch bucket (temperature 'all': one arm serves a batch's "
+                                     "requests of every temperature).",
                                      tag_keys=("temperature", "batch"))
 
     def refresh(self) -> None:
@@ -121,7 +122,7 @@ class ServiceMetrics:
         """Export ``StepRates.summary()``: per key, each arm's measured tokens/s per request and the arm served."""
         for key, entry in summary.items():
             temperature, batch = key.split("-b")
-            tags = {"temperature": temperature[1:], "batch": batch}
+            tags = {"temperature": temperature.removeprefix("t"), "batch": batch}  # "all": every temperature
             self.speculating.set(1.0 if entry["serving"] == "tree" else 0.0, tags=tags)
             for arm, rate in entry["tok_s"].items():
                 if rate is not None:

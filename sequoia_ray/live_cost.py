@@ -6,7 +6,12 @@ actor calls under contention from every other request. Measured on a 2-core CPU 
 overhead-aware plan for 8 clients (n = 2, d = 2) ran at 0.77x the target alone. No prediction alone can
 promise that speculating is never slower than not, so the service measures both.
 
-Per key (temperature bucket, batch bucket), steps run in *phases*. A served phase runs the arm that measured
+Per key (the batch bucket: requests of every temperature together), steps run in *phases*. A batch's requests
+step in lockstep whatever their temperatures, so one arm serves them all: keyed by temperature too, a mix of
+greedy and sampled requests ran both arms in one batch whenever the two keys had chosen differently, each
+key's steps always beside the other's other arm, so neither measured again (a review's simulation: 2,906 of
+3,000 rounds split, and a tree grown 2x faster never served). Its rate is measured on every temperature's
+requests together, as they share the batch. A served phase runs the arm that measured
 faster (at first: the tree) for ``probe_every`` rounds. A probe phase then runs the other arm for
 ``probe_rounds`` rounds, and the next served phase runs whichever is now faster. A round is as many steps as
 there are requests in flight, so every request steps about once per round. A phase changes only between two
@@ -49,8 +54,8 @@ steps: every request's draft first catches up on all it missed since its last tr
 
 What a request costs beyond its steps is counted too. Its first step (its prompt's prefill) and the steps beside
 a prefill are not samples, but their excess over the arm's rate is kept per arm, and once both arms have some,
-an arm's rate r becomes L / (L / r + X), L the tokens a request generates here (the mean of the requests that
-ended, per temperature) and X the excess per request admitted (see ``StepRates._admission``). The tree's is the larger
+an arm's rate r becomes L / (L / r + X), L the tokens a request generates here (the mean of the last
+``LENGTHS`` requests that ended) and X the excess per request admitted (see ``StepRates._admission``). The tree's is the larger
 (the draft prefills too, and a joining request waits for longer steps). While one arm's first steps are
 measured and the other's are not, the first one's served phases last ``probe_every // FIRST_STEP_PROBES`` rounds,
 so the other arm is probed sooner, up to ``FIRST_STEP_PROBES`` times (requests so long that none begins in that
@@ -89,6 +94,7 @@ The target alone is a root-only tree, verified like any other: choosing it never
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -99,12 +105,14 @@ from statistics import mean
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import ROOT_ONLY, StepPolicy
 from sequoia_ray.hardware import batch_bucket
-from sequoia_ray.plan_store import temperature_bucket
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict
 
 TREE, ALONE = "tree", "alone"
 ARMS = (TREE, ALONE)
+POOLED = "all"  # the temperature part of every served key: one arm per batch bucket (see the module docstring)
+LENGTHS = 256  # the requests that ended whose mean length is L (the latest: a sum since the start never forgot
+# a burst of short requests; 3,000 of them, then 300 of 40 tokens, still read 9.4)
 COST_EVENTS = 8  # a key's admission events kept per arm: this many times ``window`` (first steps and the steps
 # beside them: up to 2 x the batch per request admitted)
 FIRST_STEP_PROBES = 8  # probes a key runs for an arm with no request's first step seen (then goes on without)
@@ -160,8 +168,9 @@ class _Key:
     spacing: int = 1  # the next served phase lasts spacing x probe_every rounds (the backoff)
     samples: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(tokens, seconds, phase id)]
     admits: dict[str, deque] = field(default_factory=dict)  # arm -> deque[seconds]: requests' first steps
-    costs: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(tokens, seconds, first)]: measured
-    # first steps and steps beside a prefill (``StepRates._admission``)
+    costs: dict[str, deque] = field(default_factory=dict)  # arm -> deque[(excess, tokens, seconds, first)]:
+    # measured first steps and steps beside a prefill (``StepRates._admission``); excess over the arm's step rate
+    # when it was recorded (None: not measured yet then)
     first_probes: int = 0  # probes run for an arm with no first step measured yet
     begun: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ARMS, 0))  # arm -> steps run, all
     round: set = field(default_factory=set)  # requests that began a step in the current round (see ``begin``)
@@ -207,8 +216,8 @@ class StepRates:
         self.settings, self.clock = settings, clock
         self._keys: dict[tuple[str, int], _Key] = {}
         self._running: dict[object, Step] = {}  # request -> its step in flight
-        self._finished: dict[str, tuple[int, int]] = {}  # temperature bucket -> (tokens, requests) of the
-        # requests that ended
+        self._finished: dict[str, deque] = {}  # temperature part of a key -> the tokens of the latest requests
+        # that ended there
         self._lock = threading.Lock()
 
     def begin(self, key: tuple[str, int], batch: int, request: object) -> Step:
@@ -266,8 +275,9 @@ class StepRates:
                 return
             if first or beside:  # not a phase's settling step (a switch catches every draft up), nor beside the
                 # other arm: what admitting a request costs this arm's requests
+                rate = state.rate(step.arm, self.settings.min_steps, self.settings.phases)
                 state.costs.setdefault(step.arm, deque(maxlen=COST_EVENTS * self.settings.window)).append(
-                    (tokens, seconds, first))
+                    (None if rate is None else seconds - tokens / rate, tokens, seconds, first))
                 return
             if state.phase != step.phase:
                 return
@@ -284,8 +294,7 @@ class StepRates:
     def finished(self, temperature: str, tokens: int) -> None:
         """A request of ``temperature``'s bucket ended with ``tokens`` tokens: what a request generates here."""
         with self._lock:
-            done, requests = self._finished.get(temperature, (0, 0))
-            self._finished[temperature] = (done + tokens, requests + 1)
+            self._finished.setdefault(temperature, deque(maxlen=LENGTHS)).append(tokens)
 
     def _overlap(self, step: Step) -> None:
         """Mark ``step`` and the steps running beside it of the other arm as not alike (not measured)."""
@@ -322,12 +331,18 @@ class StepRates:
         beside them 1.2-1.3 s). Charging each request B first steps instead (B the batch bucket) held there but
         not in lockstep: at 8 clients a tree step is a cycle of both models for every request, so a joining
         request's first step lasts a whole cycle (3.0 s against the target alone's 0.93) while the others'
-        steps beside it are barely longer."""
+        steps beside it are barely longer.
+
+        Each event's excess is taken against the arm's step rate when it was recorded (``rate`` only for events
+        recorded before the arm had one): against the current rate, events from a slower host's minutes all
+        read as excess once it sped up (a review's simulation, the host 2x faster: the tree charged 0.93 s an
+        admission where both arms' true cost was 0.25, and the target alone served at 0.98x the tree's rate)."""
         events = state.costs.get(arm, ())
         admissions = sum(1 for *_, first in events if first)
         if not admissions:
             return 0.0
-        return max(0.0, sum(seconds - tokens / rate for tokens, seconds, _ in events) / admissions)
+        excess = math.fsum(seconds - tokens / rate if then is None else then for then, tokens, seconds, _ in events)
+        return max(0.0, excess / admissions)
 
     def _request_tokens(self, state: _Key) -> float | None:
         """L, the tokens a request generates here (the mean of the requests of its temperature that ended), when
@@ -336,10 +351,10 @@ class StepRates:
         at the few tokens it has so far, and the admission costs outweighed steps 2.5x faster (through Serve
         at 8 clients: the tree's first measured steps gave 4 tokens in 0.6 s against the target alone's 1 in
         0.25-0.45 s, and the target alone served the cell)."""
-        done, requests = self._finished.get(state.key[0], (0, 0))
-        if not requests or any(not any(first for *_, first in state.costs.get(arm, ())) for arm in ARMS):
+        lengths = self._finished.get(state.key[0])
+        if not lengths or any(not any(first for *_, first in state.costs.get(arm, ())) for arm in ARMS):
             return None
-        return max(1.0, done / requests)
+        return max(1.0, mean(lengths))
 
     def best(self, state: _Key) -> str:
         """The faster arm (the tree until the target alone measured faster)."""
@@ -411,7 +426,7 @@ class StepRates:
         return min(2 * state.spacing, self.settings.backoff)
 
     def summary(self) -> dict[str, dict]:
-        """Per key ``t0.0-b8``: the arm served (``alone`` too where the plan is root-only now), each arm's
+        """Per key ``all-b8`` (the served keys: ``POOLED`` and the batch bucket): the arm served (``alone`` too where the plan is root-only now), each arm's
         measured tokens/s per request (first steps included once both arms have some; ``step_tok_s``: its steps'
         alone, ``admission_s``: the seconds each admitted request adds, None while not charged) and measured steps
         (the window's), each arm's mean first step (seconds), the
@@ -437,8 +452,9 @@ class StepRates:
 
     def policy(self, params: SamplingParams, batch: Callable[[], int] = lambda: 1,
                inner: StepPolicy | None = None) -> StepPolicy:
-        """A request's step policy: the tree (``inner``'s, if given) or the target alone, as measured."""
-        return _RequestArm(self, temperature_bucket(params.temperature), batch, inner)
+        """A request's step policy: the tree (``inner``'s, if given) or the target alone, as measured for its batch
+        bucket (whatever ``params``' temperature: see the module docstring)."""
+        return _RequestArm(self, POOLED, batch, inner)
 
 
 class _RequestArm:

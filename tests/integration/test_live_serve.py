@@ -47,7 +47,7 @@ def test_served_verdicts_feed_the_estimate_and_a_live_plan_is_served(store_dir, 
         assert live["samples"] >= 30 and live["replans"] >= 1 and live["p"][0] > 0.6
         planned, path = PlanStore(str(store_dir)).fetch_plan(key)
         assert path != first and planned.provenance.source == "live" and planned.provenance.live_samples >= 30
-        rates = meta["step_rates"]["t0.0-b1"]
+        rates = meta["step_rates"]["all-b1"]
         assert rates["steps"]["tree"] > 0 and rates["steps"]["alone"] > 0 and rates["tok_s"]["tree"] > 0, rates
         body = complete(url, "after the re-plan", max_tokens=24)  # greedy under the live plan: the target's
         alone = local.decoder(planned.plan, speculate=False).generate(local.encode("after the re-plan", chat=False),

@@ -1,4 +1,4 @@
-"""StepRates: the tree or the target alone per (temperature, batch bucket), measured on live steps."""
+"""StepRates: the tree or the target alone per batch bucket (every temperature together), measured on live steps."""
 
 from __future__ import annotations
 
@@ -344,7 +344,7 @@ def test_steps_beside_another_requests_prefill_are_not_measured():
     rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=256, min_steps=2)), _BesidePrefills()
     SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy).generate(
         [1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
-    summary = rates.summary()["t0.0-b1"]
+    summary = rates.summary()["all-b1"]
     assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > summary["tok_s"][TREE], summary
     assert 0 < summary["steps"][ALONE] <= fake.alone_steps // 2  # at most the half not beside a prefill
 
@@ -353,7 +353,7 @@ def test_the_engine_measures_cycles_and_moves_to_the_target_alone_when_it_is_fas
     rates, fake = StepRates(CostSettings(probe_every=10, probe_rounds=2, window=32, min_steps=2)), _Timed()
     decoder = SpeculativeDecoder(fake, fake, k_ary(2, 2), policy=rates.policy)
     out = decoder.generate([1], SamplingParams(max_tokens=80, seed=0, ignore_eos=True))
-    summary = rates.summary()["t0.0-b1"]
+    summary = rates.summary()["all-b1"]
     assert summary["serving"] == ALONE and summary["tok_s"][ALONE] > summary["tok_s"][TREE], summary
     assert summary["first_step_s"][TREE] > 0 and summary["first_step_s"][ALONE] is None  # its one request's
     steps_alone = out.token_ids.count(6)  # a step of the target alone gives token 6, a tree step 4, 5
@@ -382,7 +382,7 @@ def test_greedy_text_is_the_target_alones_whatever_the_arms():
     mixed = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), k_ary(2, 3), policy=rates.policy)
     out = mixed.generate([3, 1, 4, 1, 5], params)
     assert out.token_ids == alone.token_ids
-    steps = rates.summary()["t0.0-b1"]["steps"]
+    steps = rates.summary()["all-b1"]["steps"]
     assert steps[TREE] > 0 and steps[ALONE] > 0  # both arms ran
 
 
@@ -592,3 +592,55 @@ def test_a_probe_whose_steps_go_unmeasured_does_not_start_a_probe_storm():
         clock.now += 1.0
     assert late.count(ALONE) / len(late) < 0.03
     assert rates.summary()["t0.0-b1"]["serving"] == TREE
+
+
+def test_requests_of_two_temperatures_in_one_batch_run_one_arm_and_keep_measuring():
+    """A greedy and a sampled request share the batch. Keyed by temperature, the greedy one's key served the tree
+    and the sampled one's the target alone: every round ran both arms (the batch split), each key's steps beside
+    the other arm, so neither measured again, and when the sampled request's tree became 2x faster (round 1,000
+    of 3,000) the target alone still served it. One key per batch bucket: no round is split, and the tree serves
+    after the change (the pooled rate: the batch's tokens over its seconds)."""
+    clock = FakeClock()
+    rates = StepRates(CostSettings(probe_every=100, probe_rounds=3, settle_rounds=2), clock=clock)
+    speed = {0.0: {TREE: (3, 1.0), ALONE: (1, 0.5)}, 0.6: {TREE: (1, 1.0), ALONE: (1, 0.5)}}  # (tokens, s) a step
+    arms = {t: rates.policy(SamplingParams(temperature=t), batch=lambda: 2) for t in speed}
+    tree, split, served = k_ary(2, 2), 0, []
+    for round_ in range(3000):
+        if round_ == 1000:
+            speed[0.6][TREE] = (4, 1.0)
+        plans = {t: arm.plan(tree) for t, arm in arms.items()}
+        kinds = {t: TREE if p.n > 1 else ALONE for t, p in plans.items()}
+        split += len(set(kinds.values())) > 1
+        served.append(kinds[0.6])
+        clock.now += max(speed[t][k][1] for t, k in kinds.items())
+        for t, arm in arms.items():
+            tokens, seconds = speed[t][kinds[t]]
+            arm.observe(plans[t], Verdict(list(range(tokens)), [7] * tokens), seconds)
+    assert split == 0
+    assert served[-500:].count(TREE) > 450, served[-500:].count(TREE)  # the faster tree serves (probes aside)
+    assert set(rates.summary()) == {"all-b2"}
+
+
+def test_the_request_length_is_the_latest_requests_mean():
+    """L was the mean since the start: 3,000 requests of 8 tokens, then 300 of 40, still read ~11 tokens."""
+    rates, key = StepRates(CostSettings(probe_every=20, probe_rounds=4, window=64, min_steps=2)), ("all", 1)
+    for arm in (TREE, ALONE):  # both arms measured, with a first step each (so admissions are charged)
+        for i in range(5):
+            step = rates.begin(key, 1, f"{arm}{i}")
+            rates.record(step, 1, 0.5, first=i == 1)
+    for tokens, count in ((8, 3000), (40, 300)):
+        for _ in range(count):
+            rates.finished("all", tokens)
+    assert rates._request_tokens(rates._keys[key]) == 40.0
+
+
+def test_an_admissions_excess_is_taken_against_the_rate_it_was_measured_at():
+    """Against the current rate, every first step measured while the host was 2x slower read as excess once it sped
+    up (the tree 0.93 s an admission where it cost 0.25). Each event keeps the excess over the rate of its time."""
+    rates, key = StepRates(CostSettings(probe_rounds=10, window=64, min_steps=2)), ("all", 1)
+    for i in range(6):  # the tree's first phase; the host slow: 1 token a second, a first step 0.25 s more
+        step = rates.begin(key, 1, f"a{i}")
+        assert step.arm == TREE
+        rates.record(step, 1, 1.25 if i == 5 else 1.0, first=i == 5)
+    state = rates._keys[key]
+    assert rates._admission(state, TREE, 2.0) == pytest.approx(0.25)  # as measured: 1.25 - 1 / 1.0, not 1.25 - 0.5

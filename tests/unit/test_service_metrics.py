@@ -147,11 +147,11 @@ def test_a_bucket_whose_plan_became_the_target_alone_is_not_shown_speculating():
             arm.observe(plan, Verdict(list(range(plan.num_levels)), [7] * plan.num_levels), 0.1)
 
     steps(chain(4), 30)  # 4 tokens a step against 1: the tree serves
-    assert rates.summary()["t0.0-b1"]["serving"] == "tree"
+    assert rates.summary()["all-b1"]["serving"] == "tree"
     steps(ROOT_ONLY, 20)
     metrics = ServiceMetrics()
     metrics.speculating, metrics.step_rate = _Recorder(), _Recorder()
     metrics.step_rates(rates.summary())
-    assert metrics.speculating.calls == [(0.0, {"temperature": "0.0", "batch": "1"})]
+    assert metrics.speculating.calls == [(0.0, {"temperature": "all", "batch": "1"})]
     steps(chain(4), 1)  # a tree plan again: the live cost's arm shows again
-    assert rates.summary()["t0.0-b1"]["serving"] == "tree"
+    assert rates.summary()["all-b1"]["serving"] == "tree"
