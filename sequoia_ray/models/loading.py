@@ -169,9 +169,25 @@ def _from_pretrained(source: str, dtype: str, attn: str, tp_plan: str | None, pr
         model = AutoModelForCausalLM.from_pretrained(
             where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn,
             local_files_only=Path(where).exists(), **extra)
+    tokenizer = _tokenizer(where, gguf)
     if gguf:
         fetch.strip_gguf_quantization(model)
-    return model, _tokenizer(where, gguf)
+        if tokenizer is not None:
+            _stop_at_end_tokens(model, tokenizer)
+    return model, tokenizer
+
+
+END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+
+
+def _stop_at_end_tokens(model, tokenizer) -> None:
+    """A GGUF names one EOS id (``tokenizer.ggml.eos_token_id``): Qwen's instruct files <|im_end|>, not the
+    <|endoftext|> the model also ends with (llama.cpp stops at every end-of-generation token of its vocabulary).
+    The built-in pair's conversion adds it; a user's GGUF of the same model generated on past it. Every
+    ``END_TOKENS`` entry the vocabulary has becomes an EOS id of the model's generation config."""
+    vocab = tokenizer.get_vocab()
+    extra = tuple(vocab[t] for t in END_TOKENS if t in vocab)
+    model.generation_config.eos_token_id = list(eos_ids(tokenizer, model.generation_config, extra=extra))
 
 
 @contextmanager

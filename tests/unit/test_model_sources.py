@@ -64,3 +64,28 @@ def test_a_mistyped_built_in_name_is_pointed_at(monkeypatch):
     with pytest.raises(OSError, match=r"did you mean 'tiny-draft'\? give .* one of default-draft, default-target, "
                                       r"tiny-draft, tiny-target"):
         loading.load_tokenizer("tiny-drafts", progress=False)
+
+
+def test_a_users_gguf_stops_at_every_end_token_its_vocabulary_has(tmp_path, monkeypatch):
+    """A GGUF names one EOS id: a user's Qwen instruct file loaded with (<|im_end|>,) and generated on past
+    <|endoftext|>, which the built-in pair made from the same file stops at (its conversion adds it)."""
+    from transformers import AutoModelForCausalLM
+
+    from sequoia_ray.models.tiny import char_tokenizer
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>", "<|endoftext|>"]})
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    tokenizer.eos_token = "<|im_end|>"
+
+    def from_pretrained(where, **kwargs):
+        model = tiny_model("qwen2")
+        model.generation_config.eos_token_id = im_end
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(loading, "_tokenizer", lambda where, gguf: tokenizer)
+    monkeypatch.setattr("sequoia_ray.models.fetch.strip_gguf_quantization", lambda model: None)
+    model, tok = loading._from_pretrained(str(tmp_path / "model.gguf"), "float32", "sdpa", None, progress=False)
+    assert loading.eos_ids(tok, model.generation_config) == (im_end, endoftext)
