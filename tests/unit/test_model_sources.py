@@ -89,3 +89,14 @@ def test_a_users_gguf_stops_at_every_end_token_its_vocabulary_has(tmp_path, monk
     monkeypatch.setattr("sequoia_ray.models.fetch.strip_gguf_quantization", lambda model: None)
     model, tok = loading._from_pretrained(str(tmp_path / "model.gguf"), "float32", "sdpa", None, progress=False)
     assert loading.eos_ids(tok, model.generation_config) == (im_end, endoftext)
+
+
+def test_a_truncated_gguf_is_named_with_the_fix(tmp_path):
+    """A GGUF cut short (an interrupted download) failed with a bare struct.error naming neither file nor fix."""
+    import struct
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\x00" * 5)  # the magic, a version, then cut short
+    with pytest.raises(ValueError, match=rf"GGUF file {gguf} \(13 bytes\) looks truncated or damaged .* download "
+                                         r"it again"):
+        loading.load_model(str(gguf), progress=False)
