@@ -55,7 +55,12 @@ def resolve_device(spec: str = "auto", *, gpu_ids: Sequence[int | str] = (), loc
         return torch.device("cuda", visible_index(gpu_ids[0]))
     rank = _env_rank(local_rank) or 0
     count = torch.cuda.device_count() if cuda_available is None else rank + 1
-    return torch.device("cuda", rank % max(count, 1))
+    if count == 1:  # a launcher that narrows each process to its own GPU (CUDA_VISIBLE_DEVICES per task)
+        return torch.device("cuda", 0)
+    if rank >= count:  # it wrapped around (rank % count): two ranks of a group on one GPU, without a word
+        raise ValueError(f"LOCAL_RANK {rank} but this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); run at most one rank per visible GPU")
+    return torch.device("cuda", rank)
 
 
 def visible_index(gpu_id: int | str) -> int:
@@ -72,7 +77,11 @@ def _env_rank(local_rank: int | None) -> int | None:
     if local_rank is not None:
         return local_rank
     value = os.environ.get("LOCAL_RANK")
-    return int(value) if value not in (None, "") else None
+    if value in (None, ""):
+        return None
+    if not value.strip().isdigit():
+        raise ValueError(f"LOCAL_RANK {value!r} is not a rank (0, 1, ...); unset it or give this process's rank")
+    return int(value)
 
 
 def synchronize(device: torch.device) -> None:

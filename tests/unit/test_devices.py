@@ -148,3 +148,20 @@ def test_a_pairs_bad_draft_is_refused_before_the_target_loads(monkeypatch, draft
     with pytest.raises((ValueError, FileNotFoundError), match=error):
         local.LocalPair.load("t", draft, progress=False, **options)
     assert loaded == []
+
+
+def test_a_local_rank_past_the_visible_gpus_is_refused_not_wrapped(monkeypatch):
+    """LOCAL_RANK 2 on a 2-GPU host took cuda:0 (rank % count): two ranks of a group on one GPU, without a word."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match="LOCAL_RANK 2 but this process sees 2 GPU"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # each process narrowed to its own GPU: that one
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ValueError, match="LOCAL_RANK 'one' is not a rank"):
+        resolve_device("cuda")
