@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +75,11 @@ class Result:
     error: str | None = None
     finish_reason: str | None = None  # the stream's, and vLLM's stop_reason (None: EOS; a token id; a string)
     stop_reason: int | str | None = None
+    temperature: float = 0.0  # the request's: only greedy texts are compared with the target alone's
+
+    def differs(self, refs: list[str]) -> bool:
+        """A greedy text that is not the target alone's (``refs``: the greedy references per prompt)."""
+        return self.ok and self.temperature == 0 and self.text != refs[self.prompt]
 
 
 # ---- the service ------------------------------------------------------------------------------------
@@ -121,10 +126,12 @@ def stream_request(session: requests.Session, url: str, prompts: list[Prompt], i
     try:
         with session.post(url + route, json=body, stream=True, timeout=timeout) as r:
             if r.status_code != 200:
-                return _failed(index, start, f"HTTP {r.status_code}: {r.text[:300]}")
-            return read_stream(r.iter_lines(chunk_size=None), index, start)
+                result = _failed(index, start, f"HTTP {r.status_code}: {r.text[:300]}")
+            else:
+                result = read_stream(r.iter_lines(chunk_size=None), index, start)
     except (requests.RequestException, ValueError) as exc:  # connection, timeout, bad JSON: counted as errors
-        return _failed(index, start, f"{type(exc).__name__}: {exc}")
+        result = _failed(index, start, f"{type(exc).__name__}: {exc}")
+    return replace(result, temperature=body["temperature"])
 
 
 def read_stream(lines: Iterable[bytes], index: int, start: float) -> Result:
@@ -173,14 +180,21 @@ def client(url: str, prompts: list[Prompt], first: int, deadline: float, max_tok
 
 
 def run_clients(url: str, prompts: list[Prompt], clients: int, duration: float, max_tokens: int,
-                timeout: float, **extra) -> tuple[list[Result], float]:
-    """All clients at once for ``duration`` seconds (requests in flight then still finish); (results, wall s)."""
+                timeout: float, temperatures: tuple[float, ...] = (0.0,), **extra) -> tuple[list[Result], float]:
+    """All clients at once for ``duration`` seconds (requests in flight then still finish); (results, wall s).
+    Client i asks for ``temperatures[i % len(temperatures)]`` (a mix: greedy and sampled requests share batches;
+    a sampled one with its own seed)."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=clients) as pool:
-        futures = [pool.submit(client, url, prompts, i, start + duration, max_tokens, timeout, **extra)
+        futures = [pool.submit(client, url, prompts, i, start + duration, max_tokens, timeout,
+                               **_sampling(temperatures[i % len(temperatures)], i), **extra)
                    for i in range(clients)]
         results = [r for f in futures for r in f.result()]
     return results, time.perf_counter() - start
+
+
+def _sampling(temperature: float, client_index: int) -> dict:
+    return {"temperature": temperature} if temperature == 0 else {"temperature": temperature, "seed": client_index}
 
 
 def references(url: str, prompts: list[Prompt], max_tokens: int, timeout: float) -> list[Result]:
@@ -267,7 +281,7 @@ def load_test(url: str, prompts: list[Prompt], clients: int, duration: float, ma
     held = wait_idle(url, 30.0)
     time.sleep(settle)
     after = memory({**serve_actors(), **model_actors()})  # looked up again: a replaced actor shows up
-    mismatched = [r for r in results if r.ok and r.text != refs[r.prompt]]
+    mismatched = [r for r in results if r.differs(refs)]
     return {"summary": summarize(results, alone, len(mismatched), seconds, clients, duration, max_tokens),
             "actors": actor_rows(before, after, held), "active_after": held,
             "errors_by_message": dict(Counter(r.error for r in results if not r.ok).most_common(KEEP_ERRORS)),
@@ -348,6 +362,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="with --modes: rounds of (a) and (c) per client count, "
                     "in alternating order; (c)/(a) is the median of the rounds' ratios")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", default="0", help="with --modes: client i samples at the i-th of these in "
+                    "turn (e.g. 0,0.6: greedy and sampled requests share batches; only greedy texts are compared)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="default: float32 (tiny), bfloat16 (real); only float32 makes mismatches errors")
     ap.add_argument("--draft-quantize", choices=["int8"], help="dynamically quantise the draft (CPU)")
@@ -459,8 +475,14 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
                          "and --dtype bfloat16")
     options = {"python": args.vllm_python} if args.vllm_python else {}
     options["prefix_caching"] = cfg.get("prefix_cache_tokens", ServeConfig().prefix_cache_tokens) > 0  # as ours
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        temperatures = ()
+    if not temperatures or any(not 0 <= t <= 2 for t in temperatures):
+        raise SystemExit(f"load.py: --temperatures {args.temperatures!r}: give temperatures in [0, 2], e.g. 0,0.6")
     rows, _ = sweep(cfg, prompts, counts, modes, args.duration, args.max_tokens, args.timeout, vllm, options,
-                    repeats=args.repeats)
+                    repeats=args.repeats, temperatures=temperatures)
     columns = ["mode", "clients", "round", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "tokens/step",
                "requests/forward", "target busy", "completed", "errors", "mismatches", "held after"]
     print_table(rows, columns)
@@ -473,6 +495,7 @@ def run_sweep(args, cfg: dict, prompts: list[Prompt], counts: list[int]) -> int:
                 + (["(c)/(a) rounds"] if args.repeats > 1 else []))
     write_json(f"load-sweep-{pair_name(cfg)}",
                {"config": cfg, "rows": rows, "ratios": ratios(rows), "prompts": len(prompts),
+                "temperatures": temperatures,
                 **({"vllm": provenance(Path(options.get("python", VLLM_PYTHON)), vllm, **options)} if vllm else {}),
                 "duration s": args.duration, "max tokens": args.max_tokens}, args.out)
     failed = any(r["errors"] or r["held after"] or (cfg["dtype"] == "float32" and r["mismatches"]) for r in rows)

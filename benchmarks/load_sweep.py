@@ -54,14 +54,15 @@ def mean_batch(before: dict[int, int], after: dict[int, int]) -> float | None:
 
 
 def point(url: str, prompts, refs: list[str], mode: str, clients: int, duration: float, max_tokens: int,
-          timeout: float) -> dict:
+          timeout: float, temperatures: tuple[float, ...] = (0.0,)) -> dict:
     """One (mode, clients) measurement: ``duration`` seconds of back-to-back streaming requests."""
     actors = model_actors()
     rank0 = actors["TargetRank 0"]
     before, busy = forwards(rank0), ray.get(rank0.utilization.remote())
     log(f"({mode}) {MODES[mode]}: {clients} clients for {duration:g} s")
     start = time.monotonic()  # the actors' clock too: a local cluster, one host
-    results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, speculative=mode != "a")
+    results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, temperatures,
+                                   speculative=mode != "a")
     end = time.monotonic()
     target_busy = busy_share(rank0, busy)
     target, draft = (ray.get(a.batch_trace.remote(start)) for a in (rank0, actors["DraftActor"]))
@@ -86,7 +87,7 @@ def _row(mode: str, results, refs: list[str], seconds: float, clients: int, dura
     """A sweep row: the cell's summary (texts compared with the target alone's ``refs``) and what was measured
     beside it (``tokens_per_step`` None: the streams' own, pooled: their tokens over their steps, as vLLM's
     counters pool theirs)."""
-    mismatched = sum(r.ok and r.text != refs[r.prompt] for r in results)
+    mismatched = sum(r.differs(refs) for r in results)
     s = summarize(results, [], mismatched, seconds, clients, duration, max_tokens)
     return {"mode": mode, "clients": clients, "tokens/s": s["tokens/s"], "p50 latency s": s["p50 latency s"],
             "p99 latency s": s["p99 latency s"], "p50 TTFT s": s["p50 TTFT s"],
@@ -106,12 +107,12 @@ def step_rates(url: str) -> dict | None:
 
 
 def vllm_point(url: str, prompts, refs: list[str], setting: str, clients: int, duration: float, max_tokens: int,
-               timeout: float) -> dict:
+               timeout: float, temperatures: tuple[float, ...] = (0.0,)) -> dict:
     """One (vLLM setting, clients) measurement, as ``point`` (texts compared with our target alone's; tokens
     counted as ours, without the EOS vLLM counts: ``vllm_peer.output_tokens``)."""
     before = spec_counters(url)
     log(f"(vLLM {setting}): {clients} clients for {duration:g} s")
-    results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, **USAGE)
+    results, seconds = run_clients(url, prompts, clients, duration, max_tokens, timeout, temperatures, **USAGE)
     results = [replace(r, tokens=output_tokens(r.tokens, r.finish_reason, r.stop_reason)) for r in results]
     return _row(f"vLLM {setting}", results, refs, seconds, clients, duration, max_tokens,
                 tokens_per_step=tokens_per_step(before, spec_counters(url)), requests_per_forward=None,
@@ -120,9 +121,10 @@ def vllm_point(url: str, prompts, refs: list[str], setting: str, clients: int, d
 
 def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: float, max_tokens: int,
           timeout: float, vllm: list[str] = (), vllm_options: dict | None = None,
-          repeats: int = 1) -> tuple[list[dict], list[str]]:
+          repeats: int = 1, temperatures: tuple[float, ...] = (0.0,)) -> tuple[list[dict], list[str]]:
     """Every mode at every client count, then every vLLM setting's server (``vllm_server``) at every client
-    count, each count after a warm-up at that count (one request a client: at the largest count only, a
+    count (client i at ``temperatures[i % len]``: greedy and sampled requests in one batch), each count after a
+    warm-up at that count (one request a client: at the largest count only, a
     deployment's first cell at 1 client ran its batch-1 path cold); the references come from the first
     deployment. vLLM runs after our rounds, not between them: (c) over vLLM is not a paired ratio, and moves
     with the host between the two (both services up at once would share the two cores while idle). ``repeats``: (a) and (c), which share a deployment,
@@ -144,10 +146,10 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
                 log(f"references: {len(prompts)} prompts, target alone, one at a time")
                 refs = [r.text for r in references(url, prompts, max_tokens, timeout)]
             for clients in counts:
-                run_clients(url, prompts, clients, 0.0, max_tokens, timeout)  # warm-up, at this count's batch
+                run_clients(url, prompts, clients, 0.0, max_tokens, timeout, temperatures)  # warm-up, this batch
                 for round_ in range(repeats if its_modes[0] in "ac" else 1):
                     for mode in its_modes if round_ % 2 == 0 else its_modes[::-1]:
-                        row = point(url, prompts, refs, mode, clients, duration, max_tokens, timeout)
+                        row = point(url, prompts, refs, mode, clients, duration, max_tokens, timeout, temperatures)
                         rows.append({**row, "round": round_})
         time.sleep(2.0)
     if vllm and refs is None:
@@ -156,9 +158,9 @@ def sweep(cfg: dict, prompts, counts: list[int], modes: list[str], duration: flo
         log(f"starting vLLM's server ({setting}); on CPU this takes minutes")
         with vllm_serving(setting, model_name=MODEL, **(vllm_options or {})) as url:
             for clients in counts:
-                run_clients(url, prompts, clients, 0.0, max_tokens, timeout, **USAGE)  # warm-up, as ours
-                rows.append({**vllm_point(url, prompts, refs, setting, clients, duration, max_tokens, timeout),
-                             "round": 0})
+                run_clients(url, prompts, clients, 0.0, max_tokens, timeout, temperatures, **USAGE)  # as ours
+                rows.append({**vllm_point(url, prompts, refs, setting, clients, duration, max_tokens, timeout,
+                                          temperatures), "round": 0})
     rows.sort(key=lambda r: (r["clients"], r["mode"], r.get("round", 0)))
     return rows, refs
 

@@ -189,3 +189,22 @@ def test_the_json_keeps_vllms_version_and_commands(tmp_path):
     assert got["version"] == "0.32.0" and got["options"] == {"prefix_caching": "True"}
     assert "--enable-prefix-caching" in got["commands"]["plain"] and "--speculative-config" in got["commands"]["k3"]
     assert provenance(tmp_path / "missing", ["plain"])["version"] is None
+
+
+def test_clients_take_the_temperatures_in_turn_and_only_greedy_texts_are_compared(monkeypatch):
+    import load
+    from load import Result
+
+    asked = {}
+
+    def client(url, prompts, first, deadline, max_tokens, timeout, **extra):
+        asked[first] = extra
+        return [Result(first, True, 0.1, text="x", temperature=extra["temperature"])]
+
+    monkeypatch.setattr(load, "client", client)
+    results, _ = load.run_clients("u", [], 4, 0.0, 8, 1.0, (0.0, 0.6), speculative=True)
+    assert asked[0] == {"temperature": 0.0, "speculative": True}
+    assert asked[1] == {"temperature": 0.6, "seed": 1, "speculative": True}  # a sampled client's own seed
+    assert asked[3]["temperature"] == 0.6 and asked[2]["temperature"] == 0.0
+    refs = ["y"] * 4
+    assert [r.differs(refs) for r in sorted(results, key=lambda r: r.prompt)] == [True, False, True, False]
