@@ -176,7 +176,9 @@ class _Key:
     round: set = field(default_factory=set)  # requests that began a step in the current round (see ``begin``)
     seen: dict[str, float] = field(default_factory=dict)  # arm -> clock time of its newest measured step
     ran: dict[str, float] = field(default_factory=dict)  # arm -> clock time its newest step began (``_aged``)
-    planned_alone: bool = False  # the key's plan is root-only now (the planner's choice): no arm to choose
+    planned_alone: int = 0  # steps whose plan was root-only (the planner's choice: no arm to choose) since the
+    # key's last step with a tree plan; ``summary`` says the target alone serves once a whole batch had none
+    planned_batch: int = 1  # the batch of the latest of them
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
         """Tokens/s of ``arm``'s measured steps in its last ``phases`` phases, and older ones while they are
@@ -241,7 +243,7 @@ class StepRates:
                 elif self._aged(state, now):  # the other arm's rate is old: probe it again (the backoff stays)
                     state.arm, state.probing = _other(state.arm), True
                     self._start(state, batch)
-            state.planned_alone = False
+            state.planned_alone = 0
             state.round.add(request)
             state.steps += 1
             state.begun[state.arm] += 1
@@ -250,13 +252,17 @@ class StepRates:
             self._overlap(step)
             return step
 
-    def planned_alone(self, key: tuple[str, int]) -> None:
-        """A step of ``key`` whose plan is the target alone (a live re-plan or the store's, measured faster): no
-        arm to choose or measure; ``summary`` says the target alone serves until a tree step begins there again
-        (it went on saying the tree, as its last phase did)."""
+    def planned_alone(self, key: tuple[str, int], batch: int = 1) -> None:
+        """A step of ``key`` whose plan is the target alone (a live re-plan or the store's, measured faster), with
+        ``batch`` requests in flight: no arm to choose or measure. ``summary`` says the target alone serves once
+        two rounds of such steps (``2 x batch``) ran with no tree plan's step between them, until a tree step
+        begins there again (it went on saying the tree, as its last phase did). Not at the first: the key pools
+        every temperature, and a batch of greedy requests beside sampled ones whose plan is root-only flipped
+        it at every step (session 60's mixed-temperature sweep read "alone" beside 256 tree steps)."""
         with self._lock:
             if (state := self._keys.get(key)) is not None:
-                state.planned_alone = True
+                state.planned_alone += 1
+                state.planned_batch = max(1, batch)
 
     def record(self, step: Step, tokens: int, seconds: float, *, first: bool = False, counted: bool = True,
                beside: bool = False) -> None:
@@ -439,8 +445,9 @@ class StepRates:
                 steps = {arm: state.rate(arm, 1, self.settings.phases) for arm in ARMS}
                 admits = {a: round(mean(state.admits[a]), 3) if state.admits.get(a) else None for a in ARMS}
                 charged = self._request_tokens(state) is not None
+                arm = state.arm if not state.probing else self.best(state)
                 out[f"{temperature}-b{bucket}"] = {
-                    "serving": ALONE if state.planned_alone else state.arm if not state.probing else self.best(state),
+                    "serving": ALONE if state.planned_alone >= 2 * state.planned_batch else arm,
                     "tok_s": {a: None if r is None else round(r, 3) for a, r in rates.items()},
                     "step_tok_s": {a: None if r is None else round(r, 3) for a, r in steps.items()},
                     "admission_s": {a: round(self._admission(state, a, r), 3) if charged and r else None
@@ -468,7 +475,7 @@ class _RequestArm:
         batch = max(1, self.batch())
         key = (self.temperature, batch_bucket(batch))
         if base.n <= 1:  # the bucket's plan is the target alone already (the planner measured it faster):
-            self.rates.planned_alone(key)  # no arm to choose, nothing to measure, and no key claiming to speculate
+            self.rates.planned_alone(key, batch)  # no arm to choose, nothing to measure, and no key claiming to speculate
             return base
         self.step = self.rates.begin(key, batch, self)
         if self.step.arm == ALONE:

@@ -155,3 +155,27 @@ def test_a_bucket_whose_plan_became_the_target_alone_is_not_shown_speculating():
     assert metrics.speculating.calls == [(0.0, {"temperature": "all", "batch": "1"})]
     steps(chain(4), 1)  # a tree plan again: the live cost's arm shows again
     assert rates.summary()["all-b1"]["serving"] == "tree"
+
+
+@pytest.mark.parametrize("order", ["greedy first", "sampled first", "alternating"])
+def test_greedy_requests_beside_sampled_ones_planned_alone_still_show_the_tree(order):
+    """The live cost's key pools every temperature. A batch of 8: 4 greedy requests on a tree plan and 4 sampled
+    ones whose bucket plan is root-only. The summary said "alone" (and ``sequoia_speculating`` 0) whenever a
+    sampled request stepped last, though the tree served every greedy step (session 60's sweep: 256 tree steps).
+    Once only root-only plans run for two rounds it says the target alone."""
+    clock = [0.0]
+    rates = StepRates(CostSettings(probe_every=100, probe_rounds=1, window=8, min_steps=1), clock=lambda: clock[0])
+    arms = {i: rates.policy(SamplingParams(temperature=0.0 if i < 4 else 0.6, max_tokens=100), batch=lambda: 8)
+            for i in range(8)}
+    sequence = {"greedy first": list(range(8)), "sampled first": [4, 5, 6, 7, 0, 1, 2, 3],
+                "alternating": [0, 4, 1, 5, 2, 6, 3, 7]}[order]
+    for round_ in range(20):
+        for i in sequence if round_ % 2 == 0 else sequence[::-1]:  # the order may change between rounds
+            plan = arms[i].plan(chain(4) if i < 4 else ROOT_ONLY)
+            clock[0] += 0.1
+            arms[i].observe(plan, Verdict(list(range(plan.num_levels)), [7] * plan.num_levels), 0.1)
+        assert rates.summary()["all-b8"]["serving"] == "tree", round_
+    for _ in range(2 * 8):  # the greedy requests ended: two rounds of root-only plans
+        plan = arms[4].plan(ROOT_ONLY)
+        arms[4].observe(plan, Verdict([0], [7]), 0.1)
+    assert rates.summary()["all-b8"]["serving"] == "alone"
