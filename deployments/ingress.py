@@ -296,19 +296,30 @@ class OpenAIIngress:
         """Ready (200, ``ok``) once the target has answered: its model is loaded. Until then 503, ``loading``
         (a readiness probe sent traffic 7 s before the models were up), while one background call finds out,
         waited for up to ``HEALTH_WAIT_S`` (a loaded target answers in milliseconds)."""
+        if not await self._warmed():
+            return JSONResponse({"status": "loading", "active_requests": self.active}, status_code=503)
+        return {"status": "ok", "active_requests": self.active}
+
+    async def _warmed(self) -> bool:
+        """Whether the target has answered (its plans are set up), waiting up to ``HEALTH_WAIT_S`` on the one
+        background call that finds out (started here if none runs; never cancelled by a caller's timeout)."""
         if self.plans is None:
             if self.warming is None or self.warming.done():
                 self.warming = asyncio.get_running_loop().create_task(self._plans())
                 self.warming.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
             await asyncio.wait([self.warming], timeout=self.HEALTH_WAIT_S)  # never cancels it
-        if self.plans is None:
-            return JSONResponse({"status": "loading", "active_requests": self.active}, status_code=503)
-        return {"status": "ok", "active_requests": self.active}
+        return self.plans is not None
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
+        """The served model, with the plans and live estimates in ``metadata``; while the target still loads,
+        its entry at once with ``metadata.status`` "loading" (it waited up to ``step_timeout_s``, 60 s, and then
+        answered 503: a UI or gateway polling /v1/models with a short timeout saw the server down)."""
         self._authorize(request)
-        plans = await self._plans()
+        if not await self._warmed():
+            return {"object": "list", "data": [{**self._model_entry(self.cfg.model_name),
+                                                "metadata": {"status": "loading"}}]}
+        plans = self.plans
         active = await asyncio.to_thread(plans.get, 0.0, self.in_flight.batch())
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,
                 "plan_levels": active.planned.plan.num_levels, "draft": self.cfg.draft, "target": self.cfg.target,

@@ -173,6 +173,16 @@ def complete(url: str, prompt, headers: dict | None = None, **kw) -> dict:
     return r.json()
 
 
+def served_metadata(url: str, headers: dict | None = None, timeout_s: float = 60.0) -> dict:
+    """``/v1/models``' metadata once the app has set up its plans (until then it says ``status: loading``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        meta = requests.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["metadata"]
+        if meta.get("status") != "loading" or time.monotonic() > deadline:
+            return meta
+        time.sleep(0.2)
+
+
 def sse_events(lines) -> list[dict]:
     """The JSON events of a server-sent-event stream (``[DONE]`` dropped)."""
     return [json.loads(line[len(b"data: "):]) for line in lines if line and line != b"data: [DONE]"]

@@ -14,7 +14,7 @@ from sequoia_ray.hardware import HardwareProfile  # noqa: E402
 from sequoia_ray.plan_store import PlanKey, PlanStore  # noqa: E402
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector  # noqa: E402
 from sequoia_ray.tree.planning import plan_for  # noqa: E402
-from tests.serving import BASE, complete, serving  # noqa: E402
+from tests.serving import BASE, complete, served_metadata, serving  # noqa: E402
 
 pytestmark = pytest.mark.integration
 HW = "test-dynamic-hw"
@@ -42,6 +42,6 @@ def test_served_dynamic_trees_are_pruned_and_the_text_is_the_targets(store_dir, 
             served = [served[0] + spec["tree_nodes"], served[1] + spec["steps"]]
             own = local.decoder(planned.plan).generate(ids, SamplingParams(max_tokens=32)).stats
             static = [static[0] + own.tree_nodes, static[1] + own.steps]
-        meta = requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["metadata"]
+        meta = served_metadata(url)
     assert meta["dynamic_trees"]["profile"] and meta["dynamic_trees"]["extend"] == 2, meta
     assert served[0] / served[1] < 0.8 * static[0] / static[1], (served, static)

@@ -24,8 +24,8 @@ from actors.target import TargetGroup  # noqa: E402
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.draft import DraftTree  # noqa: E402
 from sequoia_ray.engine import ROOT_ONLY  # noqa: E402
-from tests.serving import (BASE, app_metric_values, complete, greedy_long_prompt, serving, sse_events,  # noqa: E402
-                           stall, wait_for_speculation)
+from tests.serving import (BASE, app_metric_values, complete, greedy_long_prompt, served_metadata, serving,  # noqa: E402
+                           sse_events, stall, wait_for_speculation)
 
 pytestmark = pytest.mark.integration
 FAULTS = {**BASE, "tp_size": 2, "step_timeout_s": 5.0, "collective_timeout_s": 8.0, "health_check_period_s": 1.0,
@@ -157,7 +157,7 @@ def test_corrupt_plan_in_the_store_keeps_the_last_good_one(server, store_dir):
     url = f"{server}/ft"
 
     def meta() -> dict:
-        return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["metadata"]
+        return served_metadata(url)
 
     def wait_for(predicate, timeout_s: float = 60.0) -> dict:
         deadline, m = time.monotonic() + timeout_s, meta()

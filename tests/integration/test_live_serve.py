@@ -14,7 +14,7 @@ from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.plan_store import PlanKey, PlanStore  # noqa: E402
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector  # noqa: E402
 from sequoia_ray.tree.planning import plan_for  # noqa: E402
-from tests.serving import BASE, complete, serving  # noqa: E402
+from tests.serving import BASE, complete, served_metadata, serving  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -35,13 +35,13 @@ def test_served_verdicts_feed_the_estimate_and_a_live_plan_is_served(store_dir, 
     first = PlanStore(str(store_dir)).publish_plan(wrong, key)
     with serving({"live": app}) as url:
         url = f"{url}/live"
-        meta = requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["metadata"]
+        meta = served_metadata(url)
         assert meta["plan_source"] == f"store:{first}" and meta["live_acceptance"] == {}, meta
         assert meta["step_rates"] == {}
         deadline = time.time() + 180
         while time.time() < deadline and not meta["plan_source"].startswith("live"):
             complete(url, "the live traffic", max_tokens=48)
-            meta = requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["metadata"]
+            meta = served_metadata(url)
         live = meta["live_acceptance"]["0.0"]
         assert meta["plan_source"].startswith("live:"), meta
         assert live["samples"] >= 30 and live["replans"] >= 1 and live["p"][0] > 0.6

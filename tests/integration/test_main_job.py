@@ -15,7 +15,7 @@ from deployments.config import ServeConfig  # noqa: E402
 from deployments.launch import ensure_plans, serving_hardware_id  # noqa: E402
 from sequoia_ray.hardware import BATCH_BUCKETS  # noqa: E402
 from sequoia_ray.plan_store import PlanStore  # noqa: E402
-from tests.serving import BASE, serving  # noqa: E402
+from tests.serving import BASE, served_metadata, serving  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def test_profiled_plan_is_the_one_served(tmp_path):
     published = PlanStore(args["plan_store"]).list_plans()
     assert len(published) == 2 * len(BATCH_BUCKETS)  # T=0.0 and T=0.6, a plan per batch bucket each
     with serving({"main": args}) as url:
-        meta = requests.get(f"{url}/main/v1/models", timeout=60).json()["data"][0]["metadata"]
+        meta = served_metadata(f"{url}/main")
         greedy = [p for p in published if "/t0.0/" in p]
         assert meta["plan_source"] == f"store:{greedy[0]}", meta
         assert meta["hardware_id"] == serving_hardware_id(ServeConfig.model_validate(args))

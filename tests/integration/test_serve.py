@@ -16,8 +16,8 @@ from ray import serve  # noqa: E402
 
 from sequoia_ray.config import SamplingParams  # noqa: E402
 from sequoia_ray.tree.builtin import builtin_plan  # noqa: E402
-from tests.serving import (BASE, app_metric_values, complete, greedy_long_prompt, serving, sse_events,  # noqa: E402
-                           wait_for_speculation)
+from tests.serving import (BASE, app_metric_values, complete, greedy_long_prompt, served_metadata, serving,  # noqa: E402
+                           sse_events, wait_for_speculation)
 
 pytestmark = pytest.mark.integration
 
@@ -257,13 +257,13 @@ def test_new_plan_is_picked_up_without_restart(server, store_dir):
     from sequoia_ray.tree.acceptance_vector import AcceptanceVector
     from sequoia_ray.tree.planning import plan_for
 
-    meta = requests.get(f"{server}/tp1/v1/models", timeout=30).json()["data"][0]["metadata"]
+    meta = served_metadata(f"{server}/tp1")
     planned = plan_for(AcceptanceVector.from_p([0.9, 0.05]), 7, 7)[0]
     assert planned.plan.n != meta["plan_nodes"]
     PlanStore(str(store_dir)).publish_plan(planned, PlanKey(meta["hardware_id"], "tiny-draft", "tiny-target", 0.0))
     deadline = time.time() + 20
     while time.time() < deadline:
-        meta = requests.get(f"{server}/tp1/v1/models", timeout=30).json()["data"][0]["metadata"]
+        meta = served_metadata(f"{server}/tp1")
         if meta["plan_source"].startswith("store:"):
             break
         time.sleep(0.5)

@@ -101,3 +101,33 @@ def test_health_of_a_loaded_target_is_ok_at_the_first_call():
 
     replica._plans = plans
     assert asyncio.run(wrapper.health(replica)) == {"status": "ok", "active_requests": 0}
+
+
+def test_models_answers_at_once_while_the_target_loads():
+    """``/v1/models`` awaited the target's first answer for up to ``step_timeout_s`` (60 s) and then answered 503:
+    a UI polling it with a short timeout saw the server down while it loaded. Now its entry at once, "loading";
+    one background call finds out (shared with /health), and once it has the metadata says what serves."""
+    wrapper, replica = _stopping_ingress()
+    replica.plans, replica.warming, replica.HEALTH_WAIT_S = None, None, 0.05
+    replica.cfg = SimpleNamespace(model_name="served", api_key=None)
+    replica.created, replica._authorize = 123, lambda request: None
+    calls, loaded = [], asyncio.Event()
+
+    async def plans():
+        calls.append(1)
+        await loaded.wait()
+        replica.plans = _Plans()
+        return replica.plans
+
+    replica._plans = plans
+
+    async def scenario():
+        first = await asyncio.wait_for(wrapper.models(replica, None), 1.0)
+        health = await wrapper.health(replica)  # the same look, not a second one
+        return first, health
+
+    replica.in_flight = SimpleNamespace(count=0)
+    first, health = asyncio.run(scenario())
+    assert first == {"object": "list", "data": [{"id": "served", "object": "model", "created": 123,
+                                                 "owned_by": "sequoia-ray", "metadata": {"status": "loading"}}]}
+    assert health.status_code == 503 and len(calls) == 1
