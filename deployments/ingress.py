@@ -62,11 +62,26 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
+OPENAI_ROUTES = ("/completions", "/chat/completions", "/models")  # served under /v1
+
+
 @app.exception_handler(StarletteHTTPException)
-async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http(request: Request | None, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(api.APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code,
+    message = str(exc.detail)
+    path = request.url.path if request is not None else ""
+    if exc.status_code == 404 and "/v1/" not in path and path.rstrip("/").endswith(OPENAI_ROUTES):
+        message += (f": {path} has no /v1; the routes are /v1/completions, /v1/chat/completions and /v1/models "
+                    "(a client's base URL ends in /v1)")
+    return JSONResponse(api.APIError(exc.status_code, message, type=kind).body(), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))  # a 405's Allow
+
+
+def event_stream(events, ended) -> StreamingResponse:
+    """Server-sent events, never cached nor buffered on the way (nginx's ingress holds a response it may buffer,
+    and the tokens then arrived in bursts)."""
+    return StreamingResponse(_sse(events, ended), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 # A client that went away: Serve cancels its request's task (a Ray call awaited then raises TaskCancelledError),
@@ -424,7 +439,7 @@ class OpenAIIngress:
         chunks = self._chunks(prompt, params, rid, req, chat, received)
         first = await _first(chunks)  # errors before the first token are still proper HTTP errors
         events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
-        return StreamingResponse(_sse(events, ended), media_type="text/event-stream")
+        return event_stream(events, ended)
 
     async def _prepared(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
         """``_prepare`` off the event loop: rendering a chat template and tokenising up to ``max_body_bytes`` of

@@ -1,14 +1,18 @@
 """OpenAI-compatible request/response models and the one place errors become HTTP responses.
 
-Unknown fields are tolerated (clients send many: ``user``, ``metadata``, ...); a field that would change the
-output and that we cannot honour (n > 1, logprobs, tools, penalties, logit_bias, a JSON response_format, vLLM's
-top_k / min_p / ...) is accepted only at its no-op value and otherwise rejected with a 400 naming it, never
-silently ignored. ``null`` stands for a field's default, as in OpenAI's API. Every error body is OpenAI-style:
+Unknown fields are tolerated (clients send many: ``user``, ``metadata``, ...), except a misspelt known one
+(``max_token``: "did you mean 'max_tokens'?") and other servers' output options (``max_new_tokens``,
+``num_predict``, ``stop_sequences``, ...: ``FOREIGN_FIELDS``); a field that would change the output and that we
+cannot honour (n > 1, logprobs, tools, penalties, logit_bias, a JSON response_format, vLLM's top_k / min_p / ...)
+is accepted only at its no-op value and otherwise rejected with a 400 naming it, never silently ignored. Values
+in messages are shown as JSON (``true``, ``null``). ``null`` stands for a field's default, as in OpenAI's API. Every error body is OpenAI-style:
 ``{"error": {"message", "type", "param", "code"}}``; no stack trace ever reaches a client.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import logging
 import time
 import uuid
@@ -61,9 +65,7 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     if first.get("type") == "missing":  # ``input`` is then the whole body: no value of the field to show
         message = f"{'.'.join(loc) or 'body'}: {msg}" + _other_route(tuple(loc), got)
     else:
-        shown = repr(got)
-        message = f"{'.'.join(loc) or 'body'}: {msg}" + (
-            f" (got {shown[:80]}{'…' if len(shown) > 80 else ''})" if got is not None else "")
+        message = f"{'.'.join(loc) or 'body'}: {msg}" + (f" (got {_shown(got, 83)})" if got is not None else "")
     return APIError(400, message, param=".".join(loc) or None, code="invalid_value")
 
 
@@ -123,10 +125,27 @@ NO_OP_VALUES: dict[str, tuple] = {
 }
 
 
+# Other servers' names for output-changing options (Hugging Face TGI and transformers, Ollama, llama.cpp,
+# Anthropic), sent by clients ported to this API: none is OpenAI's, and each would be ignored. Refused by name,
+# with the field that does it here where there is one.
+FOREIGN_FIELDS: dict[str, str | None] = {
+    "max_new_tokens": "max_tokens", "num_predict": "max_tokens", "max_length": "max_tokens",
+    "n_predict": "max_tokens", "stop_sequences": "stop", "do_sample": "temperature (0 for greedy)",
+    "repeat_penalty": None, "repeat_last_n": None, "typical_p": None, "tfs_z": None, "mirostat": None,
+    "mirostat_tau": None, "mirostat_eta": None, "penalize_newline": None, "num_beams": None,
+    "no_repeat_ngram_size": None, "return_full_text": None, "grammar": None, "watermark": None,
+}
+TYPO_CUTOFF = 0.8  # difflib's ratio from which an unknown field reads as a misspelt known one ("max_token")
+
+
 def _shown(value, width: int = 60) -> str:
-    """``value``'s repr, cut to ``width`` characters with an ellipsis (a long tools list reads as cut, not as
-    the message going on where the repr stopped)."""
-    text = repr(value)
+    """``value`` as JSON (``true``, ``null``: what the client sends; Python's repr where JSON cannot say it), cut
+    to ``width`` characters with an ellipsis (a long tools list reads as cut, not as the message going on where
+    it stopped)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
@@ -175,7 +194,20 @@ class _Common(BaseModel):
             if not any(value is ok or value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in no_op):
                 raise PydanticCustomError(
                     "unsupported", "'{param}' = {value} is not supported by this server; leave it out (or send "
-                    "{no_op})", {"param": name, "value": _shown(value), "no_op": f"{no_op[-1]!r}"})
+                    "{no_op})", {"param": name, "value": _shown(value), "no_op": _shown(no_op[-1])})
+        for name, value in extra.items():
+            if name in FOREIGN_FIELDS and value is not None:
+                instead = FOREIGN_FIELDS[name]
+                raise PydanticCustomError(
+                    "unsupported", "'{param}' is not an OpenAI field and this server does not read it; " + (
+                        f"send '{instead}' instead" if instead else "leave it out"),
+                    {"param": name, "code": "unknown_parameter"})
+            known = {*type(self).model_fields, *NO_OP_VALUES, *self.ROUTE_NO_OPS, *FOREIGN_FIELDS}
+            close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=TYPO_CUTOFF)
+            if close and name not in known:  # unknown fields are tolerated (clients send many): not a misspelt one
+                raise PydanticCustomError(
+                    "unknown", "unknown field '{param}'; did you mean '{known}'?",
+                    {"param": name, "known": close[0], "code": "unknown_parameter"})
         return self
 
     @model_validator(mode="after")
@@ -268,6 +300,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
     name: str | None = Field(None, description="The participant's name; passed to the chat template, as vLLM does.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_calls(cls, value):
+        """A tool call or its result in the history (``tool_calls``, ``function_call``, ``tool_call_id``) was
+        dropped silently, so the model saw another conversation; and an assistant message of tool calls alone
+        (``content`` null) was refused as "not null", hiding why."""
+        if isinstance(value, dict):
+            for name in ("tool_calls", "function_call", "tool_call_id"):
+                if value.get(name) not in (None, [], ""):
+                    raise ValueError(f"has '{name}': tool calls are not supported by this server (no tools are "
+                                     "offered); send the conversation's text only")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod

@@ -45,15 +45,66 @@ def api_error(body: dict, model=api.CompletionRequest) -> api.APIError:
 def test_a_field_that_would_change_the_output_is_refused_by_name(name, value):
     err = api_error({**COMPLETION, name: value})
     assert (err.status, err.param, err.code) == (400, name, "unsupported_parameter")
-    assert name in err.message and repr(value)[:20] in err.message
+    assert name in err.message and json.dumps(value)[:20] in err.message  # as the client wrote it: true, not True
     assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("name,value,instead", [
+    ("max_new_tokens", 64, "max_tokens"), ("num_predict", 64, "max_tokens"), ("stop_sequences", ["x"], "stop"),
+    ("do_sample", False, "temperature"), ("repeat_penalty", 1.1, None), ("typical_p", 0.9, None),
+    ("mirostat", 2, None),
+])
+def test_another_servers_output_option_is_refused_naming_ours(name, value, instead):
+    """Clients ported from TGI, Ollama or llama.cpp send their own names: each was accepted and ignored (the
+    default 16 tokens where 64 were asked)."""
+    err = api_error({**COMPLETION, name: value})
+    assert (err.status, err.param, err.code) == (400, name, "unknown_parameter")
+    assert (f"send '{instead}" in err.message) if instead else ("leave it out" in err.message), err.message
+
+
+@pytest.mark.parametrize("typo,meant", [("max_token", "max_tokens"), ("temprature", "temperature"),
+                                        ("Temperature", "temperature"), ("topp", "top_p"), ("stops", "stop"),
+                                        ("max_completion_token", "max_completion_tokens"), ("seeds", "seed"),
+                                        ("logprob", "logprobs")])
+def test_a_misspelt_field_is_named_with_the_one_meant(typo, meant):
+    err = api_error({**COMPLETION, typo: 5})
+    assert (err.status, err.param, err.code) == (400, typo, "unknown_parameter")
+    assert f"did you mean '{meant}'?" in err.message
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], typo: 5}
+    assert api_error(chat, api.ChatCompletionRequest).param == typo
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                           "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "assistant", "content": "ok", "tool_calls": [{"id": "c1", "type": "function"}]},
+    {"role": "assistant", "content": "ok", "function_call": {"name": "f", "arguments": "{}"}},
+    {"role": "user", "content": "42", "tool_call_id": "c1"},
+])
+def test_a_tool_call_in_the_history_is_refused_not_dropped(message):
+    """The SDK echoes an assistant's tool calls back in the history: they were dropped silently (the model saw
+    another conversation), or, with ``content`` null, refused as "not null"."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
+    err = api_error(body, api.ChatCompletionRequest)
+    assert err.status == 400 and err.param == "messages.1" and "tool calls are not supported" in err.message
+    echoed = {"role": "assistant", "content": "ok", "tool_calls": None, "function_call": None, "refusal": None}
+    api.ChatCompletionRequest.model_validate({**body, "messages": [body["messages"][0], echoed]})  # no call: fine
+
+
+@pytest.mark.parametrize("name", ["user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction",
+                                  "prompt_cache_key", "safety_identifier", "request_id", "priority", "cache_salt",
+                                  "return_token_ids", "vllm_xargs", "id"])
+def test_other_clients_fields_that_change_nothing_stay_tolerated(name):
+    for model, body in ((api.CompletionRequest, COMPLETION),
+                        (api.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})):
+        model.model_validate({**body, name: "x"})  # no typo of a known field: accepted
 
 
 def test_a_long_refused_value_is_shown_cut_with_an_ellipsis():
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     err = api_error({**COMPLETION, "tools": tools})
     shown = err.message.split("= ", 1)[1].split(" is not supported", 1)[0]
-    assert shown.endswith("...") and len(shown) == 60 and repr(tools).startswith(shown[:-3]), err.message
+    assert shown.endswith("...") and len(shown) == 60 and json.dumps(tools).startswith(shown[:-3]), err.message
 
 
 @pytest.mark.parametrize("name,value", [
@@ -449,7 +500,7 @@ def test_validation_messages_read_as_ours_and_point_at_the_other_route():
     err = api_error({**COMPLETION, "stop": ["a"] * 5})
     assert "Value error" not in err.message and err.message.startswith("stop: at most 4 stop strings")
     err = api_error({**COMPLETION, "temperature": "x" * 200})
-    assert err.message.endswith("…)") and err.param == "temperature"
+    assert err.message.endswith("...)") and len(err.message) < 160 and err.param == "temperature"
 
 
 def test_add_special_tokens_is_accepted_only_at_what_each_route_does():
@@ -489,3 +540,30 @@ def test_a_method_not_allowed_says_which_are():
     response = asyncio.run(_http(None, HTTPException(405, headers={"Allow": "POST"})))
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert json.loads(response.body)["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path,hinted", [("/chat/completions", True), ("/tp1/completions", True), ("/models", True),
+                                         ("/v1/nothing", False), ("/v2/chat/completions/", True), ("/x", False)])
+def test_a_route_without_v1_says_where_the_routes_are(path, hinted):
+    """A client whose base URL lacks /v1 got a bare 404 "Not Found"."""
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+
+    from deployments.ingress import _http
+
+    request = Request({"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""})
+    response = asyncio.run(_http(request, HTTPException(404)))
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 404 and error["type"] == "not_found_error"
+    assert ("/v1/chat/completions" in error["message"]) == hinted, error["message"]
+
+
+def test_a_stream_is_neither_cached_nor_buffered_on_the_way():
+    from deployments.ingress import event_stream
+
+    async def events():
+        yield {"x": 1}
+
+    response = event_stream(events(), lambda status: None)
+    assert response.media_type == "text/event-stream"
+    assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
