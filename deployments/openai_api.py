@@ -55,7 +55,7 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     errors = exc.errors() if hasattr(exc, "errors") else []
     if not errors:
         return APIError(400, str(exc))
-    first = max(errors, key=lambda e: len(_field_path(e)))  # the member of a union that got furthest
+    first = max(errors, key=lambda e: _furthest(e, errors))  # the member of a union that got furthest
     loc = _field_path(first)
     got = first.get("input")
     if not loc and "param" in first.get("ctx", {}):  # a whole-body check that names its field (``_unsupported``)
@@ -67,6 +67,19 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     else:
         message = f"{'.'.join(loc) or 'body'}: {msg}" + (f" (got {_shown(got, 83)})" if got is not None else "")
     return APIError(400, message, param=".".join(loc) or None, code="invalid_value")
+
+
+def _furthest(error: dict, errors: list[dict]) -> tuple:
+    """How far into the request an error got: the depth of its field path, its indices, then the fewest errors
+    in its union member (``prompt: [1, "a"]`` fails as a list of text at element 0 and as token ids at element
+    1: the ids got further, and the error names element 1, not "prompt.0: should be a valid string (got 1)";
+    ``[1, true]`` fails as text at both elements and as ids at element 1 only)."""
+    def member(e: dict) -> tuple:
+        return tuple(x for x in e.get("loc", ()) if isinstance(x, str) and "[" in x)
+
+    path = _field_path(error)
+    return (len(path), [int(x) if x.isdigit() else -1 for x in path],
+            -sum(member(e) == member(error) for e in errors))
 
 
 def _other_route(loc: tuple, body: Any) -> str:

@@ -567,3 +567,11 @@ def test_a_stream_is_neither_cached_nor_buffered_on_the_way():
     response = event_stream(events(), lambda status: None)
     assert response.media_type == "text/event-stream"
     assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
+
+
+@pytest.mark.parametrize("prompt,param,said", [([1, True], "prompt.1", "not bool"), ([1, "a"], "prompt.1", "not str"),
+                                               (["a", 2], "prompt.1", "valid string")])
+def test_a_bad_element_of_a_prompt_list_is_the_one_named(prompt, param, said):
+    """``[1, true]`` said "prompt.0: Input should be a valid string (got 1)": element 0 is a fine token id."""
+    err = api_error({**COMPLETION, "prompt": prompt})
+    assert err.param == param and said in err.message, err.message
