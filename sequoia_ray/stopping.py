@@ -77,13 +77,14 @@ class StopChecker:
 
     def _decode(self) -> str:
         """The output's text, as it reads after the prompt: the settled text, then the unsettled tokens' text."""
-        unsettled = self.ids[self.settled:]
-        tail = self._after(self.prefix, self.prefix_text, unsettled)
-        if tail is None:  # the tokens changed the window's last character: they are read alone
-            return self.settled_text + self.tokenizer.decode(unsettled, **DECODE)
+        unsettled, window, window_text = self.ids[self.settled:], self.prefix, self.prefix_text
+        tail = self._after(window, window_text, unsettled)
+        if tail is None:  # the tokens changed the window's last character (a prompt ending inside a character):
+            window, window_text = [], ""  # they are read alone, and settle so too (else every token read them all)
+            tail = self.tokenizer.decode(unsettled, **DECODE)
         text = self.settled_text + tail
         if len(unsettled) >= SETTLE_AFTER:
-            self._settle(tail)
+            self._settle(tail, window, window_text)
         return text
 
     def _after(self, window: list[int], window_text: str, ids: list[int]) -> str | None:
@@ -91,11 +92,12 @@ class StopChecker:
         text = self.tokenizer.decode(window + ids, **DECODE)
         return text[len(window_text):] if text.startswith(window_text) else None
 
-    def _settle(self, tail: str) -> None:
-        """Settle all but the last KEEP_UNSETTLED tokens when the text then reads the same: their text ends in a
-        whole character, and the rest read after the new window gives the rest of ``tail``. Else try later."""
+    def _settle(self, tail: str, window: list[int], window_text: str) -> None:
+        """Settle all but the last KEEP_UNSETTLED tokens when the text then reads the same: their text (read after
+        ``window``, as ``tail`` was) ends in a whole character, and the rest read after the new window gives the
+        rest of ``tail``. Else try later."""
         cut = len(self.ids) - KEEP_UNSETTLED
-        head = self._after(self.prefix, self.prefix_text, self.ids[self.settled:cut])
+        head = self._after(window, window_text, self.ids[self.settled:cut])
         if head is None or head.endswith("\ufffd") or not tail.startswith(head):
             return
         window = _window(self.tokenizer, self.ids[:cut])

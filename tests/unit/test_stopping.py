@@ -201,6 +201,28 @@ def _byte_fallback_case(rng, length):
     return tok, [i for g in groups[:cut] for i in g], [i for g in groups[cut:] for i in g]
 
 
+def test_an_output_that_completes_the_prompts_last_character_still_decodes_a_bounded_window():
+    """A token-id prompt ending inside a character (its first byte) and an output that begins with the rest: the
+    prompt's window reads "…\ufffd" and the output changes it, so the output was read alone, and never settled:
+    each token read the whole output (3,004 ids at 3,000 tokens of the default tokenizer; a review's find)."""
+    from sequoia_ray.stopping import DECODE, PREFIX_TOKENS, SETTLE_AFTER
+
+    tok, vocab, byte_ids = _byte_fallback_tokenizer()
+    first, *rest = byte_ids("数")
+    prompt = (vocab["<s>"], vocab["▁Rate"], vocab[":"], first)
+    output = rest + [vocab["▁yes"], *byte_ids("é数✅ "), vocab[":"]] * 60
+    read, decode = [], tok.decode
+    tok.decode = lambda ids, **kw: read.append(len(ids)) or decode(ids, **kw)
+    checker, streamed = StopChecker(tok, (), frozenset(), prefix=prompt), ""
+    for token in output:
+        streamed += checker.feed([token], 10_000)[1]
+    tok.decode = decode
+    assert streamed + checker._delta(final=True) == _whole_text(tok, prompt, output)
+    assert max(read) <= PREFIX_TOKENS + SETTLE_AFTER + 3, max(read)  # a settle retried while its cut splits a
+    # character (up to 4 bytes: 3 more tokens)
+    assert decode(output, **DECODE).startswith("\ufffd\ufffd yes")  # read alone: the prompt's byte is its own
+
+
 @pytest.mark.parametrize("kind", ["byte-level", "metaspace", "byte-fallback"])
 def test_incremental_text_equals_decoding_the_whole_output_at_every_token(kind):
     """Fuzz, 40 cases of up to 200 tokens per tokenizer (past SETTLE_AFTER several times each), fed in random step
