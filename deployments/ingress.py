@@ -312,7 +312,9 @@ class OpenAIIngress:
         (a readiness probe sent traffic 7 s before the models were up), while one background call finds out,
         waited for up to ``HEALTH_WAIT_S`` (a loaded target answers in milliseconds)."""
         if not await self._warmed():
-            return JSONResponse({"status": "loading", "active_requests": self.active}, status_code=503)
+            failed, error = self._warm_failure()
+            body = {"status": "failed" if failed else "loading", "active_requests": self.active}
+            return JSONResponse(body if error is None else {**body, "error": error}, status_code=503)
         return {"status": "ok", "active_requests": self.active}
 
     async def _warmed(self) -> bool:
@@ -320,10 +322,29 @@ class OpenAIIngress:
         background call that finds out (started here if none runs; never cancelled by a caller's timeout)."""
         if self.plans is None:
             if self.warming is None or self.warming.done():
+                self._note_warming()
                 self.warming = asyncio.get_running_loop().create_task(self._plans())
                 self.warming.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
             await asyncio.wait([self.warming], timeout=self.HEALTH_WAIT_S)  # never cancels it
+            self._note_warming()
         return self.plans is not None
+
+    def _note_warming(self) -> None:
+        """Keep the error of a look that ended failing (``_warm_failure``): the next look may still be running."""
+        task = self.warming
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            self.warm_error = task.exception()
+
+    def _warm_failure(self) -> tuple[bool, str | None]:
+        """Why the plans are not set up: (failed for good, the last look's error). No target replica ready within
+        ``step_timeout_s`` is still loading (a model may load for minutes); any other error is a failure (the
+        plan store unreadable, ...) that a client is told of rather than "loading" for ever."""
+        error = getattr(self, "warm_error", None)
+        if error is None:
+            return False, None
+        if isinstance(error, api.APIError):
+            return error.code != "target_unavailable", error.message
+        return True, f"{type(error).__name__}: {error}"
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -332,8 +353,12 @@ class OpenAIIngress:
         answered 503: a UI or gateway polling /v1/models with a short timeout saw the server down)."""
         self._authorize(request)
         if not await self._warmed():
-            return {"object": "list", "data": [{**self._model_entry(self.cfg.model_name),
-                                                "metadata": {"status": "loading"}}]}
+            failed, error = self._warm_failure()
+            if failed:
+                raise api.APIError(503, f"the service could not set up its plans: {error}", type="server_error",
+                                   code="not_ready")
+            meta = {"status": "loading"} if error is None else {"status": "loading", "last_error": error}
+            return {"object": "list", "data": [{**self._model_entry(self.cfg.model_name), "metadata": meta}]}
         plans = self.plans
         active = await asyncio.to_thread(plans.get, 0.0, self.in_flight.batch())
         meta = {"hardware_id": plans.hardware, "plan_source": active.source, "plan_nodes": active.planned.plan.n,

@@ -131,3 +131,40 @@ def test_models_answers_at_once_while_the_target_loads():
     assert first == {"object": "list", "data": [{"id": "served", "object": "model", "created": 123,
                                                  "owned_by": "sequoia-ray", "metadata": {"status": "loading"}}]}
     assert health.status_code == 503 and len(calls) == 1
+
+
+def test_models_and_health_say_why_when_the_plans_cannot_be_set_up():
+    """A look that failed (the plan store unreadable, ...) read "loading" for ever on /v1/models and /health; a
+    target not ready within step_timeout_s is still loading (a model may load for minutes), its error shown."""
+    from deployments import openai_api as api
+    from deployments.ingress import _unavailable
+
+    wrapper, replica = _stopping_ingress()
+    replica.plans, replica.warming, replica.HEALTH_WAIT_S = None, None, 0.05
+    replica.cfg = SimpleNamespace(model_name="served", api_key=None)
+    replica.created, replica._authorize = 123, lambda request: None
+    replica.in_flight = SimpleNamespace(count=0)
+    errors = [_unavailable("no target model replica is ready (it may be restarting)"), OSError("store unreadable")]
+
+    async def plans():
+        raise errors[0]
+
+    replica._plans = plans
+
+    async def scenario():
+        loading = await wrapper.models(replica, None)
+        health = await wrapper.health(replica)
+        errors.pop(0)
+        await wrapper.health(replica)  # the look that fails for good
+        try:
+            await wrapper.models(replica, None)
+        except api.APIError as error:
+            return loading, health, error, await wrapper.health(replica)
+        raise AssertionError("no error")
+
+    loading, health, error, failed = asyncio.run(scenario())
+    meta = loading["data"][0]["metadata"]
+    assert meta["status"] == "loading" and "no target model replica" in meta["last_error"]
+    assert health.status_code == 503 and b'"loading"' in health.body
+    assert error.status == 503 and "OSError: store unreadable" in error.message
+    assert failed.status_code == 503 and b'"failed"' in failed.body and b"store unreadable" in failed.body
