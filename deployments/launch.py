@@ -352,7 +352,15 @@ def remote_head(address: str | None) -> str | None:
 DEMO_ORDER = ("tree", "target alone", "target alone", "tree")  # ABBA: a drift of the host's speed hits both
 
 
-def demo(url: str, model: str, max_tokens: int = 96, *, post=None, clock=time.perf_counter) -> dict:
+def demo_headers(cfg: ServeConfig) -> dict[str, str]:
+    """The demo's ``Authorization``: the service's key (``api_key``, or ``api_key_env`` as set here); the demo's
+    requests got a 401 from a service with a key."""
+    key = cfg.api_key or (os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else "")
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def demo(url: str, model: str, max_tokens: int = 96, *, headers: dict | None = None, post=None,
+         clock=time.perf_counter) -> dict:
     """The demo request with tree speculation and with the target alone, twice each in the order ``DEMO_ORDER``;
     prints the answer and each arm's tokens/s over its two runs, and their ratio. One run each, back to back,
     measured what the host was doing then: on the 2-core Xeon the target alone's run gave 0.91, 2.54, 2.64 and
@@ -362,7 +370,7 @@ def demo(url: str, model: str, max_tokens: int = 96, *, post=None, clock=time.pe
         import requests
 
         def post(url: str, json: dict) -> dict:
-            r = requests.post(url, json=json, timeout=600)
+            r = requests.post(url, json=json, headers=headers, timeout=600)
             r.raise_for_status()
             return r.json()
 
@@ -435,13 +443,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = start(args, port, opts.address, host=host)
         print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)
-        if opts.demo:
-            demo(url, cfg.model_name)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - what started is stopped, then one line
         return failed_start(exc, opts.address)
+    demo_failed = False
+    if opts.demo:
+        try:
+            demo(url, cfg.model_name, headers=demo_headers(cfg))
+        except KeyboardInterrupt as exc:
+            return failed_start(exc, opts.address)
+        except Exception as exc:  # noqa: BLE001 - the service deployed: it goes on (it was deleted, on a cluster too)
+            demo_failed = True
+            first = (str(exc).strip().splitlines() or [""])[0][:400]
+            print(f"sequoia-ray serve: the demo failed: {type(exc).__name__}: {first}"
+                  + ("" if opts.exit else "; the service goes on"), file=sys.stderr, flush=True)
     if opts.exit:
         stop(opts.address)
-        return 0
+        return 1 if demo_failed else 0
     print(f"try: curl {url}/v1/completions -H 'content-type: application/json' "
           f"-d '{json.dumps({'model': cfg.model_name, 'prompt': 'def add(a, b):', 'max_tokens': 32})}'")
     print("Ctrl-C stops the service.")
@@ -456,9 +473,9 @@ def check_sources(cfg: ServeConfig) -> None:
 
 
 def failed_start(exc: BaseException, address: str | None) -> int:
-    """A deploy or demo that failed or was interrupted (Ctrl-C while the models load): the app it started is deleted
-    (else a failed one stayed on the cluster, holding its GPUs, and the next run was refused without --replace),
-    and one line says why (Serve's error, its first line; before: a traceback). Exit 130 for Ctrl-C, else 1."""
+    """A deploy that failed, or a deploy or demo interrupted (Ctrl-C while the models load): the app it started is
+    deleted (else a failed one stayed on the cluster, holding its GPUs, and the next run was refused without
+    --replace), and one line says why (Serve's error, its first line; before: a traceback). Exit 130 for Ctrl-C, else 1."""
     interrupted = isinstance(exc, KeyboardInterrupt)
     first = (str(exc).strip().splitlines() or [""])[0]  # Serve's deploy error goes on with the replica's traceback
     why = "interrupted" if interrupted else f"{type(exc).__name__}: {first[:400]}"

@@ -277,6 +277,46 @@ def test_a_failed_or_interrupted_deploy_stops_what_it_started_and_says_one_line(
     assert "Traceback" not in err and "stopping what this command started" in err
 
 
+@pytest.mark.parametrize("exit_after, code, stopped", [(True, 1, ["delete sequoia"]), (False, 0, [])])
+def test_a_failed_demo_leaves_the_service_it_deployed(monkeypatch, capsys, exit_after, code, stopped):
+    """The demo's error (a 401: it sent no key to a service with one) deleted the service that had deployed
+    fine, on a cluster too; now said in one line, the service going on (or stopped by --exit, exit 1). The demo
+    sends the service's key."""
+    from types import SimpleNamespace
+
+    import requests
+    from ray import serve
+
+    from cli.main import main
+    from deployments import launch
+
+    calls, sent = [], []
+    monkeypatch.setattr(launch, "init_ray", lambda address, quiet: None)
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
+    monkeypatch.setattr(launch, "ensure_plans", lambda cfg, seconds, address=None: "skipped")
+    monkeypatch.setattr(launch, "start", lambda *a, **k: "http://10.0.0.5:8000")
+    monkeypatch.setattr(launch, "serve_until_stopped", lambda address, drain: calls.append("served") or 0)
+
+    def refused(url, json, headers=None, timeout=None):
+        sent.append(headers)
+        response = requests.Response()
+        response.status_code, response.url = 401, url
+        return response
+
+    monkeypatch.setattr(requests, "post", refused)
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(f"delete {name}"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("shutdown"))
+    argv = ["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=tiny-target", "--demo",
+            "--set", "plan_store=null", "--set", "api_key=s3cret", "--address", "ray://10.0.0.5:10001",
+            *(["--exit"] if exit_after else [])]
+    assert main(argv) == code
+    assert calls == (stopped if exit_after else ["served"])
+    err = capsys.readouterr().err
+    assert "the demo failed: HTTPError: 401" in err and "Traceback" not in err
+    assert ("goes on" in err) != exit_after and "stopping what this command started" not in err
+    assert sent == [{"authorization": "Bearer s3cret"}]
+
+
 def test_a_model_path_that_does_not_exist_is_refused_before_ray_starts(monkeypatch, capsys, tmp_path):
     """It failed the deploy minutes later, in the replicas (a traceback); a source merely beginning "default" no
     longer fetches the default pair (3 minutes, GBs) it never uses."""
