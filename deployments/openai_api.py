@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
@@ -139,16 +140,40 @@ NO_OP_VALUES: dict[str, tuple] = {
 
 
 # Other servers' names for output-changing options (Hugging Face TGI and transformers, Ollama, llama.cpp,
-# Anthropic), sent by clients ported to this API: none is OpenAI's, and each would be ignored. Refused by name,
-# with the field that does it here where there is one.
-FOREIGN_FIELDS: dict[str, str | None] = {
-    "max_new_tokens": "max_tokens", "num_predict": "max_tokens", "max_length": "max_tokens",
-    "n_predict": "max_tokens", "stop_sequences": "stop", "do_sample": "temperature (0 for greedy)",
-    "repeat_penalty": None, "repeat_last_n": None, "typical_p": None, "tfs_z": None, "mirostat": None,
-    "mirostat_tau": None, "mirostat_eta": None, "penalize_newline": None, "num_beams": None,
-    "no_repeat_ngram_size": None, "return_full_text": None, "grammar": None, "watermark": None,
+# text-generation-webui, Anthropic), sent by clients ported to this API: none is OpenAI's, each would be ignored.
+# name -> (our field that does it, or None; the values that change nothing). A length or stop option is
+# accepted beside our own field (a client written for several servers sends both); else refused by name.
+FOREIGN_FIELDS: dict[str, tuple[str | None, tuple]] = {
+    "max_new_tokens": ("max_tokens", (None,)), "num_predict": ("max_tokens", (None,)),
+    "max_length": ("max_tokens", (None,)), "n_predict": ("max_tokens", (None,)),
+    "stop_sequences": ("stop", (None, [])), "do_sample": ("temperature", (None, True)),
+    "repeat_penalty": (None, (None, 1)), "typical_p": (None, (None, 1)), "tfs_z": (None, (None, 1)),
+    "mirostat": (None, (None, 0)), "top_a": (None, (None, 0)), "num_beams": (None, (None, 1)),
+    "no_repeat_ngram_size": (None, (None, 0)), "return_full_text": (None, (None, False)),
+    "grammar": (None, (None, "")), "watermark": (None, (None, False)),
 }
-TYPO_CUTOFF = 0.8  # difflib's ratio from which an unknown field reads as a misspelt known one ("max_token")
+TYPO_CUTOFF = 0.8  # difflib's ratio from which an unknown field may be a misspelt known one ("max_token") ...
+TYPO_EDITS = 4, 2  # ... and one edit per 4 characters of it, at least one and at most 2 ("top_a" is not "top_p",
+# "repetition_penalty_range" not "repetition_penalty")
+
+
+def _no_op(value, no_op: tuple) -> bool:
+    return any(value is ok or value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in no_op)
+
+
+def _snake(name: str) -> str:
+    """``stopSequences``, ``max-tokens`` -> ``stop_sequences``, ``max_tokens``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).replace("-", "_").lower()
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        row, last = [i] + [0] * len(b), row
+        for j, y in enumerate(b, 1):
+            row[j] = min(last[j] + 1, row[j - 1] + 1, last[j - 1] + (x != y))
+    return row[-1]
 
 
 def _shown(value, width: int = 60) -> str:
@@ -204,21 +229,26 @@ class _Common(BaseModel):
         extra = self.model_extra or {}
         for name, no_op in {**NO_OP_VALUES, **self.ROUTE_NO_OPS}.items():
             value = extra.get(name)
-            if not any(value is ok or value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in no_op):
+            if not _no_op(value, no_op):
                 raise PydanticCustomError(
                     "unsupported", "'{param}' = {value} is not supported by this server; leave it out (or send "
                     "{no_op})", {"param": name, "value": _shown(value), "no_op": _shown(no_op[-1])})
+        ours = {*type(self).model_fields, *NO_OP_VALUES, *self.ROUTE_NO_OPS}
         for name, value in extra.items():
-            if name in FOREIGN_FIELDS and value is not None:
-                instead = FOREIGN_FIELDS[name]
+            if value is None or name in ours:
+                continue
+            snake = _snake(name)
+            if snake in FOREIGN_FIELDS:
+                instead, no_op = FOREIGN_FIELDS[snake]
+                if _no_op(value, no_op) or instead in type(self).model_fields and getattr(self, instead) is not None:
+                    continue
                 raise PydanticCustomError(
                     "unsupported", "'{param}' is not an OpenAI field and this server does not read it; " + (
                         f"send '{instead}' instead" if instead else "leave it out"),
                     {"param": name, "code": "unknown_parameter"})
-            known = {*type(self).model_fields, *NO_OP_VALUES, *self.ROUTE_NO_OPS, *FOREIGN_FIELDS}
-            close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=TYPO_CUTOFF)
-            if close and name not in known:  # unknown fields are tolerated (clients send many): not a misspelt one
-                raise PydanticCustomError(
+            close = difflib.get_close_matches(snake, ours, n=1, cutoff=TYPO_CUTOFF)
+            if close and _edits(snake, close[0]) <= min(TYPO_EDITS[1], max(1, len(snake) // TYPO_EDITS[0])):  # else tolerated: clients
+                raise PydanticCustomError(  # send many fields of their own
                     "unknown", "unknown field '{param}'; did you mean '{known}'?",
                     {"param": name, "known": close[0], "code": "unknown_parameter"})
         return self

@@ -62,6 +62,22 @@ def test_another_servers_output_option_is_refused_naming_ours(name, value, inste
     assert (f"send '{instead}" in err.message) if instead else ("leave it out" in err.message), err.message
 
 
+def test_other_servers_options_at_values_that_change_nothing_or_beside_ours_are_accepted():
+    """A client written for several servers (text-generation-webui's presets, SillyTavern) sends its whole preset:
+    neutral samplers, and its own length beside ours. Refusing them refused every request of such a client."""
+    preset = {"top_a": 0, "typical_p": 1, "tfs_z": 1, "mirostat": 0, "repeat_penalty": 1.0, "num_beams": 1,
+              "do_sample": True, "max_new_tokens": 64, "stop_sequences": ["\n"], "temperature_last": True,
+              "repetition_penalty_range": 0, "penalty_last_n": 64, "min_length": 0, "mirostat_tau": 5,
+              "max_token": None}
+    req = api.CompletionRequest.model_validate({**COMPLETION, "max_tokens": 64, "stop": ["\n"], **preset})
+    assert req.sampling(16).max_tokens == 64
+    assert api_error({**COMPLETION, "top_a": 0.2}).param == "top_a"  # not read as top_p
+    err = api_error({**COMPLETION, "stopSequences": ["x"]})  # camelCase: named as the client sent it
+    assert err.param == "stopSequences" and "send 'stop'" in err.message
+    err = api_error({**COMPLETION, "maxTokens": 8})
+    assert err.param == "maxTokens" and "did you mean 'max_tokens'?" in err.message
+
+
 @pytest.mark.parametrize("typo,meant", [("max_token", "max_tokens"), ("temprature", "temperature"),
                                         ("Temperature", "temperature"), ("topp", "top_p"), ("stops", "stop"),
                                         ("max_completion_token", "max_completion_tokens"), ("seeds", "seed"),
