@@ -70,9 +70,10 @@ async def _http(request: Request | None, exc: StarletteHTTPException) -> JSONRes
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = str(exc.detail)
     path = request.url.path if request is not None else ""
-    if exc.status_code == 404 and "/v1/" not in path and path.rstrip("/").endswith(OPENAI_ROUTES):
-        message += (f": {path} has no /v1; the routes are /v1/completions, /v1/chat/completions and /v1/models "
-                    "(a client's base URL ends in /v1)")
+    wrong_v1 = "/v1/" not in path or "/v1/v1/" in path  # none, or a client adding it to a base URL that has it
+    if exc.status_code == 404 and wrong_v1 and path.rstrip("/").endswith(OPENAI_ROUTES):
+        message += (f": {path} has no /v1 (or two); the routes are /v1/completions, /v1/chat/completions and "
+                    "/v1/models (a client's base URL ends in /v1)")
     return JSONResponse(api.APIError(exc.status_code, message, type=kind).body(), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))  # a 405's Allow
 

@@ -475,7 +475,8 @@ def check_sources(cfg: ServeConfig) -> None:
 def failed_start(exc: BaseException, address: str | None) -> int:
     """A deploy that failed, or a deploy or demo interrupted (Ctrl-C while the models load): the app it started is
     deleted (else a failed one stayed on the cluster, holding its GPUs, and the next run was refused without
-    --replace), and one line says why (Serve's error, its first line; before: a traceback). Exit 130 for Ctrl-C, else 1."""
+    --replace), and one line says why (Serve's error, its first line; before: a traceback). Exit 130 for Ctrl-C,
+    else 1."""
     interrupted = isinstance(exc, KeyboardInterrupt)
     first = (str(exc).strip().splitlines() or [""])[0]  # Serve's deploy error goes on with the replica's traceback
     why = "interrupted" if interrupted else f"{type(exc).__name__}: {first[:400]}"

@@ -5,8 +5,9 @@ Unknown fields are tolerated (clients send many: ``user``, ``metadata``, ...), e
 ``num_predict``, ``stop_sequences``, ...: ``FOREIGN_FIELDS``); a field that would change the output and that we
 cannot honour (n > 1, logprobs, tools, penalties, logit_bias, a JSON response_format, vLLM's top_k / min_p / ...)
 is accepted only at its no-op value and otherwise rejected with a 400 naming it, never silently ignored. Values
-in messages are shown as JSON (``true``, ``null``). ``null`` stands for a field's default, as in OpenAI's API. Every error body is OpenAI-style:
-``{"error": {"message", "type", "param", "code"}}``; no stack trace ever reaches a client.
+in messages are shown as JSON (``true``, ``null``). ``null`` stands for a field's default, as in OpenAI's API.
+Every error body is OpenAI-style: ``{"error": {"message", "type", "param", "code"}}``; no stack trace ever
+reaches a client.
 """
 
 from __future__ import annotations
@@ -247,8 +248,9 @@ class _Common(BaseModel):
                         f"send '{instead}' instead" if instead else "leave it out"),
                     {"param": name, "code": "unknown_parameter"})
             close = difflib.get_close_matches(snake, ours, n=1, cutoff=TYPO_CUTOFF)
-            if close and _edits(snake, close[0]) <= min(TYPO_EDITS[1], max(1, len(snake) // TYPO_EDITS[0])):  # else tolerated: clients
-                raise PydanticCustomError(  # send many fields of their own
+            edits = min(TYPO_EDITS[1], max(1, len(snake) // TYPO_EDITS[0]))
+            if close and _edits(snake, close[0]) <= edits:  # else tolerated: clients send many fields of their own
+                raise PydanticCustomError(
                     "unknown", "unknown field '{param}'; did you mean '{known}'?",
                     {"param": name, "known": close[0], "code": "unknown_parameter"})
         return self

@@ -77,7 +77,7 @@ def _env_rank(local_rank: int | None) -> int | None:
     if local_rank is not None:
         return local_rank
     value = os.environ.get("LOCAL_RANK")
-    if value in (None, ""):
+    if value is None or value.strip() in ("", "-1"):  # -1: "not distributed" (transformers' Trainer's convention)
         return None
     if not value.strip().isdigit():
         raise ValueError(f"LOCAL_RANK {value!r} is not a rank (0, 1, ...); unset it or give this process's rank")

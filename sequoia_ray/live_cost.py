@@ -351,7 +351,8 @@ class StepRates:
         return max(0.0, excess / admissions)
 
     def _request_tokens(self, state: _Key) -> float | None:
-        """L, the tokens a request generates here (the mean of the requests of its temperature that ended), when
+        """L, the tokens a request generates here (the mean of the latest requests of the key's temperature part
+        that ended: ``POOLED``, every temperature, as served), when
         some have ended and both arms' admission costs are measured in this key (so both are charged, or neither).
         Not the tokens of every step over the requests begun: while the first requests run, that counts each
         at the few tokens it has so far, and the admission costs outweighed steps 2.5x faster (through Serve

@@ -165,3 +165,6 @@ def test_a_local_rank_past_the_visible_gpus_is_refused_not_wrapped(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "one")
     with pytest.raises(ValueError, match="LOCAL_RANK 'one' is not a rank"):
         resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "-1")  # "not distributed" (transformers' convention): the first GPU
+    assert resolve_device("cuda") == torch.device("cuda", 0)

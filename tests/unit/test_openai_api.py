@@ -559,7 +559,8 @@ def test_a_method_not_allowed_says_which_are():
 
 
 @pytest.mark.parametrize("path,hinted", [("/chat/completions", True), ("/tp1/completions", True), ("/models", True),
-                                         ("/v1/nothing", False), ("/v2/chat/completions/", True), ("/x", False)])
+                                         ("/v1/nothing", False), ("/v2/chat/completions/", True), ("/x", False),
+                                         ("/v1/v1/chat/completions", True)])  # a base URL with /v1, a client adding it
 def test_a_route_without_v1_says_where_the_routes_are(path, hinted):
     """A client whose base URL lacks /v1 got a bare 404 "Not Found"."""
     from starlette.exceptions import HTTPException
