@@ -56,14 +56,15 @@ def verify_tree(
                  lambda node, kids: _sampled_step(host[node], draft, node, kids, params, generator))
 
 
-def batch_inputs(logits: torch.Tensor, sizes: list[int], greedy: list[bool]) -> list[torch.Tensor | list[int]]:
+def batch_inputs(logits: torch.Tensor, sizes: list[int], greedy: list[bool], gather: bool | None = None
+                 ) -> list[torch.Tensor | list[int]]:
     """Each request's ``verify_tree`` input from a batch's ``[sum n, V]`` logits (request i: ``sizes[i]`` rows).
-    On an accelerator with at most two host reads for the whole batch, not one per request: one argmax over every
-    row and one transfer of the ``[sum n]`` ids for the greedy requests; one transfer of the sampled requests'
-    rows. On the CPU (nothing to sync) each request's rows as they are (a greedy walk reads only the rows it
-    visits)."""
+    On an accelerator (``gather``; default: not on the CPU) with at most two host reads for the whole batch, not
+    one per request: one argmax over every row and one transfer of the ``[sum n]`` ids for the greedy requests;
+    one transfer of the sampled requests' rows. On the CPU (nothing to sync) each request's rows as they are (a
+    greedy walk reads only the rows it visits). ``gather`` lets a CPU test run the accelerator's path."""
     parts = list(logits.split(sizes))
-    if logits.device.type == "cpu":
+    if not (logits.device.type != "cpu" if gather is None else gather):
         return parts
     if any(greedy):
         ids = logits.argmax(dim=-1).tolist()  # [sum n]: the greedy walks' one read

@@ -289,3 +289,11 @@ def test_a_very_wide_vector_costs_what_the_budget_can_use():
     assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MB"  # the uncut table: ~28 MB
     np.testing.assert_array_equal(table.G, solve(cut, 64, 6).G)
     assert table.tree(64, 6) == solve(cut, 64, 6).tree(64, 6)
+
+
+@pytest.mark.parametrize("p,n,d,value", [((0.5, 0.5), 4, 3, 2.25), ((0.4, 0.4, 0.1), 4, 3, 1.96),
+                                          ((0.3, 0.3, 0.3), 6, 3, 2.08)])
+def test_dp_with_tied_ranks_at_the_tables_budget(p, n, d, value):
+    """Adjacent ranks tied at the table's own budget (live acceptance's exploring sets p[k] = p[k-1]): the
+    exchange bound for ties must not cut the optimum (a mutation review: 2.0 for 2.25). Values: brute force."""
+    assert solve(AcceptanceVector.from_p(list(p)), n, d).value(n, d) == pytest.approx(value, abs=1e-12)

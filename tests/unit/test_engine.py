@@ -602,3 +602,27 @@ def test_a_draft_whose_max_context_is_no_number_is_refused_by_name(models):
     decoder = SpeculativeDecoder(TargetWorker(target), Proxy(good), chain(2))
     with pytest.raises(TypeError, match="the draft's max_context is .*an int"):
         decoder.generate([3, 1, 4], SamplingParams(max_tokens=4))
+
+
+def test_a_cancelled_request_on_bare_workers_stops_at_its_next_step():
+    """In process (workers that take no call from another thread) a cancel is seen at the next step: without
+    that check a stream whose caller had gone ran on to max_tokens (a mutation review)."""
+    from sequoia_ray.request_errors import RequestCancelled
+    from tests.tiny import agreeing_pair
+
+    target, draft = agreeing_pair()
+    calls = []
+
+    class Counting(TargetWorker):
+        def verify(self, *args):
+            calls.append(args[0])
+            return super().verify(*args)
+
+    spec = SpeculativeDecoder(Counting(target), DraftWorker(draft), k_ary(2, 2))
+    stream = spec.stream([1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True), request_id="r")
+    next(stream)
+    assert spec.cancel("r")
+    before = len(calls)
+    with pytest.raises(RequestCancelled):
+        next(stream)
+    assert len(calls) == before  # no verify ran for a caller that has gone

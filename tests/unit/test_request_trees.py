@@ -160,3 +160,43 @@ def test_a_request_moved_to_the_target_alone_is_probed_again():
     for _ in range(30):  # the text turned predictable: every rank-1 trial accepted
         policy.observe(base, Verdict([0, 1], [1, 2], ((3, 1), (3, 1))), 0.1)
     assert policy.plan(base).n > 1
+
+
+def test_a_rank_two_acceptance_is_a_rank_one_failure():
+    family = trees(min_trials=4)
+    base = family.planned.plan
+    twos, zeros = family.policy(SamplingParams()), family.policy(SamplingParams())
+    for _ in range(20):
+        twos.observe(None, Verdict([0, 2], [5, 6], ((3, 2),)), 0.1)
+        zeros.observe(None, Verdict([0], [5], ((3, 0),)), 0.1)
+    assert twos.plan(base) == zeros.plan(base)  # rank 2 says nothing good about rank 1
+
+
+def test_blind_steps_the_request_did_not_choose_do_not_fade_its_estimate():
+    family = trees(min_trials=4)
+    base = family.planned.plan
+    sure = family.policy(SamplingParams())
+    for _ in range(20):
+        sure.observe(None, Verdict([0, 1], [5, 6], ((3, 1),)), 0.1)
+    deep = sure.plan(base)
+    assert deep != base
+    for _ in range(30):  # e.g. the served bucket's plan is the target alone for a while
+        assert sure.plan(ROOT_ONLY) is ROOT_ONLY
+        sure.observe(ROOT_ONLY, Verdict([0], [5]), 0.1)
+    assert sure.plan(base) == deep
+
+
+def test_a_requests_tree_is_chosen_for_its_batch_bucket():
+    """At batch 8 a tree token costs more here: a request's tree there is smaller than at batch 1 (a family that
+    ignored the batch bucket passed, the test profile pricing every bucket alike: a mutation review)."""
+    sizes = (1, 2, 4, 8, 16, 32)
+    t = {n: 1 + 0.01 * (n - 1) for n in sizes}
+    c = {w: 0.05 * v for w, v in t.items()}
+    tokens = (8, 16, 32, 64, 128, 256)
+    batch_t = {8: {k: 1 + 0.03 * k for k in tokens}}  # at batch 8 every tree token costs: smaller trees pay
+    batch_c = {8: {k: 0.05 * (1 + 0.03 * k) for k in tokens}}
+    prof = HardwareProfile("test-hw", t, c, 0.1, 64, "float32", batch_t=batch_t, batch_c=batch_c)
+    planned, _ = plan_for(AcceptanceVector.from_p((0.7, 0.1, 0.05)), 8, 4)
+    family = RequestTrees(planned, prof)
+    level = family.level(40, 40)
+    assert family.tree(level, 8).n < family.tree(level, 1).n

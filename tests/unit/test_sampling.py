@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.sampling import SparseDist, draw_without_replacement, node_steps, target_probs, truncate
+from sequoia_ray.sampling import (SparseDist, draw_without_replacement, node_steps, target_probs, truncate,
+                                  verify_node)
 
 
 def draw_order_probability(q: torch.Tensor, order: tuple[int, ...]) -> float:
@@ -339,3 +340,21 @@ def test_truncating_rows_at_once_equals_row_by_row():
             assert torch.equal(got.tokens, tokens[keep]) and torch.equal(got.probs, values[keep] / values[keep].sum())
             alone = truncate(row, k)
             assert torch.equal(alone.tokens, got.tokens) and torch.equal(alone.probs, got.probs)
+
+
+def test_verify_node_with_drawn_children_emits_p():
+    """Children drawn without replacement from D, then ``verify_node`` whole (its uniforms, its residual): the
+    emitted token (an accepted child or the residual's draw) has law P. Only ``node_steps`` was enumerated, and a
+    single uniform for all children, or a residual never updated, passed every fast test (a mutation review).
+    30,000 trials on V = 6, 3 children; each cell within 5 standard errors + 2e-3 (false alarm < 1e-5)."""
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10], dtype=torch.float64)
+    q = torch.tensor([0.40, 0.05, 0.30, 0.05, 0.15, 0.05], dtype=torch.float64)
+    dist, d = truncate(q, 6), q
+    draws, checks = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    n, counts = 30_000, torch.zeros(6, dtype=torch.float64)
+    for _ in range(n):
+        kids = draw_without_replacement(dist, 3, 6, draws).tolist()
+        v = verify_node(p, d, kids, checks)
+        counts[kids[v.accepted] if v.accepted is not None else v.token] += 1
+    se = torch.sqrt(p * (1 - p) / n)
+    assert torch.all((counts / n - p).abs() <= 5 * se + 2e-3), (counts / n - p)

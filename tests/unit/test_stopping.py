@@ -272,3 +272,8 @@ def test_a_token_decodes_a_bounded_window_however_long_the_output():
         streamed += checker.feed([token], 10_000)[1]
     assert streamed + checker._delta(final=True) == decode(ids, **DECODE)
     assert len(read) > len(ids) and max(read) <= PREFIX_TOKENS + SETTLE_AFTER
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_cut():
+    """Stop strings are checked before max_tokens: ``length`` with the stop string in the text was returned."""
+    assert run(("foo",), [1, 3, 4], max_tokens=3) == ([1, 3, 4], "x", "stop")

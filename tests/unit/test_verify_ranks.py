@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sequoia_ray.config import SamplingParams
@@ -135,8 +136,6 @@ def test_with_dynamic_trees_only_the_unpruned_steps_tell_their_ranks():
 
 
 def test_unpruned_every_zero_rules_every_step_and_negative_is_refused():
-    import pytest
-
     from sequoia_ray.draft import DynamicTrees
 
     rule, fake, seen = DynamicTrees(0.2), _Ruled(Verdict([0, 1], [11, 7], ((4, 1), (2, 0)))), []
@@ -234,3 +233,52 @@ def test_a_greedy_walk_on_the_cpu_takes_the_first_of_tied_maxima_as_argmax_does(
         draft = DraftTree(torch.tensor([7, -1]), {})  # a child no row picks: the walk stops at the root
         verdict = verify_tree(plan, draft, row, SamplingParams(temperature=0.0), torch.Generator())
         assert verdict.tokens == [int(row[0].argmax())], trial
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_bonus_token_at_an_accepted_leaf_follows_the_leafs_p(temperature):
+    """A root and one leaf, D = P at the root so the leaf is always accepted: the bonus token after it is drawn
+    from the leaf's P at the request's temperature (its argmax, or T = 1 at T = 0.5, passed every fast test: a
+    mutation review). 6,000 seeds; each token's frequency within 5 standard errors + 2e-3."""
+    plan = from_nested([[]])  # root -> one leaf
+    v = 5
+    root = torch.tensor([0.0, 4.0, 0.0, 0.0, 0.0])  # P(root) ~ token 1 with 0.93
+    leaf = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.0])
+    logits = torch.stack([root, leaf])
+    d = torch.softmax(root / temperature, -1)
+    dists = {0: SparseDist(torch.arange(v), d)}  # D == P at the root: the child is always accepted
+    tree = DraftTree(torch.tensor([3, 1]), dists)
+    n, counts = 6000, torch.zeros(v)
+    for seed in range(n):
+        verdict = verify_tree(plan, tree, logits, SamplingParams(temperature=temperature),
+                              torch.Generator().manual_seed(seed))
+        assert verdict.path == [0, 1]
+        counts[verdict.tokens[1]] += 1
+    want = torch.softmax(leaf / temperature, -1)
+    se = torch.sqrt(want * (1 - want) / n)
+    assert torch.all((counts / n - want).abs() <= 5 * se + 2e-3)
+
+
+@pytest.mark.parametrize("greedy", [[True, False, True], [False, True, False, False], [True, True], [False]])
+def test_the_accelerators_batch_inputs_give_each_request_its_own_verdict(greedy):
+    """``batch_inputs``' accelerator path (one argmax and one transfer for the whole batch) never ran on the CPU
+    and the GPU tests sent it one request: a request taking another's rows in a mixed batch would pass (a
+    mutation review). Run here on CPU tensors: each verdict equals verifying that request alone."""
+    from sequoia_ray.verify import batch_inputs
+
+    plans = [from_nested([[[]], []]), from_nested([[]]), from_nested([[], [[]]]), from_nested([[[[]]]])]
+    vocab, rng = 11, torch.Generator().manual_seed(3)
+    requests = []
+    for i, _ in enumerate(greedy):
+        plan = plans[i % len(plans)]
+        logits = torch.randn(plan.n, vocab, generator=rng) * 3
+        tokens = torch.randint(vocab, (plan.n,), generator=rng)
+        dists = {node: SparseDist(torch.arange(vocab), torch.softmax(torch.randn(vocab, generator=rng), -1))
+                 for node in range(plan.n) if plan.children[node]}
+        requests.append((plan, DraftTree(tokens, dists), logits))
+    params = [SamplingParams(temperature=0.0 if g else 0.7) for g in greedy]
+    parts = batch_inputs(torch.cat([r[2] for r in requests]), [r[0].n for r in requests], greedy, gather=True)
+    for i, ((plan, tree, logits), part) in enumerate(zip(requests, parts)):
+        assert isinstance(part, list) == greedy[i]
+        alone = verify_tree(plan, tree, logits, params[i], torch.Generator().manual_seed(i))
+        assert verify_tree(plan, tree, part, params[i], torch.Generator().manual_seed(i)) == alone, i
