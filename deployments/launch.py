@@ -453,8 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             return failed_start(exc, opts.address)
         except Exception as exc:  # noqa: BLE001 - the service deployed: it goes on (it was deleted, on a cluster too)
             demo_failed = True
-            first = (str(exc).strip().splitlines() or [""])[0][:400]
-            print(f"sequoia-ray serve: the demo failed: {type(exc).__name__}: {first}"
+            print(f"sequoia-ray serve: the demo failed: {_one_line(exc)}"
                   + ("" if opts.exit else "; the service goes on"), file=sys.stderr, flush=True)
     if opts.exit:
         stop(opts.address)
@@ -478,8 +477,7 @@ def failed_start(exc: BaseException, address: str | None) -> int:
     --replace), and one line says why (Serve's error, its first line; before: a traceback). Exit 130 for Ctrl-C,
     else 1."""
     interrupted = isinstance(exc, KeyboardInterrupt)
-    first = (str(exc).strip().splitlines() or [""])[0]  # Serve's deploy error goes on with the replica's traceback
-    why = "interrupted" if interrupted else f"{type(exc).__name__}: {first[:400]}"
+    why = "interrupted" if interrupted else _one_line(exc)
     print(f"sequoia-ray serve: error: {why}; stopping what this command started (the replicas' logs: "
           f"/tmp/ray/session_latest/logs/serve on their nodes)", file=sys.stderr, flush=True)
     try:
@@ -487,6 +485,12 @@ def failed_start(exc: BaseException, address: str | None) -> int:
     except Exception as again:  # noqa: BLE001 - said; the first failure is the one that matters
         print(f"sequoia-ray serve: could not stop it: {type(again).__name__}: {again}", file=sys.stderr, flush=True)
     return 130 if interrupted else 1
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's type and first line (Serve's deploy error goes on with the replica's traceback)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:400]}"
 
 
 def stop(address: str | None) -> None:

@@ -177,7 +177,7 @@ class _Key:
     seen: dict[str, float] = field(default_factory=dict)  # arm -> clock time of its newest measured step
     ran: dict[str, float] = field(default_factory=dict)  # arm -> clock time its newest step began (``_aged``)
     planned_alone: int = 0  # steps whose plan was root-only (the planner's choice: no arm to choose) since the
-    # key's last step with a tree plan; ``summary`` says the target alone serves once a whole batch had none
+    # key's last step with a tree plan; ``summary`` says the target alone serves after two rounds of them
     planned_batch: int = 1  # the batch of the latest of them
 
     def rate(self, arm: str, min_steps: int, phases: int) -> float | None:
@@ -476,7 +476,7 @@ class _RequestArm:
         batch = max(1, self.batch())
         key = (self.temperature, batch_bucket(batch))
         if base.n <= 1:  # the bucket's plan is the target alone already (the planner measured it faster):
-            self.rates.planned_alone(key, batch)  # no arm to choose, nothing to measure, and no key claiming to speculate
+            self.rates.planned_alone(key, batch)  # no arm to choose, nothing to measure, no key claiming to speculate
             return base
         self.step = self.rates.begin(key, batch, self)
         if self.step.arm == ALONE:

@@ -64,7 +64,9 @@ def batch_inputs(logits: torch.Tensor, sizes: list[int], greedy: list[bool], gat
     one transfer of the sampled requests' rows. On the CPU (nothing to sync) each request's rows as they are (a
     greedy walk reads only the rows it visits). ``gather`` lets a CPU test run the accelerator's path."""
     parts = list(logits.split(sizes))
-    if not (logits.device.type != "cpu" if gather is None else gather):
+    if gather is None:
+        gather = logits.device.type != "cpu"
+    if not gather:
         return parts
     if any(greedy):
         ids = logits.argmax(dim=-1).tolist()  # [sum n]: the greedy walks' one read
