@@ -103,14 +103,21 @@ def test_health_of_a_loaded_target_is_ok_at_the_first_call():
     assert asyncio.run(wrapper.health(replica)) == {"status": "ok", "active_requests": 0}
 
 
-def test_models_answers_at_once_while_the_target_loads():
-    """``/v1/models`` awaited the target's first answer for up to ``step_timeout_s`` (60 s) and then answered 503:
-    a UI polling it with a short timeout saw the server down while it loaded. Now its entry at once, "loading";
-    one background call finds out (shared with /health), and once it has the metadata says what serves."""
+def _loading_ingress():
+    """The ingress before its plans are set up: what /health and /v1/models read."""
     wrapper, replica = _stopping_ingress()
     replica.plans, replica.warming, replica.HEALTH_WAIT_S = None, None, 0.05
     replica.cfg = SimpleNamespace(model_name="served", api_key=None)
     replica.created, replica._authorize = 123, lambda request: None
+    replica.in_flight = SimpleNamespace(count=0)
+    return wrapper, replica
+
+
+def test_models_answers_at_once_while_the_target_loads():
+    """``/v1/models`` awaited the target's first answer for up to ``step_timeout_s`` (60 s) and then answered 503:
+    a UI polling it with a short timeout saw the server down while it loaded. Now its entry at once, "loading";
+    one background call finds out (shared with /health)."""
+    wrapper, replica = _loading_ingress()
     calls, loaded = [], asyncio.Event()
 
     async def plans():
@@ -126,7 +133,6 @@ def test_models_answers_at_once_while_the_target_loads():
         health = await wrapper.health(replica)  # the same look, not a second one
         return first, health
 
-    replica.in_flight = SimpleNamespace(count=0)
     first, health = asyncio.run(scenario())
     assert first == {"object": "list", "data": [{"id": "served", "object": "model", "created": 123,
                                                  "owned_by": "sequoia-ray", "metadata": {"status": "loading"}}]}
@@ -139,11 +145,7 @@ def test_models_and_health_say_why_when_the_plans_cannot_be_set_up():
     from deployments import openai_api as api
     from deployments.ingress import _unavailable
 
-    wrapper, replica = _stopping_ingress()
-    replica.plans, replica.warming, replica.HEALTH_WAIT_S = None, None, 0.05
-    replica.cfg = SimpleNamespace(model_name="served", api_key=None)
-    replica.created, replica._authorize = 123, lambda request: None
-    replica.in_flight = SimpleNamespace(count=0)
+    wrapper, replica = _loading_ingress()
     errors = [_unavailable("no target model replica is ready (it may be restarting)"), OSError("store unreadable")]
 
     async def plans():
