@@ -21,10 +21,11 @@ SIZES = (1, 2, 4, 8, 16, 32)
 P = (0.7, 0.1, 0.05)
 
 
-def profile() -> HardwareProfile:
-    """t(n) = 1 + 0.01·(n - 1), a draft level 0.05 of a target step: depth is cheap, so acceptance decides."""
+def profile(**batched) -> HardwareProfile:
+    """t(n) = 1 + 0.01·(n - 1), a draft level 0.05 of a target step: depth is cheap, so acceptance decides.
+    ``batched``: ``batch_t`` / ``batch_c``, what a batch's steps cost."""
     t = {n: 1 + 0.01 * (n - 1) for n in SIZES}
-    return HardwareProfile("test-hw", t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32")
+    return HardwareProfile("test-hw", t, {w: 0.05 * v for w, v in t.items()}, 0.1, 64, "float32", **batched)
 
 
 def trees(prof=profile(), **kw) -> RequestTrees:
@@ -189,14 +190,9 @@ def test_blind_steps_the_request_did_not_choose_do_not_fade_its_estimate():
 def test_a_requests_tree_is_chosen_for_its_batch_bucket():
     """At batch 8 a tree token costs more here: a request's tree there is smaller than at batch 1 (a family that
     ignored the batch bucket passed, the test profile pricing every bucket alike: a mutation review)."""
-    sizes = (1, 2, 4, 8, 16, 32)
-    t = {n: 1 + 0.01 * (n - 1) for n in sizes}
-    c = {w: 0.05 * v for w, v in t.items()}
     tokens = (8, 16, 32, 64, 128, 256)
     batch_t = {8: {k: 1 + 0.03 * k for k in tokens}}  # at batch 8 every tree token costs: smaller trees pay
     batch_c = {8: {k: 0.05 * (1 + 0.03 * k) for k in tokens}}
-    prof = HardwareProfile("test-hw", t, c, 0.1, 64, "float32", batch_t=batch_t, batch_c=batch_c)
-    planned, _ = plan_for(AcceptanceVector.from_p((0.7, 0.1, 0.05)), 8, 4)
-    family = RequestTrees(planned, prof)
+    family = trees(profile(batch_t=batch_t, batch_c=batch_c))
     level = family.level(40, 40)
     assert family.tree(level, 8).n < family.tree(level, 1).n

@@ -35,7 +35,6 @@ def test_target_tree_logits_and_cache_equal_a_fresh_forward(temperature, monkeyp
     the cache continues as a fresh forward does. Output-level tests cannot see a position bug: the tiny models'
     next-token law moves by < 0.005 total variation for a one-position gap and never changes the argmax (tree
     positions shifted by one passed the whole suite, the statistical tests too: a mutation review)."""
-
     target, draft = agreeing_pair()
     seen = {}
     real = target_module.verify_tree
