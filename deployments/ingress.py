@@ -29,9 +29,10 @@ from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
 from deployments import openai_api as api
 from deployments.config import ServeConfig
 from deployments.metrics import GAUGE_REFRESH_S, ServiceMetrics
+from deployments.prompt_batch import all_or_none, merged
 from deployments.service import GrowRules, LivePlanner, PlanProvider, Runner, TreeFamilies
 from sequoia_ray.config import SamplingParams
-from sequoia_ray.engine import PromptError, SpeculativeDecoder
+from sequoia_ray.engine import PromptError, SpeculativeDecoder, Stats
 from sequoia_ray.hardware import batch_bucket
 from sequoia_ray.in_flight import InFlight
 from sequoia_ray.live_cost import CostSettings, StepRates
@@ -423,17 +424,25 @@ class OpenAIIngress:
             req, chat = _as_request(request)
             return await self._complete(req, *await self._prepared(req, chat), chat, received)
 
-    async def _complete(self, req, prompt: list[int], params: SamplingParams, chat: bool,
+    async def _complete(self, req, prompts: list[list[int]], params: SamplingParams, chat: bool,
                         received: float | None = None) -> dict:
         rid = api.completion_id(req.id_kind)
-        text, ids, last = [], 0, None
-        async for chunk in self._chunks(prompt, params, rid, req, chat, received):
-            text.append(chunk.text)
-            ids += len(chunk.token_ids)
-            last = chunk
+        choices = self._choices(req, prompts, params, rid)
+
+        async def one(prompt: list[int], choice_params: SamplingParams, choice_id: str):
+            text, ids, last = [], 0, None
+            async for chunk in self._chunks(prompt, choice_params, choice_id, req, chat, received):
+                text.append(chunk.text)
+                ids += len(chunk.token_ids)
+                last = chunk
+            return "".join(text), ids, last
+
+        ones = [one(*choice) for choice in choices]
+        done = [await ones[0]] if len(ones) == 1 else await all_or_none(ones)
+        use = api.usage(sum(map(len, prompts)), sum(ids for _, ids, _ in done),
+                        Stats.combined([last.stats for *_, last in done]).to_dict())
         body = api.chat_body if chat else api.completion_body
-        return body(rid, self.cfg.model_name, "".join(text), last.finish_reason,
-                    api.usage(len(prompt), ids, last.stats.to_dict()))
+        return body(rid, self.cfg.model_name, [(text, last.finish_reason) for text, _, last in done], use)
 
     async def generate_stream(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest
                               ) -> AsyncIterator[dict]:
@@ -447,32 +456,54 @@ class OpenAIIngress:
                 request = {**request, "stream": True}
             req, chat = _as_request(request)
             req = req.model_copy(update={"stream": True})
-            prompt, params = await self._prepared(req, chat)
-            rid = api.completion_id(req.id_kind)
-            chunks = self._chunks(prompt, params, rid, req, chat, received)
-            first = await _first(chunks)  # errors before the first token are raised before any event
-            async for event in self._events(_prepend(first, chunks), req, rid, chat, len(prompt)):
+            async for event in await self._stream(req, *await self._prepared(req, chat), chat, received):
                 yield event
 
     # ---- internals --------------------------------------------------------------------------------
     async def _serve(self, req, chat: bool, ended=lambda status: None, received: float | None = None):
         """The response to ``req``: a completion, or a stream whose end calls ``ended(status)`` (``_sse``).
         ``received``: when the request arrived (``time.perf_counter()``), the start of its time to first token."""
-        prompt, params = await self._prepared(req, chat)
+        prompts, params = await self._prepared(req, chat)
         if not req.stream:
-            return await self._complete(req, prompt, params, chat, received)
-        rid = api.completion_id(req.id_kind)
-        chunks = self._chunks(prompt, params, rid, req, chat, received)
-        first = await _first(chunks)  # errors before the first token are still proper HTTP errors
-        events = self._events(_prepend(first, chunks), req, rid, chat, len(prompt))
-        return event_stream(events, ended)
+            return await self._complete(req, prompts, params, chat, received)
+        return event_stream(await self._stream(req, prompts, params, chat, received), ended)
 
-    async def _prepared(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
+    async def _stream(self, req, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                      received: float | None) -> AsyncIterator[dict]:
+        """The request's stream events, its first chunk (of every choice) already generated: errors before the
+        first token are raised here, still proper HTTP errors (or, through a handle, before any event)."""
+        rid = api.completion_id(req.id_kind)
+        choices = self._choices(req, prompts, params, rid)
+        chunks = merged([self._chunks(prompt, choice_params, choice_id, req, chat, received)
+                         for prompt, choice_params, choice_id in choices])
+        first = await _first(chunks)
+        return self._events(_prepend(first, chunks), req, rid, chat, sum(map(len, prompts)), len(choices))
+
+    def _choices(self, req, prompts: list[list[int]], params: SamplingParams, rid: str
+                 ) -> list[tuple[list[int], SamplingParams, str]]:
+        """What each choice generates, in the order of ``choices``: (prompt, parameters, request id), ``n`` per
+        prompt. Choice j of a prompt is seeded with seed + j (vLLM's rule: with one seed the ``n`` sampled choices
+        were the same text). Each has its own request id: the actors keep a request's state by its id (under the
+        request's one id a batch's prompts overwrote each other's state). Admitted whole or refused (429) before
+        any starts: one admitted and another refused would fail the request after the first had taken a slot."""
+        n = req.choices
+        choices = [(prompt, params if j == 0 or params.seed is None else
+                    params.model_copy(update={"seed": (params.seed + j) % api.SEED_MODULUS}))
+                   for prompt in prompts for j in range(n)]
+        if len(choices) > 1 and self.active + len(choices) > self.cfg.max_concurrent:
+            raise api.APIError(429, f"{self.active} requests in flight and {len(choices)} choices to generate "
+                                    f"(max_concurrent {self.cfg.max_concurrent}); retry later",
+                               type="rate_limit_error", code="overloaded", retry_after_s=1)
+        ids = [rid] if len(choices) == 1 else [f"{rid}-{i}" for i in range(len(choices))]
+        return [(prompt, choice_params, choice_id) for (prompt, choice_params), choice_id in zip(choices, ids)]
+
+    async def _prepared(self, req, chat: bool) -> tuple[list[list[int]], SamplingParams]:
         """``_prepare`` off the event loop: rendering a chat template and tokenising up to ``max_body_bytes`` of
         text takes tens of milliseconds that every other stream of this replica would wait."""
         return await asyncio.to_thread(self._prepare, req, chat)
 
-    def _prepare(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
+    def _prepare(self, req, chat: bool) -> tuple[list[list[int]], SamplingParams]:
+        """The request's prompts as token ids (one, or a batch's) and its sampling parameters."""
         if req.model != self.cfg.model_name:
             raise _no_model(req.model, self.cfg.model_name)
         field = req.prompt_param
@@ -482,8 +513,14 @@ class OpenAIIngress:
             params = req.sampling(self.cfg.max_tokens_limit if chat else min(16, self.cfg.max_tokens_limit))
         except ValidationError as exc:
             raise api.validation_error(exc) from None
+        batch = 1 if chat else len(req.prompts)
+        if batch * req.choices > self.cfg.max_concurrent:
+            what = f"{batch} prompts × n {req.choices}" if req.choices > 1 else f"a batch of {batch} prompts"
+            raise api.APIError(400, f"{what}: this server generates at most {self.cfg.max_concurrent} at once "
+                               "(max_concurrent); send fewer a request", param="n" if req.choices > 1 else field,
+                               code="invalid_value")
         try:
-            prompt = self._encode(req, chat)
+            prompts = self._encode(req, chat)
         except TemplateError as exc:  # a chat template's own refusal ("roles must alternate", ...)
             raise api.APIError(400, f"the model's chat template refused these messages: {exc}", param="messages",
                                code="invalid_messages") from None
@@ -492,24 +529,25 @@ class OpenAIIngress:
                                "text without unpaired surrogates", param=field, code="invalid_value") from None
         except ValueError as exc:
             raise api.APIError(400, str(exc), param=field, code="invalid_value") from None
-        if len(prompt) > self.cfg.max_prompt_tokens:
-            raise api.APIError(400, f"{field} has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
-                               param=field, code="context_length_exceeded")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) > self.cfg.max_prompt_tokens:
+                which = field if len(prompts) == 1 else f"{field} {i} of the batch"
+                raise api.APIError(400, f"{which} has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
+                                   param=field, code="context_length_exceeded")
         if params.max_tokens > self.cfg.max_tokens_limit:
             raise api.APIError(400, f"{req.length_param} {params.max_tokens} > limit {self.cfg.max_tokens_limit}",
                                param=req.length_param, code="invalid_value")
-        return prompt, params
+        return prompts, params
 
-    def _encode(self, req, chat: bool) -> list[int]:
+    def _encode(self, req, chat: bool) -> list[list[int]]:
         if chat:
-            return encode(self.tokenizer, [m.for_template() for m in req.messages], chat=True)
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
-        if isinstance(prompt, list):
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in prompt):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
-            return list(prompt)
-        return encode(self.tokenizer, prompt, chat=False)
+            return [encode(self.tokenizer, [m.for_template() for m in req.messages], chat=True)]
+        prompts, vocab = req.prompts, len(self.tokenizer)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list) and any(not 0 <= t < vocab for t in prompt):
+                which = "" if len(prompts) == 1 else f" (prompt {i} of the batch)"
+                raise ValueError(f"prompt token ids must be in [0, {vocab}){which}")
+        return [list(p) if isinstance(p, list) else encode(self.tokenizer, p, chat=False) for p in prompts]
 
     async def _plans(self) -> PlanProvider:
         """The replica's plans and what serves with them, set up by the first request that needs them. One
@@ -722,12 +760,15 @@ class OpenAIIngress:
 
         return policy
 
-    async def _events(self, chunks, req, rid: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
-        """A stream's chunks. Without ``stream_options`` the finish chunk carries the usage. With
-        ``include_usage`` every chunk has ``usage: null`` and a last chunk with no choices carries it, as OpenAI
-        sends it (a client that adds up the chunks' usages, as LangChain does, counted it twice when the finish
-        chunk carried it too); with vLLM's ``continuous_usage_stats`` every chunk carries the usage so far. One
-        ``created`` for the whole stream."""
+    async def _events(self, chunks, req, rid: str, chat: bool, prompt_tokens: int, choices: int = 1
+                      ) -> AsyncIterator[dict]:
+        """A stream's chunks, from ``chunks``' (choice index, chunk) pairs (``choices`` of them: a batch's or
+        ``n``'s choices interleave, each event naming its ``index``; a chat sends each choice's role first).
+        Without ``stream_options`` the last finish chunk carries the request's usage. With ``include_usage`` every
+        chunk has ``usage: null`` and a last chunk with no choices carries it, as OpenAI sends it (a client that
+        adds up the chunks' usages, as LangChain does, counted it twice when the finish chunk carried it too); with
+        vLLM's ``continuous_usage_stats`` every chunk carries the usage so far. One ``created`` for the whole
+        stream."""
         model, created = self.cfg.model_name, int(time.time())
 
         def with_usage(event: dict, produced: int, stats=None, finished: bool = False) -> dict:
@@ -738,17 +779,22 @@ class OpenAIIngress:
             return event
 
         if chat:
-            yield with_usage(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created), 0)
-        produced = 0
-        async for chunk in chunks:
+            for index in range(choices):
+                yield with_usage(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created, index),
+                                 0)
+        produced, finished = 0, []
+        async for index, chunk in chunks:
             produced += len(chunk.token_ids)
             if chunk.text or chunk.finish_reason:
                 if chat:
                     delta = {"content": chunk.text} if chunk.text else {}
-                    event = api.chat_chunk(rid, model, delta, chunk.finish_reason, created)
+                    event = api.chat_chunk(rid, model, delta, chunk.finish_reason, created, index)
                 else:
-                    event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason, created)
-                stats = chunk.stats.to_dict() if chunk.finish_reason else None
-                yield with_usage(event, produced, stats, finished=bool(chunk.finish_reason))
-                if chunk.finish_reason and req.usage_chunk:
+                    event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason, created, index)
+                if chunk.finish_reason:
+                    finished.append(chunk.stats)
+                last = len(finished) == choices
+                stats = Stats.combined(finished).to_dict() if last else None
+                yield with_usage(event, produced, stats, finished=last)
+                if last and req.usage_chunk:
                     yield {**event, "choices": [], "usage": api.usage(prompt_tokens, produced, stats)}

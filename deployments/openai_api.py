@@ -3,7 +3,7 @@
 Unknown fields are tolerated (clients send many: ``user``, ``metadata``, ...), except a misspelt known one
 (``max_token``: "did you mean 'max_tokens'?") and other servers' output options (``max_new_tokens``,
 ``num_predict``, ``stop_sequences``, ...: ``FOREIGN_FIELDS``); a field that would change the output and that we
-cannot honour (n > 1, logprobs, tools, penalties, logit_bias, a JSON response_format, vLLM's top_k / min_p / ...)
+cannot honour (logprobs, best_of, tools, penalties, logit_bias, a JSON response_format, vLLM's top_k / min_p / ...)
 is accepted only at its no-op value and otherwise rejected with a 400 naming it, never silently ignored. Values
 in messages are shown as JSON (``true``, ``null``). ``null`` stands for a field's default, as in OpenAI's API.
 Every error body is OpenAI-style: ``{"error": {"message", "type", "param", "code"}}``; no stack trace ever
@@ -120,7 +120,7 @@ Float = Annotated[float, BeforeValidator(_json_number)]
 # that this server does not implement: each is accepted only at a value that changes nothing.
 NO_OP_VALUES: dict[str, tuple] = {
     # OpenAI (``logprobs: 0`` is not a no-op: a completion then returns each token's logprob)
-    "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "auto", "none"),
     "function_call": (None, "none"), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "reasoning_effort": (None,),
@@ -215,6 +215,8 @@ class _Common(BaseModel):
     ignore_eos: StrictBool | None = Field(False, description="vLLM's extension: keep generating past "
                                           "end-of-sequence; null = false.")
     max_completion_tokens: Int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+    n: Int | None = Field(None, ge=1, description="Choices per prompt (null: 1), generated side by side; with a seed, "
+                          "choice j is seeded with seed + j (vLLM's rule), so sampled choices differ.")
 
     @field_validator("stop")
     @classmethod
@@ -291,6 +293,11 @@ class _Common(BaseModel):
                                       {"param": "stream_options", "code": "invalid_value"})
         return self
 
+    @property
+    def choices(self) -> int:
+        """Choices per prompt (``n``)."""
+        return self.n or 1
+
     def sampling(self, default_max: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max,
                               temperature=1.0 if self.temperature is None else self.temperature,
@@ -309,15 +316,9 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-def _one_prompt(value):
-    """One prompt: an array holding one token array is that array (lm-eval's local-completions sends its token
-    prompts so); an array of several is a batch, refused."""
-    if isinstance(value, list) and any(isinstance(x, list) for x in value):
-        if len(value) == 1:
-            return value[0]
-        raise ValueError(f"only one prompt per request is supported: an array of {len(value)} token arrays is a "
-                         "batch; send one request per prompt")
-    return value
+def _is_batch(value) -> bool:
+    """Whether ``prompt`` holds several prompts: an array of texts or of token arrays (not one token array)."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], (str, list))
 
 
 class CompletionRequest(_Common):
@@ -325,18 +326,26 @@ class CompletionRequest(_Common):
     ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, True)}  # vLLM's: a prompt is encoded
     # with the tokenizer's special tokens (its BOS, if it has one), as vLLM's completions are
     id_kind: ClassVar[str] = "cmpl"  # the prefix of the response's id
-    prompt: Annotated[str | list[str] | list[Int], BeforeValidator(_one_prompt)] = Field(
-        description="Text, a one-element list of text, token ids, or a one-element list of token ids.")
+    prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
+        description="Text or token ids; or an array of either, a batch: one choice per prompt, in order (``index``), "
+                    "the prompts generated side by side. lm-eval's local-completions and LangChain send batches.")
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
-        if isinstance(value, list) and value and all(isinstance(x, str) for x in value):
-            if len(value) != 1:
-                raise ValueError(f"only one prompt per request is supported, got {len(value)}")
-        if value in ("", []) or value == [""]:
+        if value in ("", []):
             raise ValueError("the prompt is empty")
+        if _is_batch(value):
+            empty = [i for i, one in enumerate(value) if one in ("", [])]
+            if empty:
+                raise ValueError("the prompt is empty" if len(value) == 1
+                                 else f"prompt {empty[0]} of the batch of {len(value)} is empty")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one or a batch's."""
+        return list(self.prompt) if _is_batch(self.prompt) else [self.prompt]
 
 
 class ChatMessage(BaseModel):
@@ -407,26 +416,29 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: dict | None) -> dic
     return out
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_body(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
+    """``choices``: each choice's (text, finish_reason), in order (a prompt's ``n`` choices, then the next's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": use}
+            "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                        for i, (text, finish) in enumerate(choices)], "usage": use}
 
 
-def chat_body(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_body(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
+    """``choices``: each choice's (text, finish_reason), in order."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": None}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                         "logprobs": None} for i, (text, finish) in enumerate(choices)],
             "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None, created: int) -> dict:
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, created: int, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, created: int) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, created: int, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
 
 class _ErrorDetail(BaseModel):

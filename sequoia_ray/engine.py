@@ -97,6 +97,22 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @classmethod
+    def combined(cls, parts: list[Stats]) -> Stats:
+        """The stats of prompts generated side by side (a batched completion): counts and the time in the models
+        added; ``total_s`` the longest prompt's (they ran together: ``tokens_per_second`` is the batch's); the
+        largest plan."""
+        if len(parts) == 1:
+            return parts[0]
+        out = cls(total_s=max(s.total_s for s in parts), plan_nodes=max(s.plan_nodes for s in parts),
+                  plan_levels=max(s.plan_levels for s in parts))
+        for s in parts:
+            for name in ("steps", "tokens", "tree_nodes", "draft_s", "verify_s", "draft_failures"):
+                setattr(out, name, getattr(out, name) + getattr(s, name))
+            out.accepted_hist.update(s.accepted_hist)
+            out.root_rank_hist.update(s.root_rank_hist)
+        return out
+
     def to_dict(self) -> dict:
         return {
             "steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens_per_step,

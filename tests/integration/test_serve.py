@@ -102,6 +102,30 @@ def test_openai_client(server):
         client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=-1)
 
 
+def test_a_batch_of_prompts_through_the_openai_client_is_each_prompt_alone(server, local):
+    """``prompt`` an array (LangChain's ``OpenAI.generate`` sends its prompts so): one choice per prompt, each what
+    the prompt alone gives, over the TP=2 app's actors, which hold every prompt's state by its request id."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/tp2/v1", api_key="unused")
+    prompts = ["hello world", "The quick brown fox", "x"]
+    expected = [local.decoder(builtin_plan(0.0).plan).generate(local.encode(p, chat=False),
+                                                               SamplingParams(max_tokens=16)).text for p in prompts]
+    batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=16, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2] and [c.text for c in batch.choices] == expected
+    stream = client.completions.create(model="tiny", prompt=prompts, max_tokens=16, temperature=0, stream=True)
+    texts = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}], n=2, seed=3,
+                                          max_tokens=12, temperature=0.7)
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}], seed=4,
+                                           max_tokens=12, temperature=0.7)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[1].message.content == again.choices[0].message.content  # choice 1: seed 3 + 1
+
+
 @pytest.mark.parametrize(
     "body,status,param",
     [
@@ -114,7 +138,8 @@ def test_openai_client(server):
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "x" * 400}, 400, "prompt"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 3}, 400, "n"),  # 3 choices, max_concurrent 2
+        ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "logprobs": 3}, 400, None),
         ({"prompt": 12}, 400, "prompt"),
         ({"prompt": [999999]}, 400, None),
@@ -127,7 +152,7 @@ def test_openai_client(server):
         ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "stop": 5}, 400, "stop"),
         ({"prompt": "x", "seed": 2**63}, 400, "seed"),  # any 64-bit integer is a seed
-        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": ["a", "b", "c"]}, 400, "prompt"),  # a batch of 3, max_concurrent 2
         ({"prompt": {"text": "x"}}, 400, "prompt"),
         ({"prompt": "x", "model": None}, 400, "model"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),

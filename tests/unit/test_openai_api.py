@@ -34,7 +34,6 @@ def api_error(body: dict, model=api.CompletionRequest) -> api.APIError:
     ("logprobs", True), ("top_logprobs", 2), ("best_of", 2), ("echo", True), ("suffix", "end"),
     ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 3), ("use_beam_search", True),
     ("best_of", True),  # not read as 1
-    ("n", 2), ("n", True),  # one choice per request: more is refused as the README says, not as a bad value
     ("logprobs", 0),  # a completion then returns each token's logprob
     ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"}),
     ("stop_token_ids", [5]), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
@@ -188,8 +187,8 @@ def prepare(replica, messages: list[dict], **body):
 
 def test_a_developer_message_reaches_the_template_as_system():
     replica = ingress(ROLES_ONLY_TEMPLATE)
-    prompt, _ = prepare(replica, [{"role": "developer", "content": "AnswerInFrench"},
-                                  {"role": "user", "content": "hi"}])
+    (prompt,), _ = prepare(replica, [{"role": "developer", "content": "AnswerInFrench"},
+                                     {"role": "user", "content": "hi"}])
     assert replica.tokenizer.decode(prompt) == "<s>AnswerInFrench</s><u>hi</u><a>"
 
 
@@ -221,7 +220,7 @@ def test_a_stream_ends_with_a_usage_chunk_when_asked(chat, include_usage):
     async def chunks():
         for chunk in (_chunk("ab"), _chunk("c", "length")):
             await asyncio.sleep(0)
-            yield chunk
+            yield 0, chunk
 
     async def collect(req):
         return [event async for event in replica._events(chunks(), req, "rid", chat, prompt_tokens=5)]
@@ -244,7 +243,7 @@ def test_a_stream_ends_with_a_usage_chunk_when_asked(chat, include_usage):
 def _stream(replica, chat: bool, stream_options: dict) -> list[dict]:
     async def chunks():
         for chunk in (_chunk("ab"), _chunk("c", "length")):
-            yield chunk
+            yield 0, chunk
 
     body = {"model": "m", "stream": True, "stream_options": stream_options}
     req = (api.ChatCompletionRequest.model_validate({**body, "messages": [{"role": "user", "content": "x"}]})
@@ -268,7 +267,8 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(chat, inclu
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_choice_has_logprobs_null_in_every_body(chat):
     """OpenAI's schema lists a choice's ``logprobs`` (nullable) as required; strict clients failed on chat's."""
-    body = (api.chat_body if chat else api.completion_body)("rid", "m", "t", "stop", api.usage(1, 1, None))
+    use = api.usage(1, 1, None)
+    body = (api.chat_body if chat else api.completion_body)("rid", "m", [("t", "stop")], use)
     events = _stream(ingress(), chat, {})
     assert body["choices"][0]["logprobs"] is None and all(e["choices"][0]["logprobs"] is None for e in events)
 
@@ -332,10 +332,11 @@ def test_a_malformed_config_file_names_itself(tmp_path: Path):
 
 # ---- review findings (session 52): each a 500, a param of null or a silently different answer before ------------
 @pytest.mark.parametrize("body,param,fragment", [
-    ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt per request"),  # a batch of token arrays; was "prompt.str"
+    ({"prompt": [[1, 2], [3.5]]}, "prompt.1.0", "fractional part"),  # a batch's bad id; was "prompt.str"
     ({"prompt": "x", "stop": ["a", None]}, "stop.1", "valid string"),  # was "stop.str"
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"prompt": "x", "seed": 2**63}, "seed", "9223372036854775807"),
+    ({"prompt": "x", "n": True}, "n", "not bool"), ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
 ])
 def test_bad_fields_are_named_as_the_client_sent_them(body, param, fragment):
     err = api_error({"model": "m", **body})
@@ -354,9 +355,9 @@ def test_chat_content_other_than_text_names_the_message(content, fragment):
 def test_one_token_array_in_an_array_is_that_prompt():
     """lm-eval's local-completions sends its token prompts as ``[[ids]]``: refused as a batch before."""
     replica = ingress()
-    prompt, _ = replica._prepare(api.CompletionRequest.model_validate({**COMPLETION, "prompt": [[5, 6, 7]]}),
-                                 chat=False)
-    assert prompt == [5, 6, 7]
+    prompts, _ = replica._prepare(api.CompletionRequest.model_validate({**COMPLETION, "prompt": [[5, 6, 7]]}),
+                                  chat=False)
+    assert prompts == [[5, 6, 7]]
 
 
 def test_text_parts_are_joined_by_newlines_and_a_name_reaches_the_template():

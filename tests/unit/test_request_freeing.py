@@ -59,13 +59,14 @@ def _replica(decoders, max_concurrent=1):
         return decoders.pop(0)
 
     async def prepared(req, chat):
-        return [1, 2, 3], SamplingParams(max_tokens=1000)
+        return [[1, 2, 3]], SamplingParams(max_tokens=1000)
 
     replica._plans, replica._decoder, replica._prepared = served_plans, decoder, prepared
     return replica
 
 
-REQ = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False)
+REQ = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False,
+                      choices=1)
 
 
 def test_a_disconnected_stream_keeps_its_max_concurrent_slot_until_its_request_is_freed():

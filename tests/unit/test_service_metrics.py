@@ -51,13 +51,14 @@ def replica(decoder, prepare_s: float = 0.0) -> _Replica:
 
     async def prepared(req, chat):
         await asyncio.sleep(prepare_s)  # rendering and tokenising the prompt
-        return [1, 2, 3], SamplingParams(max_tokens=11)
+        return [[1, 2, 3]], SamplingParams(max_tokens=11)
 
     r._plans, r._decoder, r._prepared = get_plans, get_decoder, prepared
     return r
 
 
-REQUEST = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False)
+REQUEST = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False,
+                          choices=1)
 
 
 def test_a_client_gone_mid_stream_has_its_tokens_and_first_token_counted():

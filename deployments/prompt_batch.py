@@ -1,0 +1,77 @@
+"""Several generations in one request (``prompt`` an array: lm-eval's and LangChain's batches; ``n`` choices a
+prompt): their streams run side by side as concurrent requests (the Runner batches their steps as it batches
+separate clients'), and answer as one: all or none. One that fails fails the request, and the others are
+cancelled (freed as a client gone is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+_END = object()
+
+
+async def all_or_none(awaitables: list[Awaitable[T]]) -> list[T]:
+    """Each awaitable's result, in order, run concurrently; the first failure cancels the others (waited for,
+    so they are freed before this returns) and is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        return [t.result() for t in tasks]
+    finally:
+        await _cancelled(tasks)
+
+
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of ``streams`` as they come, each with its stream's index. Nothing is yielded before every
+    stream has given its first item (or ended): a refusal before a prompt's first token (the context too long,
+    429) is raised before the first event, a proper HTTP error. A stream's failure cancels the others and is
+    raised; closing this closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it (a cancel goes on up)
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    held: list[tuple[int, T]] | None = []  # until every stream has started; then None
+    started, open_streams = set(), len(streams)
+    try:
+        while open_streams:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            started.add(index)
+            if item is _END:
+                open_streams -= 1
+            elif held is None:
+                yield index, item
+            else:
+                held.append((index, item))
+            if held is not None and len(started) == len(streams):
+                for index_item in held:
+                    yield index_item
+                held = None
+    finally:
+        await _cancelled(tasks)
+
+
+async def _cancelled(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

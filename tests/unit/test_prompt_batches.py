@@ -1,0 +1,299 @@
+"""A completion's ``prompt`` as an array of prompts (LangChain's ``OpenAI.generate`` and lm-eval's local-completions
+send them; OpenAI's and vLLM's completions take them), and ``n`` choices per prompt: one choice per prompt and j,
+generated side by side, all or none. Both were refused (400) before. The request path is the real one (_prepare, _chunks, _events) over a tiny
+in-process pair, as in test_handle_api; ``deployments.prompt_batch``'s helpers are tested on plain streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments import openai_api as api
+from deployments.prompt_batch import all_or_none, merged
+from tests.unit.test_handle_api import pair, replica  # noqa: F401 - the module-scoped fixture
+
+PROMPTS = ["def add(a, b):", "Once upon a time", "hello"]
+
+
+def complete(r, **body) -> dict:
+    return asyncio.run(r.generate({"model": "m", "max_tokens": 6, **body}))
+
+
+def stream(r, **body) -> list[dict]:
+    async def collect():
+        return [e async for e in r.generate_stream({"model": "m", "max_tokens": 6, **body})]
+
+    return asyncio.run(collect())
+
+
+# ---- through the ingress ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.6, 7)])
+def test_each_choice_is_its_prompt_generated_alone(pair, temperature, seed):  # noqa: F811
+    """Greedy, and sampled with a seed (each prompt its own generator): a batch's choice i is what prompt i alone
+    gives, in order; the usage adds the prompts' and the choices' tokens."""
+    r = replica(pair)
+    alone = [complete(r, prompt=p, temperature=temperature, seed=seed) for p in PROMPTS]
+    batch = complete(r, prompt=PROMPTS, temperature=temperature, seed=seed)
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert [c["finish_reason"] for c in batch["choices"]] == [a["choices"][0]["finish_reason"] for a in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(a["usage"][key] for a in alone)
+    spec = batch["usage"]["speculative"]
+    assert spec["steps"] == sum(a["usage"]["speculative"]["steps"] for a in alone)
+    assert spec["tokens"] == batch["usage"]["completion_tokens"]
+    assert r.active == 0
+
+
+def test_a_batchs_prompts_are_distinct_requests_on_workers_shared_as_the_actors_are(pair):  # noqa: F811
+    """The actors hold every request's state by its id: a batch's prompts sent under the request's one id
+    overwrote each other's state there. Here one target and one draft worker serve every decoder, as the actors
+    serve every request of a replica."""
+    from sequoia_ray.draft import DraftWorker
+    from sequoia_ray.engine import SpeculativeDecoder
+    from sequoia_ray.target import TargetWorker
+
+    r = replica(pair)
+    target, draft = TargetWorker(pair.target.model), DraftWorker(pair.draft.model)
+
+    async def shared(plan, speculate, family=None, rules=None):
+        return SpeculativeDecoder(target, draft if speculate else None, plan(), tokenizer=pair.target.tokenizer,
+                                  eos_ids=pair.target.eos_ids, max_context=pair.target.max_context)
+
+    alone = [complete(r, prompt=p, temperature=0, max_tokens=12) for p in PROMPTS]
+    r._decoder = shared
+    batch = complete(r, prompt=PROMPTS, temperature=0, max_tokens=12)
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert not target.requests and not draft.requests  # every prompt's state freed
+
+
+def test_a_batch_of_token_arrays_is_served_as_its_texts_are(pair):  # noqa: F811
+    r = replica(pair)
+    ids = [r.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS[:2]]
+    by_ids = complete(r, prompt=ids, temperature=0)
+    by_text = complete(r, prompt=PROMPTS[:2], temperature=0)
+    assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in by_text["choices"]]
+    assert by_ids["usage"]["prompt_tokens"] == sum(map(len, ids))
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_a_streamed_batch_interleaves_its_choices_by_index(pair, include_usage):  # noqa: F811
+    """Every event names its choice; a choice's texts joined are its completion; one finish per choice; the
+    request's usage once, at the end (a usage-only chunk with ``include_usage``, else on the last finish)."""
+    r = replica(pair)
+    whole = complete(r, prompt=PROMPTS, temperature=0)
+    events = stream(r, prompt=PROMPTS, temperature=0, stream_options={"include_usage": include_usage})
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    texts = ["".join(c["text"] for c in choices if c["index"] == i) for i in range(3)]
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert sorted(c["index"] for c in choices if c["finish_reason"]) == [0, 1, 2]
+    with_usage = [e for e in events if e.get("usage")]
+    assert len(with_usage) == 1 and with_usage[0] is events[-1]
+    assert with_usage[0]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert (events[-1]["choices"] == []) == include_usage
+    assert r.active == 0
+
+
+def test_a_batch_larger_than_max_concurrent_is_a_400_naming_the_limit(pair):  # noqa: F811
+    with pytest.raises(api.APIError) as info:
+        complete(replica(pair, max_concurrent=2), prompt=PROMPTS)
+    assert (info.value.status, info.value.param) == (400, "prompt") and "max_concurrent" in info.value.message
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_batch_without_room_for_all_its_prompts_is_a_429_and_starts_none(pair, streamed):  # noqa: F811
+    r = replica(pair, max_concurrent=3)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}
+
+    async def scenario():
+        busy = r.generate_stream(chat)
+        await busy.__anext__()  # holds one of the three slots
+        body = {"model": "m", "prompt": PROMPTS, "max_tokens": 4}
+        try:
+            with pytest.raises(api.APIError) as refused:
+                if streamed:
+                    [e async for e in r.generate_stream(body)]
+                else:
+                    await r.generate(body)
+            return refused.value.status, r.active
+        finally:
+            await busy.aclose()
+
+    assert asyncio.run(scenario()) == (429, 1)  # the busy request alone: none of the batch was admitted
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_prompt_that_fails_fails_the_batch_and_frees_the_others(pair, streamed):  # noqa: F811
+    """The long prompt does not fit the tiny model's 512-token context with max_tokens 20 (found once its
+    decoder is made, after the short ones started): the request is that prompt's 400, and every prompt's slot is
+    freed."""
+    r = replica(pair)
+    batch = {"model": "m", "prompt": ["hi", "a" * 500, "hello"], "max_tokens": 20, "temperature": 0}
+
+    async def scenario():
+        with pytest.raises(api.APIError) as info:
+            if streamed:
+                [e async for e in r.generate_stream(batch)]
+            else:
+                await r.generate(batch)
+        await r.runner.drain(10)
+        return info.value, r.active
+
+    err, active = asyncio.run(scenario())
+    assert (err.status, err.code, active) == (400, "context_length_exceeded", 0)
+    assert "500 tokens" in err.message or "501 tokens" in err.message
+
+
+def test_a_batchs_bad_prompt_is_named_by_its_index(pair):  # noqa: F811
+    r = replica(pair, max_prompt_tokens=8)
+    with pytest.raises(api.APIError) as info:
+        complete(r, prompt=["hi", "a much longer prompt"])
+    assert info.value.status == 400 and "prompt 1 of the batch" in info.value.message
+    with pytest.raises(api.APIError) as info:
+        complete(r, prompt=[[5, 6], [5, 999]])
+    assert info.value.status == 400 and "prompt 1 of the batch" in info.value.message
+
+
+def test_one_prompt_in_an_array_answers_as_one_prompt(pair):  # noqa: F811
+    r = replica(pair)
+    one, listed = complete(r, prompt="hello", temperature=0), complete(r, prompt=["hello"], temperature=0)
+    assert [c["text"] for c in listed["choices"]] == [c["text"] for c in one["choices"]]
+    assert len(listed["choices"]) == 1
+
+
+def test_n_choices_are_seeded_seed_plus_j_and_ordered_by_prompt(pair):  # noqa: F811
+    """``n`` (refused before): choice j of a prompt is that prompt alone with seed + j (vLLM's rule; with one seed
+    the n sampled choices were one text n times), a prompt's n choices before the next prompt's."""
+    r = replica(pair)
+    sampled = {"temperature": 0.8, "max_tokens": 8}
+    alone = [complete(r, prompt=p, seed=7 + j, **sampled)["choices"][0]["text"] for p in PROMPTS[:2] for j in range(2)]
+    out = complete(r, prompt=PROMPTS[:2], n=2, seed=7, **sampled)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == alone
+    assert out["usage"]["prompt_tokens"] == sum(len(r.tokenizer.encode(p)) for p in PROMPTS[:2])  # once a prompt
+
+
+def test_a_chat_with_n_streams_each_choices_role_and_text(pair):  # noqa: F811
+    r = replica(pair)
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 1, "temperature": 0.8}
+    whole = complete(r, **body)
+    events = stream(r, **body)
+    assert [e["choices"][0]["index"] for e in events[:3]] == [0, 1, 2]
+    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": ""} for e in events[:3])
+    texts = ["".join(e["choices"][0]["delta"].get("content", "") for e in events[3:] if e["choices"][0]["index"] == i)
+             for i in range(3)]
+    assert texts == [c["message"]["content"] for c in whole["choices"]]
+    assert len({c["message"]["content"] for c in whole["choices"]}) > 1  # seeds 1, 2, 3: not one text thrice
+
+
+def test_more_choices_than_max_concurrent_is_a_400_on_n(pair):  # noqa: F811
+    with pytest.raises(api.APIError) as info:
+        complete(replica(pair, max_concurrent=3), prompt=PROMPTS[:2], n=2)
+    assert (info.value.status, info.value.param) == (400, "n") and "max_concurrent" in info.value.message
+
+
+# ---- the helpers ------------------------------------------------------------------------------------------------
+class Source:
+    """An async stream of ``items`` (an Exception among them is raised there), recording whether it was closed
+    before its end."""
+
+    def __init__(self, items, gap_s: float = 0.0) -> None:
+        self.items, self.gap_s, self.closed_early = items, gap_s, False
+
+    async def __call__(self):
+        done = False
+        try:
+            for item in self.items:
+                await asyncio.sleep(self.gap_s)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+            done = True
+        finally:
+            self.closed_early = not done
+
+
+def run_merged(sources, take: int | None = None) -> tuple[list, list[bool]]:
+    """The items read (the first ``take``), and whether each source was closed early once the merged stream
+    was closed (read at once, before any other task runs)."""
+    async def go():
+        out, stream = [], merged([s() for s in sources])
+        try:
+            async for item in stream:
+                out.append(item)
+                if take is not None and len(out) == take:
+                    break
+        finally:
+            await stream.aclose()
+        return out, [s.closed_early for s in sources]
+
+    return asyncio.run(go())
+
+
+def test_merged_tags_every_item_and_keeps_each_streams_order():
+    fast, slow = Source("abc"), Source("xyz", gap_s=0.01)
+    out, _ = run_merged([fast, slow])
+    assert sorted(out) == sorted([(0, "a"), (0, "b"), (0, "c"), (1, "x"), (1, "y"), (1, "z")])
+    assert [x for i, x in out if i == 0] == list("abc") and [x for i, x in out if i == 1] == list("xyz")
+
+
+def test_merged_raises_a_failure_before_a_streams_first_item_before_yielding_anything():
+    """A prompt refused before its first token (the context too long) must be the request's HTTP error: nothing
+    may have been sent by then, though the other prompts already have tokens."""
+    ok, refused = Source("abcdef"), Source([ValueError("too long")], gap_s=0.02)
+    got = []
+
+    async def go():
+        async for item in merged([ok(), refused()]):
+            got.append(item)
+
+    with pytest.raises(ValueError, match="too long"):
+        asyncio.run(go())
+    assert got == [] and ok.closed_early is False  # (``ok`` had ended: 6 items in no time)
+
+
+def test_a_failure_mid_stream_cancels_the_other_streams():
+    """...and has them closed by the time the failure is raised (their slots freed before the error is sent)."""
+    long, failing = Source(range(100), gap_s=0.01), Source(["a", RuntimeError("broke")], gap_s=0.02)
+
+    async def go():
+        with pytest.raises(RuntimeError, match="broke"):
+            async for _ in merged([long(), failing()]):
+                pass
+        return long.closed_early  # read before anything else runs
+
+    assert asyncio.run(go())
+
+
+def test_closing_the_merged_stream_closes_every_stream():
+    a, b = Source(range(100), gap_s=0.01), Source(range(100), gap_s=0.01)
+    out, closed = run_merged([a, b], take=5)
+    assert len(out) == 5 and closed == [True, True]
+
+
+def test_all_or_none_returns_in_order_or_raises_the_first_failure_and_cancels_the_rest():
+    async def value(x, delay):
+        await asyncio.sleep(delay)
+        return x
+
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def fails():
+        await asyncio.sleep(0.01)
+        raise KeyError("gone")
+
+    async def failing_batch():
+        with pytest.raises(KeyError):
+            await all_or_none([slow(), fails()])
+        return list(cancelled)  # the slow one was cancelled before the failure was raised
+
+    assert asyncio.run(all_or_none([value(1, 0.02), value(2, 0.0), value(3, 0.01)])) == [1, 2, 3]
+    assert asyncio.run(failing_batch()) == [True]
