@@ -9,7 +9,9 @@ Serve still applies the up/down-scaling delays and factors around it.
 
 Every held request is one an ingress replica runs (its decoding loop), and an ingress replica refuses beyond
 ``max_concurrent`` (429): the ingress scales too (``ingress_autoscaling_config``), or the held requests — and
-with them the model replicas — could never grow past what a fixed ingress lets in.
+with them the model replicas — could never grow past what a fixed ingress lets in. It scales on the same policy,
+its replicas reporting the generations they run: one Serve call may run many (a batch of prompts, ``n``
+choices), so Serve's count of its calls saw a replica full of batches as barely busy.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def autoscaling_config(user: dict) -> dict:
 def ingress_autoscaling_config(user: dict, max_concurrent: int) -> dict:
     """The ingress's autoscaling_config, derived from the model deployments' (``user``): bounds that carry the
     requests the models' min, initial and max replicas are sized for (``target_ongoing_requests`` held each),
-    at ``INGRESS_HEADROOM * max_concurrent`` per ingress replica. It scales on Serve's default policy: unlike the
-    models', its Serve calls *are* the requests. The user's delays and smoothing apply to it too."""
+    at ``INGRESS_HEADROOM * max_concurrent`` per ingress replica, on the generations its replicas run
+    (``held_requests_policy``; a Serve call of several prompts or choices runs several). The user's delays and
+    smoothing apply to it too."""
     model = model_bounds(user)
     per_replica = INGRESS_HEADROOM * max_concurrent
 
@@ -54,7 +57,7 @@ def ingress_autoscaling_config(user: dict, max_concurrent: int) -> dict:
 
     out = {key: value for key, value in user.items() if key not in _BOUNDS}
     out.update(min_replicas=replicas(model.min_replicas), max_replicas=replicas(model.max_replicas),
-               target_ongoing_requests=per_replica)
+               target_ongoing_requests=per_replica, policy={"policy_function": POLICY})
     if model.initial_replicas is not None:
         out["initial_replicas"] = replicas(model.initial_replicas)
     return out

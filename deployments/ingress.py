@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
 from deployments import openai_api as api
+from deployments.autoscaling import HELD
 from deployments.config import ServeConfig
 from deployments.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from deployments.prompt_batch import all_or_none, merged
@@ -154,20 +155,23 @@ async def _parse(request: Request, model, max_bytes: int):
         raise api.validation_error(exc) from None
 
 
-def _fit_context(prompt: list[int], params: SamplingParams, context: int | None, req) -> SamplingParams:
+def _fit_context(prompt: list[int], params: SamplingParams, context: int | None, req,
+                 which: str | None = None) -> SamplingParams:
     """``params`` whose length fits the model's context: a default length (the client sent none) is cut to what
     the context holds after the prompt, as OpenAI's and vLLM's are; a length the client sent that does not fit,
-    or a prompt that leaves no room, is a 400 naming the field to change."""
+    or a prompt that leaves no room, is a 400 naming the field to change (``which``: the prompt's name in a
+    batch, "prompt 2 of the batch")."""
     if context is None or len(prompt) + params.max_tokens <= context:
         return params
     field, room = req.prompt_param, context - len(prompt)
+    name = which or field
     if not req.length_sent and room > 0:
         return params.model_copy(update={"max_tokens": room})
     if req.length_sent:
-        message = (f"{field} of {len(prompt)} tokens + {req.length_param} {params.max_tokens} exceeds the model's "
-                   f"context of {context} tokens; shorten the {field} or lower {req.length_param}")
+        message = (f"{name} of {len(prompt)} tokens + {req.length_param} {params.max_tokens} exceeds the model's "
+                   f"context of {context} tokens; shorten the {name} or lower {req.length_param}")
     else:
-        message = f"{field} of {len(prompt)} tokens leaves no room in the model's context of {context} tokens"
+        message = f"{name} of {len(prompt)} tokens leaves no room in the model's context of {context} tokens"
     raise api.APIError(400, message, param=req.length_param if req.length_sent else field,
                        code="context_length_exceeded")
 
@@ -272,6 +276,8 @@ async def _sse(events: AsyncIterator[dict], ended=lambda status: None):
 @serve.ingress(app)
 class OpenAIIngress:
     HEALTH_WAIT_S = 2.0  # /health's wait for the target's first answer before it says "loading"
+    MAX_CHOICES = 256  # a request's prompts x n at most (OpenAI's n goes to 128; LangChain batches 20 prompts)
+    SLOT_POLL_S = 0.05  # a batch's choice waiting for a free slot looks again this often
     FREE_WAIT_S = 30.0  # a stopping replica's wait for the requests still being freed (a step, then a finish)
 
     def __init__(self, config: dict, draft, target) -> None:
@@ -304,8 +310,13 @@ class OpenAIIngress:
 
     @property
     def active(self) -> int:
-        """Requests in flight on this replica now."""
+        """Requests in flight on this replica now (a batch's or ``n``'s choices each count)."""
         return self.in_flight.count
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the ingress scales on (``deployments.autoscaling``): the generations in flight, not Serve's count of
+        calls, one of which may run a batch of them."""
+        return {HELD: float(self.active)}
 
     # ---- HTTP -----------------------------------------------------------------------------------
     @app.get("/health", responses={503: {"description": "the target model is not loaded yet (status: loading)"}})
@@ -429,9 +440,9 @@ class OpenAIIngress:
         rid = api.completion_id(req.id_kind)
         choices = self._choices(req, prompts, params, rid)
 
-        async def one(prompt: list[int], choice_params: SamplingParams, choice_id: str):
+        async def one(prompt: list[int], choice_params: SamplingParams, choice_id: str, which: str | None):
             text, ids, last = [], 0, None
-            async for chunk in self._chunks(prompt, choice_params, choice_id, req, chat, received):
+            async for chunk in self._chunks(prompt, choice_params, choice_id, req, chat, received, which):
                 text.append(chunk.text)
                 ids += len(chunk.token_ids)
                 last = chunk
@@ -474,28 +485,32 @@ class OpenAIIngress:
         first token are raised here, still proper HTTP errors (or, through a handle, before any event)."""
         rid = api.completion_id(req.id_kind)
         choices = self._choices(req, prompts, params, rid)
-        chunks = merged([self._chunks(prompt, choice_params, choice_id, req, chat, received)
-                         for prompt, choice_params, choice_id in choices])
+        chunks = merged([self._chunks(prompt, choice_params, choice_id, req, chat, received, which)
+                         for prompt, choice_params, choice_id, which in choices])
         first = await _first(chunks)
         return self._events(_prepend(first, chunks), req, rid, chat, sum(map(len, prompts)), len(choices))
 
     def _choices(self, req, prompts: list[list[int]], params: SamplingParams, rid: str
-                 ) -> list[tuple[list[int], SamplingParams, str]]:
-        """What each choice generates, in the order of ``choices``: (prompt, parameters, request id), ``n`` per
-        prompt. Choice j of a prompt is seeded with seed + j (vLLM's rule: with one seed the ``n`` sampled choices
-        were the same text). Each has its own request id: the actors keep a request's state by its id (under the
-        request's one id a batch's prompts overwrote each other's state). Admitted whole or refused (429) before
-        any starts: one admitted and another refused would fail the request after the first had taken a slot."""
+                 ) -> list[tuple[list[int], SamplingParams, str, str | None]]:
+        """What each choice generates, in the order of ``choices``: (prompt, parameters, request id, the prompt's
+        name in errors: None for a request of one choice), ``n`` per prompt. Choice j of a prompt is seeded with seed + j
+        (vLLM's rule: with one seed the ``n`` sampled choices were the same text). Each has its own request id:
+        the actors keep a request's state by its id (under the request's one id a batch's prompts overwrote each
+        other's state). Several choices are refused (429) as one request is, when no slot is free; else each
+        takes a slot as one frees (``_chunks``' ``which``): a batch larger than the free slots, or than
+        ``max_concurrent``, runs through the slots it gets (refused whole before, a batch of LangChain's 20 a 400
+        at the default 8)."""
         n = req.choices
         choices = [(prompt, params if j == 0 or params.seed is None else
-                    params.model_copy(update={"seed": (params.seed + j) % api.SEED_MODULUS}))
-                   for prompt in prompts for j in range(n)]
-        if len(choices) > 1 and self.active + len(choices) > self.cfg.max_concurrent:
-            raise api.APIError(429, f"{self.active} requests in flight and {len(choices)} choices to generate "
-                                    f"(max_concurrent {self.cfg.max_concurrent}); retry later",
-                               type="rate_limit_error", code="overloaded", retry_after_s=1)
+                    params.model_copy(update={"seed": (params.seed + j) % api.SEED_MODULUS}),
+                    req.prompt_param if len(prompts) == 1 else f"{req.prompt_param} {i} of the batch")
+                   for i, prompt in enumerate(prompts) for j in range(n)]
+        if len(choices) > 1 and self.active >= self.cfg.max_concurrent:
+            raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
+                                    "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
         ids = [rid] if len(choices) == 1 else [f"{rid}-{i}" for i in range(len(choices))]
-        return [(prompt, choice_params, choice_id) for (prompt, choice_params), choice_id in zip(choices, ids)]
+        return [(prompt, choice_params, choice_id, which if len(choices) > 1 else None)
+                for (prompt, choice_params, which), choice_id in zip(choices, ids)]
 
     async def _prepared(self, req, chat: bool) -> tuple[list[list[int]], SamplingParams]:
         """``_prepare`` off the event loop: rendering a chat template and tokenising up to ``max_body_bytes`` of
@@ -514,10 +529,10 @@ class OpenAIIngress:
         except ValidationError as exc:
             raise api.validation_error(exc) from None
         batch = 1 if chat else len(req.prompts)
-        if batch * req.choices > self.cfg.max_concurrent:
+        if batch * req.choices > self.MAX_CHOICES:
             what = f"{batch} prompts × n {req.choices}" if req.choices > 1 else f"a batch of {batch} prompts"
-            raise api.APIError(400, f"{what}: this server generates at most {self.cfg.max_concurrent} at once "
-                               "(max_concurrent); send fewer a request", param="n" if req.choices > 1 else field,
+            raise api.APIError(400, f"{what} is more than the {self.MAX_CHOICES} choices a request may ask for; "
+                               "split it into several requests", param="n" if req.choices > 1 else field,
                                code="invalid_value")
         try:
             prompts = self._encode(req, chat)
@@ -652,7 +667,11 @@ class OpenAIIngress:
             self.metrics.live(self.live.live, replanned)
 
     async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, req, chat: bool,
-                      received: float | None = None):
+                      received: float | None = None, which: str | None = None):
+        """The chunks of one generation. ``which``: a choice of several (``_choices``): it names its prompt in
+        errors, and waits for a free slot instead of being refused (the request was admitted as a whole)."""
+        while which is not None and self.active >= self.cfg.max_concurrent:
+            await asyncio.sleep(self.SLOT_POLL_S)
         if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
                                     "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
@@ -674,7 +693,7 @@ class OpenAIIngress:
             rules = self.rules.for_request(params.temperature, self.in_flight.batch) if self.rules else None
             decoder = await self._decoder(lambda: plans.get(params.temperature, self.in_flight.batch()).planned.plan,
                                           req.speculative, family, rules)
-            params = _fit_context(prompt, params, decoder.max_context, req)
+            params = _fit_context(prompt, params, decoder.max_context, req, which)
             handed = True  # the slot is left when the request is freed on the actors, not when this ends: a
             # client gone mid-step ended this at once (Starlette cancels twice) and a new request took the slot
             # while the step still held a Runner thread and the actors' state

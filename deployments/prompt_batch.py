@@ -19,10 +19,11 @@ async def all_or_none(awaitables: list[Awaitable[T]]) -> list[T]:
     so they are freed before this returns) and is raised."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
-        if failed:
-            raise failed[0].exception()
+        pending = set(tasks)
+        while pending:  # not FIRST_EXCEPTION: a task cancelled under it is no exception there, and it waited on
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.index):
+                task.result()  # raises its failure, or CancelledError for a task cancelled from elsewhere
         return [t.result() for t in tasks]
     finally:
         await _cancelled(tasks)
@@ -43,7 +44,10 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
         try:
             async for item in stream:
                 queue.put_nowait((index, item))
-        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it (a cancel goes on up)
+        except BaseException as exc:  # handed to the reader, which raises it: a CancelledError from inside the
+            # stream too (the reader waited forever for it); this pump's own cancel (``_cancelled``) goes on up
+            if asyncio.current_task().cancelling():
+                raise
             queue.put_nowait((index, exc))
         else:
             queue.put_nowait((index, _END))
@@ -54,7 +58,7 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
     try:
         while open_streams:
             index, item = await queue.get()
-            if isinstance(item, Exception):
+            if isinstance(item, BaseException):
                 raise item
             started.add(index)
             if item is _END:

@@ -49,7 +49,8 @@ def test_the_ingress_scales_to_carry_the_models_max():
     ingress = ingress_autoscaling_config(user, 16)
     per_replica = INGRESS_HEADROOM * 16  # 12 requests per ingress replica before Serve adds one
     assert ingress == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 3, "upscale_delay_s": 5,
-                       "target_ongoing_requests": per_replica}  # ceil(16/12), ceil(24/12), ceil(32/12); no policy
+                       "target_ongoing_requests": per_replica,  # ceil(16/12), ceil(24/12), ceil(32/12)
+                       "policy": {"policy_function": POLICY}}  # on its generations in flight, not the user's
     check_reachable(user, ingress["max_replicas"], 16)
     from ray.serve.config import AutoscalingConfig
 
@@ -66,3 +67,23 @@ def test_a_max_the_ingress_cannot_let_in_is_refused_naming_the_fix():
                                          r"2 replicas\); raise max_concurrent"):
         check_reachable(user, 1, 16)
     check_reachable(user, 1, 25)  # 25 held: ceil(25 / 8) = 4
+
+
+def test_the_ingress_reports_its_generations_in_flight_not_its_calls():
+    """One Serve call may run a batch of prompts or n choices: Serve's count of calls saw a replica full of
+    batches (4 calls of 4 prompts, max_concurrent 16) as a quarter busy, and never added one."""
+    import asyncio
+
+    from deployments.ingress import OpenAIIngress
+    from sequoia_ray.in_flight import InFlight
+
+    class Held(OpenAIIngress.func_or_class):  # made without its constructor: no __del__ to run
+        def __del__(self) -> None:
+            pass
+
+    replica = object.__new__(Held)
+    replica.in_flight = InFlight(0.0)
+    for _ in range(16):
+        replica.in_flight.enter()
+    assert asyncio.run(replica.record_autoscaling_stats()) == {HELD: 16.0}
+    assert held_requests_policy(ctx({"a": 16.0}, target=12, high=3))[0] == 2

@@ -95,32 +95,78 @@ def test_a_streamed_batch_interleaves_its_choices_by_index(pair, include_usage):
     assert r.active == 0
 
 
-def test_a_batch_larger_than_max_concurrent_is_a_400_naming_the_limit(pair):  # noqa: F811
-    with pytest.raises(api.APIError) as info:
-        complete(replica(pair, max_concurrent=2), prompt=PROMPTS)
-    assert (info.value.status, info.value.param) == (400, "prompt") and "max_concurrent" in info.value.message
+def peak_in_flight(r) -> list[int]:
+    """The replica's requests in flight, recorded at every admission (its peak: ``max`` of the list)."""
+    seen, enter = [], r.in_flight.enter
+
+    def counted():
+        enter()
+        seen.append(r.active)
+
+    r.in_flight.enter = counted
+    return seen
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_a_batch_without_room_for_all_its_prompts_is_a_429_and_starts_none(pair, streamed):  # noqa: F811
-    r = replica(pair, max_concurrent=3)
+def test_a_batch_larger_than_max_concurrent_runs_through_its_slots(pair, streamed):  # noqa: F811
+    """Three prompts at max_concurrent 2 (LangChain sends 20 a request; the default is 8): a 400 before. The
+    choices take slots as they free, never more than max_concurrent at once, and each is its prompt alone."""
+    r = replica(pair, max_concurrent=2)
+    alone = [complete(r, prompt=p, temperature=0)["choices"][0]["text"] for p in PROMPTS]
+    seen = peak_in_flight(r)
+    if streamed:
+        events = stream(r, prompt=PROMPTS, temperature=0)
+        texts = ["".join(e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["index"] == i)
+                 for i in range(3)]
+    else:
+        texts = [c["text"] for c in complete(r, prompt=PROMPTS, temperature=0)["choices"]]
+    assert texts == alone and len(seen) == 3 and max(seen) == 2 and r.active == 0
+
+
+def test_a_batch_larger_than_the_free_slots_waits_for_them_and_a_full_replica_refuses_it(pair):  # noqa: F811
+    """With one of three slots busy, a batch of three runs two at a time; with every slot busy it is a 429, as a
+    single request is (nothing started)."""
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}
 
-    async def scenario():
+    async def scenario(max_concurrent: int):
+        r = replica(pair, max_concurrent=max_concurrent)
         busy = r.generate_stream(chat)
-        await busy.__anext__()  # holds one of the three slots
-        body = {"model": "m", "prompt": PROMPTS, "max_tokens": 4}
+        await busy.__anext__()  # holds one slot
+        seen = peak_in_flight(r)
         try:
-            with pytest.raises(api.APIError) as refused:
-                if streamed:
-                    [e async for e in r.generate_stream(body)]
-                else:
-                    await r.generate(body)
-            return refused.value.status, r.active
+            out = await r.generate({"model": "m", "prompt": PROMPTS, "max_tokens": 4, "temperature": 0})
+            return len(out["choices"]), max(seen), r.active
+        except api.APIError as refused:
+            return refused.status, seen, r.active
         finally:
             await busy.aclose()
 
-    assert asyncio.run(scenario()) == (429, 1)  # the busy request alone: none of the batch was admitted
+    assert asyncio.run(scenario(3)) == (3, 3, 1)  # never more than max_concurrent, the busy request among them
+    assert asyncio.run(scenario(1)) == (429, [], 1)
+
+
+def test_a_client_gone_while_its_choices_wait_for_slots_frees_everything(pair):  # noqa: F811
+    r = replica(pair, max_concurrent=2)
+
+    async def scenario():
+        batch = asyncio.ensure_future(r.generate({"model": "m", "prompt": PROMPTS, "max_tokens": 200,
+                                                  "ignore_eos": True, "temperature": 0}))
+        while r.active < 2:  # two choices running, the third waiting for a slot
+            await asyncio.sleep(0.01)
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        await r.runner.drain(10)
+        return r.active
+
+    assert asyncio.run(scenario()) == 0
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": ["x"] * 257}, "prompt"), ({"prompt": ["x"] * 2, "n": 129}, "n")])
+def test_more_choices_than_a_request_may_ask_for_is_a_400(pair, body, param):  # noqa: F811
+    with pytest.raises(api.APIError) as info:
+        complete(replica(pair), **body)
+    assert (info.value.status, info.value.param) == (400, param) and "256 choices" in info.value.message
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -141,8 +187,8 @@ def test_a_prompt_that_fails_fails_the_batch_and_frees_the_others(pair, streamed
         return info.value, r.active
 
     err, active = asyncio.run(scenario())
-    assert (err.status, err.code, active) == (400, "context_length_exceeded", 0)
-    assert "500 tokens" in err.message or "501 tokens" in err.message
+    assert (err.status, err.code, err.param, active) == (400, "context_length_exceeded", "max_tokens", 0)
+    assert err.message.startswith("prompt 1 of the batch of 50")  # 500 or 501 tokens (the tokenizer's BOS)
 
 
 def test_a_batchs_bad_prompt_is_named_by_its_index(pair):  # noqa: F811
@@ -185,12 +231,6 @@ def test_a_chat_with_n_streams_each_choices_role_and_text(pair):  # noqa: F811
              for i in range(3)]
     assert texts == [c["message"]["content"] for c in whole["choices"]]
     assert len({c["message"]["content"] for c in whole["choices"]}) > 1  # seeds 1, 2, 3: not one text thrice
-
-
-def test_more_choices_than_max_concurrent_is_a_400_on_n(pair):  # noqa: F811
-    with pytest.raises(api.APIError) as info:
-        complete(replica(pair, max_concurrent=3), prompt=PROMPTS[:2], n=2)
-    assert (info.value.status, info.value.param) == (400, "n") and "max_concurrent" in info.value.message
 
 
 # ---- the helpers ------------------------------------------------------------------------------------------------
@@ -297,3 +337,46 @@ def test_all_or_none_returns_in_order_or_raises_the_first_failure_and_cancels_th
 
     assert asyncio.run(all_or_none([value(1, 0.02), value(2, 0.0), value(3, 0.01)])) == [1, 2, 3]
     assert asyncio.run(failing_batch()) == [True]
+
+
+def test_a_stream_cancelled_from_inside_ends_the_merge_instead_of_hanging_it():
+    """A choice cancelled under the request (its wait on a shared set-up task cancelled as the replica stops)
+    raises CancelledError, no Exception: the merge caught only Exceptions and waited for it forever."""
+    async def cancelled_inside():
+        yield "a"
+        raise asyncio.CancelledError
+
+    async def go():
+        async def read():
+            return [item async for item in merged([Source(range(3))(), cancelled_inside()])]
+
+        try:
+            await asyncio.wait_for(read(), 2.0)
+        except asyncio.CancelledError:
+            return "cancelled"
+        except TimeoutError:
+            return "hung"
+
+    assert asyncio.run(go()) == "cancelled"
+
+
+def test_all_or_none_ends_when_a_task_is_cancelled_from_elsewhere():
+    """FIRST_EXCEPTION does not count a cancelled task: the batch waited for every other choice to end."""
+    async def go():
+        gate = asyncio.get_running_loop().create_future()
+
+        async def waits():
+            return await gate
+
+        async def cancel_soon():
+            await asyncio.sleep(0.01)
+            gate.cancel()
+
+        asyncio.ensure_future(cancel_soon())
+        start = asyncio.get_running_loop().time()
+        try:
+            await all_or_none([waits(), asyncio.sleep(10)])
+        except asyncio.CancelledError:
+            return asyncio.get_running_loop().time() - start < 2
+
+    assert asyncio.run(go()) is True
