@@ -330,6 +330,18 @@ class CompletionRequest(_Common):
         description="Text or token ids; or an array of either, a batch: one choice per prompt, in order (``index``), "
                     "the prompts generated side by side. lm-eval's local-completions and LangChain send batches.")
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind(cls, value):
+        """A batch of texts and token arrays mixed: said so (it read "prompt.1: Input should be a valid string")."""
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            first = type(value[0])
+            for i, one in enumerate(value):
+                if isinstance(one, (str, list)) and not isinstance(one, first):
+                    raise ValueError(f"a batch holds texts or token arrays, not both: prompt {i} is "
+                                     f"{'text' if isinstance(one, str) else 'a token array'}, prompt 0 is not")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):

@@ -337,6 +337,7 @@ def test_a_malformed_config_file_names_itself(tmp_path: Path):
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"prompt": "x", "seed": 2**63}, "seed", "9223372036854775807"),
     ({"prompt": "x", "n": True}, "n", "not bool"), ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
+    ({"prompt": ["a", [1]]}, "prompt", "texts or token arrays, not both"),  # was "prompt.1: ... a valid string"
 ])
 def test_bad_fields_are_named_as_the_client_sent_them(body, param, fragment):
     err = api_error({"model": "m", **body})
