@@ -481,12 +481,14 @@ class OpenAIIngress:
 
     async def _stream(self, req, prompts: list[list[int]], params: SamplingParams, chat: bool,
                       received: float | None) -> AsyncIterator[dict]:
-        """The request's stream events, its first chunk (of every choice) already generated: errors before the
-        first token are raised here, still proper HTTP errors (or, through a handle, before any event)."""
+        """The request's stream events, its first chunk (of every choice that starts now) already generated: errors
+        before the first token are raised here, still proper HTTP errors (or, through a handle, before any
+        event)."""
         rid = api.completion_id(req.id_kind)
         choices = self._choices(req, prompts, params, rid)
+        free = self.cfg.max_concurrent - self.active  # the choices that start now: the stream waits for them alone
         chunks = merged([self._chunks(prompt, choice_params, choice_id, req, chat, received, which)
-                         for prompt, choice_params, choice_id, which in choices])
+                         for prompt, choice_params, choice_id, which in choices], hold=free)
         first = await _first(chunks)
         return self._events(_prepend(first, chunks), req, rid, chat, sum(map(len, prompts)), len(choices))
 

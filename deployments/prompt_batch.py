@@ -29,11 +29,12 @@ async def all_or_none(awaitables: list[Awaitable[T]]) -> list[T]:
         await _cancelled(tasks)
 
 
-async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """The items of ``streams`` as they come, each with its stream's index. Nothing is yielded before every
-    stream has given its first item (or ended): a refusal before a prompt's first token (the context too long,
-    429) is raised before the first event, a proper HTTP error. A stream's failure cancels the others and is
-    raised; closing this closes them all."""
+async def merged(streams: list[AsyncIterator[T]], hold: int | None = None) -> AsyncIterator[tuple[int, T]]:
+    """The items of ``streams`` as they come, each with its stream's index. Nothing is yielded before each of the
+    first ``hold`` streams (default: all) has given its first item (or ended): a refusal before a prompt's first
+    token (the context too long) is raised before the first event, a proper HTTP error; streams after them (a
+    batch's choices waiting for a slot, which may free only when the first ones end) do not hold the others' text
+    back, and fail mid-stream. A stream's failure cancels the others and is raised; closing this closes them all."""
     if len(streams) == 1:
         async for item in streams[0]:
             yield 0, item
@@ -53,8 +54,9 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
             queue.put_nowait((index, _END))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    held: list[tuple[int, T]] | None = []  # until every stream has started; then None
+    held: list[tuple[int, T]] | None = []  # until the first ``hold`` streams have started; then None
     started, open_streams = set(), len(streams)
+    waited = set(range(len(streams) if hold is None else max(1, min(hold, len(streams)))))
     try:
         while open_streams:
             index, item = await queue.get()
@@ -67,7 +69,7 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
                 yield index, item
             else:
                 held.append((index, item))
-            if held is not None and len(started) == len(streams):
+            if held is not None and waited <= started:
                 for index_item in held:
                     yield index_item
                 held = None

@@ -380,3 +380,34 @@ def test_all_or_none_ends_when_a_task_is_cancelled_from_elsewhere():
             return asyncio.get_running_loop().time() - start < 2
 
     assert asyncio.run(go()) is True
+
+
+def test_a_streamed_batch_larger_than_its_slots_starts_before_its_waiting_choices_do(pair):  # noqa: F811
+    """The stream held every event until every choice had started: a third choice waiting for one of the first
+    two to end held their whole text back, the client seeing nothing until then."""
+    r = replica(pair, max_concurrent=2)
+    seen = peak_in_flight(r)
+
+    async def scenario():
+        events = r.generate_stream({"model": "m", "prompt": PROMPTS, "max_tokens": 40, "ignore_eos": True,
+                                    "temperature": 0})
+        await events.__anext__()
+        at_first_event = len(seen)
+        rest = [e async for e in events]
+        return at_first_event, len(seen), sorted(e["choices"][0]["index"] for e in rest if e["choices"]
+                                                 and e["choices"][0]["finish_reason"])
+
+    assert asyncio.run(scenario()) == (2, 3, [0, 1, 2])
+
+
+def test_merged_holds_only_for_the_streams_it_is_told_to():
+    early, late = Source("ab"), Source("xy", gap_s=0.05)
+
+    async def go():
+        stream = merged([early(), late()], hold=1)
+        first = await stream.__anext__()
+        rest = [item async for item in stream]
+        return first, rest
+
+    first, rest = asyncio.run(go())
+    assert first == (0, "a") and rest == [(0, "b"), (1, "x"), (1, "y")]
