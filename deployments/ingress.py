@@ -176,6 +176,11 @@ def _fit_context(prompt: list[int], params: SamplingParams, context: int | None,
                        code="context_length_exceeded")
 
 
+def _prompt_name(field: str, index: int, prompts: list) -> str:
+    """How errors name prompt ``index`` of a request's ``prompts``: "prompt", or "prompt 2 of the batch"."""
+    return field if len(prompts) == 1 else f"{field} {index} of the batch"
+
+
 def _no_model(asked: str, served: str) -> api.APIError:
     return api.APIError(404, f"model {asked!r} does not exist; this server serves {served!r}", type="not_found_error",
                         param="model", code="model_not_found")
@@ -495,24 +500,25 @@ class OpenAIIngress:
     def _choices(self, req, prompts: list[list[int]], params: SamplingParams, rid: str
                  ) -> list[tuple[list[int], SamplingParams, str, str | None]]:
         """What each choice generates, in the order of ``choices``: (prompt, parameters, request id, the prompt's
-        name in errors: None for a request of one choice), ``n`` per prompt. Choice j of a prompt is seeded with seed + j
-        (vLLM's rule: with one seed the ``n`` sampled choices were the same text). Each has its own request id:
-        the actors keep a request's state by its id (under the request's one id a batch's prompts overwrote each
-        other's state). Several choices are refused (429) as one request is, when no slot is free; else each
+        name in errors: None for a request of one choice), ``n`` per prompt. Choice j of a prompt is seeded with
+        seed + j (vLLM's rule: with one seed the ``n`` sampled choices were the same text). Each has its own request
+        id: the actors keep a request's state by its id (under the request's one id a batch's prompts overwrote
+        each other's state). Several choices are refused (429) as one request is, when no slot is free; else each
         takes a slot as one frees (``_chunks``' ``which``): a batch larger than the free slots, or than
         ``max_concurrent``, runs through the slots it gets (refused whole before, a batch of LangChain's 20 a 400
         at the default 8)."""
-        n = req.choices
-        choices = [(prompt, params if j == 0 or params.seed is None else
-                    params.model_copy(update={"seed": (params.seed + j) % api.SEED_MODULUS}),
-                    req.prompt_param if len(prompts) == 1 else f"{req.prompt_param} {i} of the batch")
-                   for i, prompt in enumerate(prompts) for j in range(n)]
-        if len(choices) > 1 and self.active >= self.cfg.max_concurrent:
+        if len(prompts) * req.choices == 1:
+            return [(prompts[0], params, rid, None)]
+        if self.active >= self.cfg.max_concurrent:
             raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
                                     "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
-        ids = [rid] if len(choices) == 1 else [f"{rid}-{i}" for i in range(len(choices))]
-        return [(prompt, choice_params, choice_id, which if len(choices) > 1 else None)
-                for (prompt, choice_params, which), choice_id in zip(choices, ids)]
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for j in range(req.choices):
+                seeded = (params if j == 0 or params.seed is None
+                          else params.model_copy(update={"seed": (params.seed + j) % api.SEED_MODULUS}))
+                choices.append((prompt, seeded, f"{rid}-{len(choices)}", _prompt_name(req.prompt_param, i, prompts)))
+        return choices
 
     async def _prepared(self, req, chat: bool) -> tuple[list[list[int]], SamplingParams]:
         """``_prepare`` off the event loop: rendering a chat template and tokenising up to ``max_body_bytes`` of
@@ -548,9 +554,8 @@ class OpenAIIngress:
             raise api.APIError(400, str(exc), param=field, code="invalid_value") from None
         for i, prompt in enumerate(prompts):
             if len(prompt) > self.cfg.max_prompt_tokens:
-                which = field if len(prompts) == 1 else f"{field} {i} of the batch"
-                raise api.APIError(400, f"{which} has {len(prompt)} tokens; the limit is {self.cfg.max_prompt_tokens}",
-                                   param=field, code="context_length_exceeded")
+                raise api.APIError(400, f"{_prompt_name(field, i, prompts)} has {len(prompt)} tokens; the limit is "
+                                   f"{self.cfg.max_prompt_tokens}", param=field, code="context_length_exceeded")
         if params.max_tokens > self.cfg.max_tokens_limit:
             raise api.APIError(400, f"{req.length_param} {params.max_tokens} > limit {self.cfg.max_tokens_limit}",
                                param=req.length_param, code="invalid_value")
@@ -562,8 +567,7 @@ class OpenAIIngress:
         prompts, vocab = req.prompts, len(self.tokenizer)
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, list) and any(not 0 <= t < vocab for t in prompt):
-                which = "" if len(prompts) == 1 else f" (prompt {i} of the batch)"
-                raise ValueError(f"prompt token ids must be in [0, {vocab}){which}")
+                raise ValueError(f"{_prompt_name('prompt', i, prompts)}: token ids must be in [0, {vocab})")
         return [list(p) if isinstance(p, list) else encode(self.tokenizer, p, chat=False) for p in prompts]
 
     async def _plans(self) -> PlanProvider:
