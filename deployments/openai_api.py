@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, retry_after_s: int | None = None) -> None:
+        message, param = _utf8(message), _utf8(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
@@ -44,6 +45,12 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _utf8(text: str | None) -> str | None:
+    """``text`` with any unpaired surrogate written as its escape (``\\ud800``): an error quoting a value the client
+    sent as ``"\\ud800"`` (valid JSON, not UTF-8) failed to render, and the client got a 500."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _rebuilt(status, message, type, param, code, headers) -> APIError:  # noqa: A002 - APIError's own names
@@ -185,6 +192,7 @@ def _shown(value, width: int = 60) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
+    text = _utf8(text)  # a pydantic error's message holding an unpaired surrogate failed to render at all
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
@@ -223,6 +231,11 @@ class _Common(BaseModel):
     def _stop(cls, value):
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        for text in [value] if isinstance(value, str) else value or ():
+            try:
+                text.encode("utf-8")
+            except UnicodeError:  # no output holds one: the stop string was ignored silently
+                raise ValueError("holds text that is not valid Unicode (an unpaired surrogate); send UTF-8 text")
         return value
 
     ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {}  # a route's own no-op values (beside NO_OP_VALUES)

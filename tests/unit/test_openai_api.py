@@ -594,3 +594,20 @@ def test_a_bad_element_of_a_prompt_list_is_the_one_named(prompt, param, said):
     """``[1, true]`` said "prompt.0: Input should be a valid string (got 1)": element 0 is a fine token id."""
     err = api_error({**COMPLETION, "prompt": prompt})
     assert err.param == param and said in err.message, err.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "temperature": "\ud800"}, "temperature"),  # the error quotes it: rendering it raised
+    ({"prompt": "hi", "logit_bias": "\ud800"}, "logit_bias"),  # pydantic's errors() itself raised
+    ({"prompt": "hi", "stop": ["a", "\ud800"]}, "stop"),  # accepted: a stop string no output can hold, ignored
+    ({"prompt": "hi", "max_tokn\ud800": 5}, None),  # an unknown field's name quoted
+])
+def test_an_unpaired_surrogate_anywhere_is_a_400_that_renders(body, param):
+    """A value sent as ``"\\ud800"`` is valid JSON but not UTF-8: an error quoting it failed to render (a 500,
+    counted as a 400), and a stop string holding one was ignored. Found by a README review (session 61)."""
+    from starlette.responses import JSONResponse
+
+    err = api_error({"model": "m", **body})
+    rendered = json.loads(JSONResponse(err.body(), status_code=err.status).body)
+    assert err.status == 400 and (param is None or rendered["error"]["param"] == param)
+    assert "\\ud800" in rendered["error"]["message"] or "Unicode" in rendered["error"]["message"]
