@@ -176,6 +176,11 @@ def _fit_context(prompt: list[int], params: SamplingParams, context: int | None,
                        code="context_length_exceeded")
 
 
+def _logprob_entries(chunk) -> list[tuple[int, float, tuple]]:
+    """A chunk's (token id, log-probability, likeliest) per token; none when the request asked for none."""
+    return [(i, lp, likely) for i, (lp, likely) in zip(chunk.token_ids, chunk.logprobs or ())]
+
+
 def _prompt_name(field: str, index: int, prompts: list) -> str:
     """How errors name prompt ``index`` of a request's ``prompts``: "prompt", or "prompt 2 of the batch"."""
     return field if len(prompts) == 1 else f"{field} {index} of the batch"
@@ -446,19 +451,29 @@ class OpenAIIngress:
         choices = self._choices(req, prompts, params, rid)
 
         async def one(prompt: list[int], choice_params: SamplingParams, choice_id: str, which: str | None):
-            text, ids, last = [], 0, None
+            text, ids, last, entries = [], 0, None, []
             async for chunk in self._chunks(prompt, choice_params, choice_id, req, chat, received, which):
                 text.append(chunk.text)
                 ids += len(chunk.token_ids)
+                entries += _logprob_entries(chunk)
                 last = chunk
-            return "".join(text), ids, last
+            return "".join(text), ids, last, self._logprobs(entries, chat, req.logprob_count)
 
         ones = [one(*choice) for choice in choices]
         done = [await ones[0]] if len(ones) == 1 else await all_or_none(ones)
-        use = api.usage(sum(map(len, prompts)), sum(ids for _, ids, _ in done),
-                        Stats.combined([last.stats for *_, last in done]).to_dict())
+        use = api.usage(sum(map(len, prompts)), sum(ids for _, ids, _, _ in done),
+                        Stats.combined([last.stats for _, _, last, _ in done]).to_dict())
         body = api.chat_body if chat else api.completion_body
-        return body(rid, self.cfg.model_name, [(text, last.finish_reason) for text, _, last in done], use)
+        return body(rid, self.cfg.model_name, [(text, last.finish_reason, lps) for text, _, last, lps in done], use)
+
+    def _logprobs(self, entries: list, chat: bool, count: int | None, offset: int = 0) -> dict | None:
+        """A choice's ``logprobs`` for ``entries`` (``_logprob_entries``); None when the request asked for none
+        (``count``, its ``logprob_count``)."""
+        if count is None:
+            return None
+        if chat:
+            return api.chat_logprobs(self.tokenizer.decode, entries)
+        return api.completion_logprobs(self.tokenizer.decode, entries, offset)
 
     async def generate_stream(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest
                               ) -> AsyncIterator[dict]:
@@ -808,14 +823,21 @@ class OpenAIIngress:
                 yield with_usage(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created, index),
                                  0)
         produced, finished = 0, []
+        pending, offsets = [[] for _ in range(choices)], [0] * choices  # a choice's logprobs not sent yet
         async for index, chunk in chunks:
             produced += len(chunk.token_ids)
+            pending[index] += _logprob_entries(chunk)  # a chunk of ids alone (its text held back) sends them later
             if chunk.text or chunk.finish_reason:
+                logprobs = self._logprobs(pending[index], chat, req.logprob_count, offsets[index])
+                if logprobs is not None and not chat:
+                    offsets[index] += sum(map(len, logprobs["tokens"]))
+                pending[index] = []
                 if chat:
                     delta = {"content": chunk.text} if chunk.text else {}
-                    event = api.chat_chunk(rid, model, delta, chunk.finish_reason, created, index)
+                    event = api.chat_chunk(rid, model, delta, chunk.finish_reason, created, index, logprobs)
                 else:
-                    event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason, created, index)
+                    event = api.completion_chunk(rid, model, chunk.text, chunk.finish_reason, created, index,
+                                                 logprobs)
                 if chunk.finish_reason:
                     finished.append(chunk.stats)
                 last = len(finished) == choices

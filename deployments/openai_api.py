@@ -3,7 +3,7 @@
 Unknown fields are tolerated (clients send many: ``user``, ``metadata``, ...), except a misspelt known one
 (``max_token``: "did you mean 'max_tokens'?") and other servers' output options (``max_new_tokens``,
 ``num_predict``, ``stop_sequences``, ...: ``FOREIGN_FIELDS``); a field that would change the output and that we
-cannot honour (logprobs, best_of, tools, penalties, logit_bias, a JSON response_format, vLLM's top_k / min_p / ...)
+cannot honour (best_of, echo, tools, penalties, logit_bias, a JSON response_format, vLLM's top_k / min_p / ...)
 is accepted only at its no-op value and otherwise rejected with a 400 naming it, never silently ignored. Values
 in messages are shown as JSON (``true``, ``null``). ``null`` stands for a field's default, as in OpenAI's API.
 Every error body is OpenAI-style: ``{"error": {"message", "type", "param", "code"}}``; no stack trace ever
@@ -24,7 +24,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from sequoia_ray.config import MAX_STOP_STRINGS, SamplingParams
+from sequoia_ray.config import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ Float = Annotated[float, BeforeValidator(_json_number)]
 # that this server does not implement: each is accepted only at a value that changes nothing.
 NO_OP_VALUES: dict[str, tuple] = {
     # OpenAI (``logprobs: 0`` is not a no-op: a completion then returns each token's logprob)
-    "logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "auto", "none"),
     "function_call": (None, "none"), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "reasoning_effort": (None,),
@@ -316,7 +316,9 @@ class _Common(BaseModel):
                               temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p,
                               seed=None if self.seed is None else self.seed % SEED_MODULUS, stop=self.stop,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count)
+
+    logprob_count: ClassVar[int | None] = None  # overridden per route: the likeliest alternatives asked for
 
     @property
     def usage_chunk(self) -> bool:
@@ -342,6 +344,14 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
         description="Text or token ids; or an array of either, a batch: one choice per prompt, in order (``index``), "
                     "the prompts generated side by side. lm-eval's local-completions and LangChain send batches.")
+
+    logprobs: Annotated[Int | None, BeforeValidator(lambda v: None if v is False else v)] = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Return each token's log-probability under the target (its raw "
+        "logits) and this many likeliest alternatives (0: none); false: none.")
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -427,6 +437,21 @@ class ChatCompletionRequest(_Common):
     ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, False)}  # the chat template writes
     # them, as vLLM's chats do
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = Field(None, description="Return each token's log-probability under the target "
+                                        "(its raw logits), as OpenAI's chat does.")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many likeliest "
+                                     "alternatives per token.")
+
+    @model_validator(mode="after")
+    def _top_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true",
+                                      {"param": "top_logprobs", "code": "invalid_value"})
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def completion_id(kind: str) -> str:
@@ -441,29 +466,64 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: dict | None) -> dic
     return out
 
 
-def completion_body(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
-    """``choices``: each choice's (text, finish_reason), in order (a prompt's ``n`` choices, then the next's)."""
+def completion_body(rid: str, model: str, choices: list[tuple[str, str, dict | None]], use: dict) -> dict:
+    """``choices``: each choice's (text, finish_reason, logprobs), in order (a prompt's ``n`` choices, then the
+    next's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-                        for i, (text, finish) in enumerate(choices)], "usage": use}
+            "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
+                        for i, (text, finish, logprobs) in enumerate(choices)], "usage": use}
 
 
-def chat_body(rid: str, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
-    """``choices``: each choice's (text, finish_reason), in order."""
+def chat_body(rid: str, model: str, choices: list[tuple[str, str, dict | None]], use: dict) -> dict:
+    """``choices``: each choice's (text, finish_reason, logprobs), in order."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": None} for i, (text, finish) in enumerate(choices)],
+                         "logprobs": logprobs} for i, (text, finish, logprobs) in enumerate(choices)],
             "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None, created: int, index: int = 0) -> dict:
+LOWEST_LOGPROB = -9999.0  # JSON has no -inf (a token the target rules out): vLLM's floor
+
+
+def _lp(value: float) -> float:
+    return max(value, LOWEST_LOGPROB)
+
+
+def completion_logprobs(decode, entries: list, offset: int = 0) -> dict:
+    """A completion choice's ``logprobs`` (OpenAI's legacy form) for ``entries`` (``Chunk.logprobs``: per token,
+    (id, log-probability, likeliest)): each token's text (``decode([id])``), its log-probability, the likeliest
+    texts with theirs (the token's own among them, as vLLM's) and its offset in the choice's text from
+    ``offset``."""
+    tokens, offsets = [], []
+    for token_id, _, _ in entries:
+        tokens.append(decode([token_id]))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    top = [{decode([i]): _lp(v) for i, v in ((token_id, lp), *likely)} for token_id, lp, likely in entries]
+    return {"tokens": tokens, "token_logprobs": [_lp(lp) for _, lp, _ in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(decode, entries: list) -> dict:
+    """A chat choice's ``logprobs`` (OpenAI's form: ``content``, one entry a token with its UTF-8 bytes)."""
+    def one(token_id: int, lp: float) -> dict:
+        text = decode([token_id])
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "backslashreplace"))}
+
+    return {"content": [{**one(token_id, lp), "top_logprobs": [one(i, v) for i, v in likely]}
+                        for token_id, lp, likely in entries], "refusal": None}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, created: int, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, created: int, index: int = 0) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, created: int, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
 
 class _ErrorDetail(BaseModel):

@@ -41,6 +41,7 @@ def check_plan_keep(keep: int, name: str = "keep") -> int:
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the limit T -> 0, without logits / T overflowing
+MAX_LOGPROBS = 20  # the most likeliest alternatives a token's log-probability comes with (OpenAI's)
 MAX_TEMPERATURE = 100.0  # the highest a request (and so a profiled temperature bucket) may ask for
 
 
@@ -58,6 +59,10 @@ class SamplingParams(BaseModel):
                                          "the load; the tokens' law is always the target's). None = random.")
     stop: tuple[str, ...] = Field((), description=f"Up to {MAX_STOP_STRINGS} strings that end generation (not returned).")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="Report each generated token's log-probability under the target (its "
+                                             "raw logits: before temperature and top-p, as vLLM's) with this many "
+                                             "likeliest alternatives; None: none.")
 
     @field_validator("temperature")
     @classmethod

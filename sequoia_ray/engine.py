@@ -133,6 +133,8 @@ class Chunk:
     text: str
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
     stats: Stats | None = None
+    # per token id (``SamplingParams.logprobs``): (its log-probability, ((likely id, its log-probability), ...))
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 @dataclass
@@ -142,6 +144,7 @@ class Generation:
     finish_reason: str
     stats: Stats
     seed: int
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None  # per token id, as ``Chunk``'s
 
 
 class _DraftLink:
@@ -358,11 +361,13 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Generation:
         params = with_seed(params)
-        ids, text = [], []
+        ids, text, logprobs = [], [], None if params.logprobs is None else []
         for chunk in self.stream(prompt, params, request_id):
             ids += chunk.token_ids
             text.append(chunk.text)
-        return Generation(ids, "".join(text), chunk.finish_reason, chunk.stats, params.seed)
+            if logprobs is not None:
+                logprobs += chunk.logprobs
+        return Generation(ids, "".join(text), chunk.finish_reason, chunk.stats, params.seed, logprobs)
 
     def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Iterator[Chunk]:
         params = with_seed(params)
@@ -429,13 +434,14 @@ class SpeculativeDecoder:
             policy.observe(plan, seen, now - last)
             last = now
             ids, text, reason = stop.feed(verdict.tokens, params.max_tokens)
+            logprobs = None if params.logprobs is None else list(verdict.logprobs[: len(ids)])  # ids: a prefix
             stats.tokens = stop.count
             stats.total_s = time.perf_counter() - start
             if reason is not None:
-                yield Chunk(ids, text, reason, stats)
+                yield Chunk(ids, text, reason, stats, logprobs)
                 return
             if ids or text:
-                yield Chunk(ids, text)
+                yield Chunk(ids, text, logprobs=logprobs)
 
     def _step(self, rid: str, plan: TreePlan, stats: Stats, last_token: int, draft: _DraftLink,
               commits: list, rule: DynamicTrees | None = None) -> tuple[Verdict, TreePlan]:

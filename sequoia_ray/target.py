@@ -35,7 +35,7 @@ from sequoia_ray.prefix_cache import PrefixCache
 from sequoia_ray.request_errors import poisons_device
 from sequoia_ray.request_state import RequestState, RequestTable, check_prefill_chunk
 from sequoia_ray.tree.plan import TreePlan
-from sequoia_ray.verify import Verdict, batch_inputs, verify_tree
+from sequoia_ray.verify import Verdict, batch_inputs, token_logprobs, verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +142,9 @@ class TargetWorker(RequestTable):
             return {i: out for i, p in prepared.items() for out in self._verify_prepared({i: p}).values()}
         out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
         self.prefilled += sum(p.pending for p in prepared.values())
-        for i, node_logits in zip(trees, inputs):  # each request's rows of the [sum n, V] logits (or argmax ids)
-            out[i] = self._walk(prepared[i], node_logits)
+        raw = logits.split([r.shape[0] for r in rows]) if trees else []  # [n, V] each: for logprobs
+        for i, node_logits, tree_logits in zip(trees, inputs, raw):  # each request's rows (or argmax ids)
+            out[i] = self._walk(prepared[i], node_logits, tree_logits)
         return out
 
     def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree) -> _Prepared:
@@ -172,9 +173,12 @@ class TargetWorker(RequestTable):
         segment = Segment(req.session, ids[0], ids[1], allowed)
         return _Prepared(req, plan, draft, segment, pending, base, cached)
 
-    def _walk(self, p: _Prepared, logits) -> Verdict | Exception:  # logits: [n, V], or greedy [n] argmax ids
+    def _walk(self, p: _Prepared, logits, tree_logits: torch.Tensor) -> Verdict | Exception:
+        """``logits``: ``verify_tree``'s input ([n, V], or greedy [n] argmax ids); ``tree_logits``: the [n, V] rows."""
         try:
             verdict = verify_tree(p.plan, p.draft.to("cpu"), logits, p.req.params, p.req.generator)
+            if p.req.params.logprobs is not None:
+                verdict = replace(verdict, logprobs=token_logprobs(tree_logits, verdict, p.req.params.logprobs))
             # other requests' prompt tokens forwarded since this request's last verdict: in this forward, or
             # in one its call waited behind (a pipelined tree step queues behind the other group's forward)
             # and the draft's catch-up forwards since this request's previous tree (the tree says how many)

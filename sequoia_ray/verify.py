@@ -37,6 +37,9 @@ class Verdict:
     # step's time says little about its own tree (``live_cost`` does not measure it).
     prefill_beside: int = field(default=0, compare=False)  # not the verdict itself: batched == alone
     nodes: int = field(default=0, compare=False)  # the verified tree's nodes, root included (0: not told)
+    # per token (when the request asks, ``SamplingParams.logprobs``): its log-probability under the target and the
+    # likeliest ids with theirs (``token_logprobs``); not compared: floats of a batched forward may differ in ulps
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = field(default=(), compare=False)
 
 
 def verify_tree(
@@ -54,6 +57,19 @@ def verify_tree(
     host = logits.cpu().float()  # [n, V]: the one transfer of a sampled walk (in the model's dtype: half the bytes)
     return _walk(plan, tree_tokens,
                  lambda node, kids: _sampled_step(host[node], draft, node, kids, params, generator))
+
+
+def token_logprobs(logits: torch.Tensor, verdict: Verdict, top: int
+                   ) -> tuple[tuple[float, tuple[tuple[int, float], ...]], ...]:
+    """Each of the verdict's tokens with its log-probability under the target's raw logits where it was drawn (an
+    accepted child: at its parent's row; the residual or bonus token: at the last accepted node's) and the ``top``
+    likeliest ids with theirs. ``logits``: ``[n, V]``, the request's tree rows, on the target's device (one read of
+    ``[len(path), 1 + 2 top]`` numbers)."""
+    rows = logits[verdict.path].float().log_softmax(-1)  # [k, V], k = len(path) = len(tokens)
+    chosen = rows.gather(1, torch.tensor(verdict.tokens, device=rows.device)[:, None])  # [k, 1]
+    values, ids = rows.topk(top, dim=-1) if top else (rows[:, :0], rows[:, :0].long())  # [k, top]
+    host = torch.cat([chosen, values, ids.float()], dim=1).cpu()  # ids < 2**24: exact in float32
+    return tuple((row[0], tuple(zip(map(int, row[1 + top:]), row[1 : 1 + top]))) for row in host.tolist())
 
 
 def batch_inputs(logits: torch.Tensor, sizes: list[int], greedy: list[bool], gather: bool | None = None

@@ -126,6 +126,20 @@ def test_a_batch_of_prompts_through_the_openai_client_is_each_prompt_alone(serve
     assert chat.choices[1].message.content == again.choices[0].message.content  # choice 1: seed 3 + 1
 
 
+def test_logprobs_over_the_tp2_actors_are_the_in_process_ones(server, local):
+    """Rank 0's verdict carries each token's log-probability through Ray to the ingress (OpenAI's forms)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/tp2/v1", api_key="unused")
+    expected = local.decoder(builtin_plan(0.0).plan).generate(local.encode("hello world", chat=False),
+                                                              SamplingParams(max_tokens=12, logprobs=2))
+    c = client.completions.create(model="tiny", prompt="hello world", max_tokens=12, temperature=0, logprobs=2)
+    assert c.choices[0].logprobs.token_logprobs == pytest.approx([lp for lp, _ in expected.logprobs], abs=1e-4)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
 @pytest.mark.parametrize(
     "body,status,param",
     [
@@ -138,9 +152,9 @@ def test_a_batch_of_prompts_through_the_openai_client_is_each_prompt_alone(serve
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "x" * 400}, 400, "prompt"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-        ({"prompt": "x", "n": 3}, 400, "n"),  # 3 choices, max_concurrent 2
+        ({"prompt": "x", "n": 257}, 400, "n"),  # more choices than a request may ask for
         ({"prompt": "x", "n": 0}, 400, "n"),
-        ({"prompt": "x", "logprobs": 3}, 400, None),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": 12}, 400, "prompt"),
         ({"prompt": [999999]}, 400, None),
         ({"prompt": "x", "model": "other"}, 404, "model"),
@@ -152,7 +166,7 @@ def test_a_batch_of_prompts_through_the_openai_client_is_each_prompt_alone(serve
         ({"prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"prompt": "x", "stop": 5}, 400, "stop"),
         ({"prompt": "x", "seed": 2**63}, 400, "seed"),  # any 64-bit integer is a seed
-        ({"prompt": ["a", "b", "c"]}, 400, "prompt"),  # a batch of 3, max_concurrent 2
+        ({"prompt": ["a"] * 257}, 400, "prompt"),
         ({"prompt": {"text": "x"}}, 400, "prompt"),
         ({"prompt": "x", "model": None}, 400, "model"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),

@@ -31,10 +31,9 @@ def api_error(body: dict, model=api.CompletionRequest) -> api.APIError:
 @pytest.mark.parametrize("name,value", [
     ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"50": -100}),
     ("response_format", {"type": "json_object"}), ("tool_choice", "required"), ("tools", [{"type": "function"}]),
-    ("logprobs", True), ("top_logprobs", 2), ("best_of", 2), ("echo", True), ("suffix", "end"),
+    ("best_of", 2), ("echo", True), ("suffix", "end"),
     ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("min_tokens", 3), ("use_beam_search", True),
     ("best_of", True),  # not read as 1
-    ("logprobs", 0),  # a completion then returns each token's logprob
     ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a+"}),
     ("stop_token_ids", [5]), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
     ("add_generation_prompt", False), ("chat_template", "{{ x }}"), ("reasoning_effort", "high"),
@@ -208,7 +207,7 @@ def test_the_length_limit_error_names_the_field_the_client_sent():
 
 
 def _chunk(text: str, finish: str | None = None):
-    return SimpleNamespace(text=text, token_ids=[1] * len(text), finish_reason=finish,
+    return SimpleNamespace(text=text, token_ids=[1] * len(text), finish_reason=finish, logprobs=None,
                            stats=SimpleNamespace(to_dict=lambda: {"tokens_per_step": 2.0}))
 
 
@@ -268,7 +267,7 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(chat, inclu
 def test_a_choice_has_logprobs_null_in_every_body(chat):
     """OpenAI's schema lists a choice's ``logprobs`` (nullable) as required; strict clients failed on chat's."""
     use = api.usage(1, 1, None)
-    body = (api.chat_body if chat else api.completion_body)("rid", "m", [("t", "stop")], use)
+    body = (api.chat_body if chat else api.completion_body)("rid", "m", [("t", "stop", None)], use)
     events = _stream(ingress(), chat, {})
     assert body["choices"][0]["logprobs"] is None and all(e["choices"][0]["logprobs"] is None for e in events)
 

@@ -66,7 +66,8 @@ def _replica(decoders, max_concurrent=1):
 
 
 REQ = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False,
-                      choices=1, prompt_param="prompt")
+                      choices=1, prompt_param="prompt",
+                      logprob_count=None)
 
 
 def test_a_disconnected_stream_keeps_its_max_concurrent_slot_until_its_request_is_freed():

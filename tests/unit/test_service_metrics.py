@@ -58,7 +58,8 @@ def replica(decoder, prepare_s: float = 0.0) -> _Replica:
 
 
 REQUEST = SimpleNamespace(stream=True, id_kind="cmpl", speculative=True, usage_every_chunk=False, usage_chunk=False,
-                          choices=1, prompt_param="prompt")
+                          choices=1, prompt_param="prompt",
+                          logprob_count=None)
 
 
 def test_a_client_gone_mid_stream_has_its_tokens_and_first_token_counted():

@@ -1,0 +1,128 @@
+"""Token log-probabilities (``SamplingParams.logprobs``; OpenAI's ``logprobs`` / ``top_logprobs``): each generated
+token's log-probability under the target's raw logits, whatever tree produced it, equals a plain forward's over
+the prompt and the output (teacher forcing); in a batched verify too; and through the ingress in OpenAI's forms.
+Refused (400) before. fp32 tiny pair: the bound 1e-4 is float32 noise over a 97-token vocabulary."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from deployments import openai_api as api
+from sequoia_ray.config import SamplingParams
+from sequoia_ray.draft import DraftWorker
+from sequoia_ray.target import TargetWorker
+from sequoia_ray.tree.builtin import builtin_plan
+from tests.unit.test_handle_api import pair, replica  # noqa: F401 - the module-scoped fixture
+
+BOUND = 1e-4
+
+
+def plain(pair, prompt: list[int], output: list[int]) -> torch.Tensor:  # noqa: F811
+    """[len(output), V]: the target's log-softmax where each output token was drawn, in one plain forward."""
+    with torch.no_grad():
+        logits = pair.target.model(torch.tensor([prompt + output])).logits[0].float()
+    return logits.log_softmax(-1)[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+
+
+def check(rows: torch.Tensor, tokens: list[int], logprobs: list, top: int) -> None:
+    assert len(logprobs) == len(tokens)
+    for row, token, (lp, likely) in zip(rows, tokens, logprobs):
+        assert abs(lp - row[token].item()) < BOUND
+        values, ids = row.topk(top)
+        assert [i for i, _ in likely] == ids.tolist() or top == 0
+        assert all(abs(v - w) < BOUND for (_, v), w in zip(likely, values.tolist()))
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_each_tokens_logprob_is_the_targets_whatever_tree_made_it(pair, speculate, temperature):  # noqa: F811
+    prompt = pair.encode("hello world", chat=False)
+    params = SamplingParams(max_tokens=16, temperature=temperature, seed=5, logprobs=3)
+    out = pair.decoder(builtin_plan(temperature).plan, speculate=speculate).generate(prompt, params)
+    check(plain(pair, prompt, out.token_ids), out.token_ids, out.logprobs, 3)
+    if speculate:
+        assert out.stats.tokens_per_step > 1  # trees really accepted tokens (else this tests the target alone)
+
+
+def test_a_batched_verify_gives_each_request_its_own_rows(pair):  # noqa: F811
+    """Two requests' trees in one forward: each verdict's log-probabilities come from its own rows of the
+    batch's logits (an offset slip would read the other request's)."""
+    target, draft = TargetWorker(pair.target.model), DraftWorker(pair.draft.model)
+    plan, params = builtin_plan(0.0).plan, SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    prompts = {"a": pair.encode("hello world", chat=False), "b": pair.encode("The quick brown fox", chat=False)}
+    for rid, prompt in prompts.items():
+        target.start(rid, prompt, params, 1)
+        draft.start(rid, prompt, params, 2)
+    verdicts = target.verify_batch([(rid, plan, draft.grow(rid, plan)) for rid in prompts])
+    for (rid, prompt), verdict in zip(prompts.items(), verdicts):
+        check(plain(pair, prompt, verdict.tokens), verdict.tokens, list(verdict.logprobs), 2)
+    assert all(len(v.path) > 1 for v in verdicts)  # trees accepted more than the root
+
+
+def test_a_stop_string_cuts_the_logprobs_with_the_tokens(pair):  # noqa: F811
+    prompt = pair.encode("hello world", chat=False)
+    free = pair.decoder(builtin_plan(0.0).plan).generate(prompt, SamplingParams(max_tokens=24, logprobs=0))
+    stop = free.text[5:7]
+    out = pair.decoder(builtin_plan(0.0).plan).generate(prompt, SamplingParams(max_tokens=24, logprobs=0, stop=[stop]))
+    assert out.finish_reason == "stop" and len(out.logprobs) == len(out.token_ids) < len(free.token_ids)
+    assert all(likely == () for _, likely in out.logprobs)
+
+
+# ---- the OpenAI forms --------------------------------------------------------------------------------------------
+def test_a_completions_logprobs_are_openais_legacy_form_streamed_or_not(pair):  # noqa: F811
+    r = replica(pair)
+    body = {"model": "m", "prompt": "hello world", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    whole = asyncio.run(r.generate(body))
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    n = whole["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert "".join(lp["tokens"]) == choice["text"]  # the character tokenizer: a token's text is its character
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:k])) for k in range(n)]
+    assert all(len(top) <= 3 and top[t] == v for top, t, v in zip(lp["top_logprobs"], lp["tokens"],
+                                                                    lp["token_logprobs"]))
+
+    async def events():
+        return [e async for e in r.generate_stream(body)]
+
+    parts = [e["choices"][0]["logprobs"] for e in asyncio.run(events()) if e["choices"]]
+    assert sum((p["tokens"] for p in parts), []) == lp["tokens"]
+    assert sum((p["text_offset"] for p in parts), []) == lp["text_offset"]  # offsets run on across chunks
+    assert sum((p["token_logprobs"] for p in parts), []) == pytest.approx(lp["token_logprobs"], abs=BOUND)
+
+
+def test_a_chats_logprobs_are_openais_content_form(pair):  # noqa: F811
+    out = asyncio.run(replica(pair).generate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 6, "temperature": 0, "logprobs": True,
+                                              "top_logprobs": 2}))
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"]
+    assert "".join(c["token"] for c in content) == out["choices"][0]["message"]["content"]
+    for c in content:
+        assert c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2
+        assert c["logprob"] <= c["top_logprobs"][0]["logprob"] + BOUND  # the likeliest first
+    plain_chat = asyncio.run(replica(pair).generate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 6, "temperature": 0}))
+    assert plain_chat["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("body, model, param", [
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, api.ChatCompletionRequest, "top_logprobs"),
+    ({"prompt": "x", "logprobs": 21}, api.CompletionRequest, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, api.CompletionRequest, "logprobs"),  # a count, not a switch, on completions
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, api.ChatCompletionRequest, "logprobs"),
+])
+def test_logprobs_asked_wrongly_are_400s_naming_the_field(body, model, param):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({"model": "m", **body})
+    assert api.validation_error(info.value).param == param
+
+
+def test_logprobs_false_on_a_completion_asks_for_none():
+    req = api.CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": False})
+    assert req.sampling(16).logprobs is None
