@@ -41,7 +41,7 @@ def check_plan_keep(keep: int, name: str = "keep") -> int:
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 128
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy: the limit T -> 0, without logits / T overflowing
-MAX_LOGPROBS = 20  # the most likeliest alternatives a token's log-probability comes with (OpenAI's)
+MAX_LOGPROBS = 20  # alternatives a token's log-probability may come with at most (OpenAI's top_logprobs limit)
 MAX_TEMPERATURE = 100.0  # the highest a request (and so a profiled temperature bucket) may ask for
 
 
