@@ -338,8 +338,9 @@ def _is_batch(value) -> bool:
 
 class CompletionRequest(_Common):
     prompt_param: ClassVar[str] = "prompt"  # the field that holds the prompt, for errors
-    ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, True)}  # vLLM's: a prompt is encoded
-    # with the tokenizer's special tokens (its BOS, if it has one), as vLLM's completions are
+    # vLLM's add_special_tokens: a prompt is encoded with the tokenizer's special tokens (its BOS, if it has one), as
+    # vLLM's completions are; top_logprobs is the chat's field (here ``logprobs`` is the count): it was ignored
+    ROUTE_NO_OPS: ClassVar[dict[str, tuple]] = {"add_special_tokens": (None, True), "top_logprobs": (None, 0)}
     id_kind: ClassVar[str] = "cmpl"  # the prefix of the response's id
     prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
         description="Text or token ids; or an array of either, a batch: one choice per prompt, in order (``index``), "
@@ -486,28 +487,32 @@ LOWEST_LOGPROB = -9999.0  # JSON has no -inf (a token the target rules out): vLL
 
 
 def _lp(value: float) -> float:
-    return max(value, LOWEST_LOGPROB)
+    """A log-probability JSON can carry: -inf (and NaN, from logits that overflowed) at the floor."""
+    return value if value >= LOWEST_LOGPROB else LOWEST_LOGPROB  # NaN compares false
 
 
-def completion_logprobs(decode, entries: list, offset: int = 0) -> dict:
+def completion_logprobs(text_of, entries: list, offset: int = 0) -> dict:
     """A completion choice's ``logprobs`` (OpenAI's legacy form) for ``entries`` (``Chunk.logprobs``: per token,
-    (id, log-probability, likeliest)): each token's text (``decode([id])``), its log-probability, the likeliest
-    texts with theirs (the token's own among them, as vLLM's) and its offset in the choice's text from
-    ``offset``."""
-    tokens, offsets = [], []
-    for token_id, _, _ in entries:
-        tokens.append(decode([token_id]))
+    (id, log-probability, likeliest)): each token's text (``text_of(id)``), its log-probability, the likeliest
+    texts with theirs (the token's own first among them, as vLLM's: of ids that read alike, e.g. byte-fallback
+    pieces that all read U+FFFD, the first keeps the key) and its offset in the choice's text from ``offset``."""
+    tokens, offsets, top = [], [], []
+    for token_id, lp, likely in entries:
+        tokens.append(text_of(token_id))
         offsets.append(offset)
         offset += len(tokens[-1])
-    top = [{decode([i]): _lp(v) for i, v in ((token_id, lp), *likely)} for token_id, lp, likely in entries]
+        alternatives: dict[str, float] = {}
+        for i, v in ((token_id, lp), *likely):
+            alternatives.setdefault(text_of(i), _lp(v))
+        top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": [_lp(lp) for _, lp, _ in entries], "top_logprobs": top,
             "text_offset": offsets}
 
 
-def chat_logprobs(decode, entries: list) -> dict:
+def chat_logprobs(text_of, entries: list) -> dict:
     """A chat choice's ``logprobs`` (OpenAI's form: ``content``, one entry a token with its UTF-8 bytes)."""
     def one(token_id: int, lp: float) -> dict:
-        text = decode([token_id])
+        text = text_of(token_id)
         return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "backslashreplace"))}
 
     return {"content": [{**one(token_id, lp), "top_logprobs": [one(i, v) for i, v in likely]}

@@ -126,3 +126,42 @@ def test_logprobs_asked_wrongly_are_400s_naming_the_field(body, model, param):
 def test_logprobs_false_on_a_completion_asks_for_none():
     req = api.CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": False})
     assert req.sampling(16).logprobs is None
+
+
+def test_top_logprobs_on_a_completion_is_refused_not_ignored():
+    """The chat's field on /v1/completions (whose ``logprobs`` is the count) was tolerated as an unknown field:
+    ``logprobs: 2, top_logprobs: 3`` quietly gave 2 alternatives. From a review of the change."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        api.CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 2, "top_logprobs": 3})
+    assert api.validation_error(info.value).param == "top_logprobs"
+    assert api.CompletionRequest.model_validate({"model": "m", "prompt": "x", "top_logprobs": 0}).logprobs is None
+
+
+def test_ids_that_read_alike_keep_the_chosen_tokens_value_and_json_gets_no_nan():
+    """Byte-fallback pieces all read U+FFFD: the likeliest dict kept the last colliding id's value, so the chosen
+    token's entry showed another's. NaN (logits that overflowed) passed the -inf floor."""
+    text = {1: "\ufffd", 2: "\ufffd", 3: "a"}.__getitem__
+    out = api.completion_logprobs(text, [(1, -0.9, ((3, -0.5), (2, -2.5))), (3, float("nan"), ())])
+    assert out["top_logprobs"][0] == {"\ufffd": -0.9, "a": -0.5}
+    assert out["token_logprobs"] == [-0.9, api.LOWEST_LOGPROB]
+    assert api.chat_logprobs(text, [(3, float("-inf"), ())])["content"][0]["logprob"] == api.LOWEST_LOGPROB
+
+
+def test_each_tokens_text_is_decoded_once_a_replica(pair):  # noqa: F811
+    r = replica(pair)
+    calls = []
+    decode = r.tokenizer.decode
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(r.tokenizer_inner, name)
+
+        def decode(self, ids, **kw):
+            calls.append(tuple(ids))
+            return decode(ids, **kw)
+
+    r.tokenizer_inner, r.tokenizer = r.tokenizer, Counting()
+    assert r._token_text(5) == r._token_text(5) == decode([5])
+    assert calls == [(5,)]
