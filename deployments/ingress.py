@@ -459,7 +459,7 @@ class OpenAIIngress:
                 last = chunk
             logprobs = None
             if req.logprob_count is not None:  # off the event loop: thousands of tokens' texts, each with up to 20
-                logprobs = await asyncio.to_thread(self._logprobs, entries, chat, req.logprob_count)  # alternatives
+                logprobs = await asyncio.to_thread(self._logprobs, entries, chat)  # alternatives
             return "".join(text), ids, last, logprobs
 
         ones = [one(*choice) for choice in choices]
@@ -469,11 +469,8 @@ class OpenAIIngress:
         body = api.chat_body if chat else api.completion_body
         return body(rid, self.cfg.model_name, [(text, last.finish_reason, lps) for text, _, last, lps in done], use)
 
-    def _logprobs(self, entries: list, chat: bool, count: int | None, offset: int = 0) -> dict | None:
-        """A choice's ``logprobs`` for ``entries`` (``_logprob_entries``); None when the request asked for none
-        (``count``, its ``logprob_count``)."""
-        if count is None:
-            return None
+    def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
+        """A choice's ``logprobs`` for ``entries`` (``_logprob_entries``), in the route's form."""
         if chat:
             return api.chat_logprobs(self._token_text, entries)
         return api.completion_logprobs(self._token_text, entries, offset)
@@ -840,7 +837,8 @@ class OpenAIIngress:
             produced += len(chunk.token_ids)
             pending[index] += _logprob_entries(chunk)  # a chunk of ids alone (its text held back) sends them later
             if chunk.text or chunk.finish_reason:
-                logprobs = self._logprobs(pending[index], chat, req.logprob_count, offsets[index])
+                logprobs = (None if req.logprob_count is None
+                            else self._logprobs(pending[index], chat, offsets[index]))
                 if logprobs is not None and not chat:
                     offsets[index] += sum(map(len, logprobs["tokens"]))
                 pending[index] = []

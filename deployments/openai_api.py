@@ -316,9 +316,7 @@ class _Common(BaseModel):
                               temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p,
                               seed=None if self.seed is None else self.seed % SEED_MODULUS, stop=self.stop,
-                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count)
-
-    logprob_count: ClassVar[int | None] = None  # overridden per route: the likeliest alternatives asked for
+                              ignore_eos=self.ignore_eos, logprobs=self.logprob_count)  # each route's property
 
     @property
     def usage_chunk(self) -> bool:
@@ -358,7 +356,7 @@ class CompletionRequest(_Common):
     @classmethod
     def _one_kind(cls, value):
         """A batch of texts and token arrays mixed: said so (it read "prompt.1: Input should be a valid string")."""
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if _is_batch(value):
             first = type(value[0])
             for i, one in enumerate(value):
                 if isinstance(one, (str, list)) and not isinstance(one, first):
