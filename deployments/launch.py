@@ -301,16 +301,26 @@ def init_ray(address: str | None, quiet: bool = True) -> None:
             ray.init(address="local", include_dashboard=False, _system_config={"worker_niceness": 0})
 
 
+class NotDeployed(Exception):
+    """The app could not be built (``Unplaceable`` on the cluster, say): nothing reached Serve, so an app the
+    cluster already serves runs on as it was. The cause is ``__cause__``."""
+
+
 def start(args: dict, port: int, address: str | None, quiet: bool = True, host: str = "127.0.0.1") -> str:
-    """Serve the app, its HTTP proxy on ``host``:``port``; the URL clients use (see ``service_url``)."""
+    """Serve the app, its HTTP proxy on ``host``:``port``; the URL clients use (see ``service_url``). The app is
+    built before anything reaches Serve: a build that fails raises ``NotDeployed``."""
     from ray import serve
 
     from deployments.app import build_app
 
     init_ray(address, quiet)
+    try:
+        app = build_app(args)
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - re-raised, marked as before any deploy
+        raise NotDeployed(_one_line(exc)) from exc
     serve.start(http_options={"host": host, "port": port})
     host, port = proxy_address(host, port)
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    serve.run(app, name=APP_NAME, route_prefix="/")
     return service_url(host, port, address)
 
 
@@ -435,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         fetch_default_pair()
     # first: the profile measures the actor calls a served step makes
     init_ray(opts.address, quiet=not opts.ray_default_timers)
-    if not opts.replace and running_app(opts.address):
+    replacing = running_app(opts.address)
+    if replacing and not opts.replace:
         p.error(f"the cluster at {opts.address} already serves an app {APP_NAME!r}: starting would replace it and cut "
                 f"off its clients; pass --replace to do so, or `serve shutdown` / `serve delete` it first")
     ensure_plans(cfg, None if opts.no_profile else opts.profile_seconds, address=opts.address)
@@ -443,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = start(args, port, opts.address, host=host)
         print(f"serving {cfg.model_name} at {url}/v1 (OpenAI API)", flush=True)
+    except NotDeployed as exc:  # nothing to stop: before, `--replace` deleted the app it had not replaced
+        interrupted = isinstance(exc.__cause__, KeyboardInterrupt)
+        going_on = f" (the cluster's running {APP_NAME!r} app goes on)" if replacing else ""
+        print(f"sequoia-ray serve: error: {'interrupted' if interrupted else exc}; nothing was deployed{going_on}",
+              file=sys.stderr, flush=True)
+        return 130 if interrupted else 1
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - what started is stopped, then one line
         return failed_start(exc, opts.address)
     demo_failed = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from deployments.capacity import Unplaceable
 from deployments.launch import DEMO_ORDER, demo
 
 
@@ -275,6 +276,37 @@ def test_a_failed_or_interrupted_deploy_stops_what_it_started_and_says_one_line(
     err = capsys.readouterr().err
     assert ("interrupted" if code == 130 else "RuntimeError: Deploying application sequoia failed: replica died;") in err
     assert "Traceback" not in err and "stopping what this command started" in err
+
+
+@pytest.mark.parametrize("error, code, said", [
+    (Unplaceable("deployment TargetDeployment needs 9 GPU on one node; lower num_gpus"), 1, "needs 9 GPU on one node"),
+    (KeyboardInterrupt(), 130, "interrupted")])
+@pytest.mark.parametrize("apps", [{"sequoia": None}, {}])
+def test_an_app_that_cannot_be_built_deploys_nothing_and_a_replaced_app_goes_on(monkeypatch, capsys, error, code,
+                                                                                said, apps):
+    """`serve --address A --replace` with a config the cluster cannot place (or a Ctrl-C while it was checked)
+    deleted the app the cluster served, though nothing had replaced it: the build fails before Serve is
+    touched, and nothing is started, run or deleted."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from cli.main import main
+    from deployments import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "init_ray", lambda address, quiet=True: None)
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications=apps))
+    monkeypatch.setattr(launch, "ensure_plans", lambda cfg, seconds, address=None: "skipped")
+    monkeypatch.setattr("deployments.app.build_app", lambda args: (_ for _ in ()).throw(error))
+    for name in ("start", "run", "delete", "shutdown"):
+        monkeypatch.setattr(serve, name, lambda *a, _name=name, **k: calls.append(_name))
+    argv = ["serve", "--no-profile", "--set", "draft=tiny-draft", "--set", "target=tiny-target", "--exit",
+            "--set", "plan_store=null", "--address", "ray://10.0.0.5:10001", "--replace"]
+    assert main(argv) == code and calls == []
+    err = capsys.readouterr().err
+    assert said in err and "nothing was deployed" in err and "Traceback" not in err
+    assert ("'sequoia' app goes on" in err) == bool(apps)
 
 
 @pytest.mark.parametrize("exit_after, code, stopped", [(True, 1, ["delete sequoia"]), (False, 0, [])])
