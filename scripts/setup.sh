@@ -44,8 +44,8 @@ install_torch
 pip install --no-compile -e ".[dev]"
 # a file that does not compile (some packages ship such test data) is skipped, as pip skips it. Not compiled
 # (nothing here imports them; one that is imported is compiled in memory, as without compileall): packages'
-# own tests and transformers' models other than the architectures loaded here (Qwen2, Llama; auto: the registries), a
-# quarter of the .py bytes (the step took 38.5 -> 28.8 s here)
+# own tests and transformers' models other than the architectures loaded here (Qwen2, Llama; auto: the
+# registries), a quarter of the .py bytes (the step took 38.5 -> 28.8 s here)
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$VENV/bin/python" -m compileall -q -j 0 -x '/tests?/|/transformers/models/(?!(auto|qwen2|llama)/)' "$site" \
   >>"$LOG" 2>&1 || true

@@ -34,7 +34,8 @@ def assert_target_greedy(pair, prompt: list[int], tokens: list[int]) -> None:
     with torch.inference_mode():
         logits = pair.target.model(input_ids=torch.tensor([prompt + tokens]), use_cache=False).logits
     picks = logits[0, len(prompt) - 1:].argmax(-1).tolist()  # [len(tokens) + 1]: the target's pick at each step
-    assert picks[:-1] == tokens, f"differs first at token {next(i for i, (a, b) in enumerate(zip(picks, tokens)) if a != b)}"
+    differ = [i for i, (a, b) in enumerate(zip(picks, tokens)) if a != b]
+    assert not differ, f"the target picks another token at {differ[0]} of {len(tokens)}"
     assert len(tokens) == MAX_TOKENS or picks[-1] in pair.target.eos_ids, (len(tokens), picks[-1])
 
 
