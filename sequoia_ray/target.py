@@ -124,11 +124,11 @@ class TargetWorker(RequestTable):
                 # Inside the try: a head that fails (out of memory on a large batch's [sum n, V] logits) fails
                 # the forward, which is rolled back and retried request by request like the decoder's.
                 rows = list(trees.values())
+                sizes = [r.shape[0] for r in rows]  # each tree's rows of the batch's logits
                 logits = prepared[next(iter(trees))].req.session.head(torch.cat(rows)) if trees else None
                 # The walks' inputs too (on an accelerator an argmax and the sampled rows' copy to the host): what
                 # fails there must roll back the sessions as well, or their tree K/V stayed for the next verify.
-                inputs = batch_inputs(logits, [r.shape[0] for r in rows],
-                                      [prepared[i].req.params.greedy for i in trees]) if trees else []
+                inputs = batch_inputs(logits, sizes, [prepared[i].req.params.greedy for i in trees]) if trees else []
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
             if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
                 raise
@@ -142,7 +142,7 @@ class TargetWorker(RequestTable):
             return {i: out for i, p in prepared.items() for out in self._verify_prepared({i: p}).values()}
         out: dict[int, Verdict | Exception | str] = {i: NOT_YET for i, p in prepared.items() if p.draft is None}
         self.prefilled += sum(p.pending for p in prepared.values())
-        raw = logits.split([r.shape[0] for r in rows]) if trees else []  # [n, V] each: for logprobs
+        raw = logits.split(sizes) if trees else []  # [n, V] each: for logprobs
         for i, node_logits, tree_logits in zip(trees, inputs, raw):  # each request's rows (or argmax ids)
             out[i] = self._walk(prepared[i], node_logits, tree_logits)
         return out
