@@ -32,6 +32,7 @@ from deployments.config import ServeConfig
 from deployments.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from deployments.prompt_batch import all_or_none, merged
 from deployments.service import GrowRules, LivePlanner, PlanProvider, Runner, TreeFamilies
+from deployments.slots import Slots
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder, Stats
 from sequoia_ray.hardware import batch_bucket
@@ -287,7 +288,6 @@ async def _sse(events: AsyncIterator[dict], ended=lambda status: None):
 class OpenAIIngress:
     HEALTH_WAIT_S = 2.0  # /health's wait for the target's first answer before it says "loading"
     MAX_CHOICES = 256  # a request's prompts x n at most (OpenAI's n goes to 128; LangChain batches 20 prompts)
-    SLOT_POLL_S = 0.05  # a batch's choice waiting for a free slot looks again this often
     FREE_WAIT_S = 30.0  # a stopping replica's wait for the requests still being freed (a step, then a finish)
 
     def __init__(self, config: dict, draft, target) -> None:
@@ -300,6 +300,7 @@ class OpenAIIngress:
         self.runner = Runner(self.cfg.max_concurrent)
         # requests in flight; the batch a step plans for (no more than a forward carries)
         self.in_flight = InFlight(self.cfg.batch_hold_s, cap=self.cfg.max_batch_requests)
+        self.slots = Slots(self.in_flight, self.cfg.max_concurrent)  # taken at once, or by a batch's choices in turn
         self.plans: PlanProvider | None = None
         self.live: LivePlanner | None = None  # acceptance learnt from live traffic (cfg.live_acceptance)
         self.families: TreeFamilies | None = None  # a tree per request (cfg.request_trees)
@@ -521,6 +522,11 @@ class OpenAIIngress:
         first = await _first(chunks)
         return self._events(_prepend(first, chunks), req, rid, chat, sum(map(len, prompts)), len(choices))
 
+    def _overloaded(self) -> api.APIError:
+        waiting = f", {n} choices of batches waiting" if (n := self.slots.waiting) else ""
+        return api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}"
+                                 f"{waiting}); retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
+
     def _choices(self, req, prompts: list[list[int]], params: SamplingParams, rid: str
                  ) -> list[tuple[list[int], SamplingParams, str, str | None]]:
         """What each choice generates, in the order of ``choices``: (prompt, parameters, request id, the prompt's
@@ -533,9 +539,8 @@ class OpenAIIngress:
         at the default 8)."""
         if len(prompts) * req.choices == 1:
             return [(prompts[0], params, rid, None)]
-        if self.active >= self.cfg.max_concurrent:
-            raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
-                                    "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
+        if self.slots.full():
+            raise self._overloaded()
         choices = []
         for i, prompt in enumerate(prompts):
             for j in range(req.choices):
@@ -700,17 +705,15 @@ class OpenAIIngress:
                       received: float | None = None, which: str | None = None):
         """The chunks of one generation. ``which``: a choice of several (``_choices``): it names its prompt in
         errors, and waits for a free slot instead of being refused (the request was admitted as a whole)."""
-        while which is not None and self.active >= self.cfg.max_concurrent:
-            await asyncio.sleep(self.SLOT_POLL_S)
-        if self.active >= self.cfg.max_concurrent:
-            raise api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}); "
-                                    "retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
-        self.in_flight.enter()
+        if which is not None:
+            await self.slots.wait()
+        elif not self.slots.take():
+            raise self._overloaded()
         self.metrics.active.set(self.active)
         received, first, handed = received or time.perf_counter(), None, False
 
         def leave() -> None:  # once: here, or when the Runner has freed the request (``handed``)
-            self.in_flight.leave()
+            self.slots.release()
             self.metrics.active.set(self.active)
 
         try:

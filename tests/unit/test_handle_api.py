@@ -14,6 +14,7 @@ from deployments import openai_api as api
 from deployments.config import ServeConfig
 from deployments.ingress import OpenAIIngress
 from deployments.service import ActivePlan, Runner
+from deployments.slots import Slots
 from sequoia_ray.in_flight import InFlight
 from sequoia_ray.local import LocalPair
 from sequoia_ray.models.loading import TINY_TARGET
@@ -40,6 +41,7 @@ def replica(pair, **cfg):
                                 plan_tags=lambda *a: {}, finished=nop, generated=nop,
                                 ttft=SimpleNamespace(observe=nop), requests=SimpleNamespace(inc=nop))
     r.in_flight, r.runner = InFlight(0.0), Runner(r.cfg.max_concurrent)
+    r.slots = Slots(r.in_flight, r.cfg.max_concurrent)
     r.families = r.rules = r.live = r.rates = None
     r.background, r.expected_auth = [], None
     plans = SimpleNamespace(hardware="hw", get=lambda t, size=1: ActivePlan(builtin_plan(t), "builtin"))

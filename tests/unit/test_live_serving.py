@@ -9,6 +9,7 @@ import pytest
 from deployments.config import ServeConfig
 from deployments.metrics import ServiceMetrics
 from deployments.service import LivePlanner, PlanProvider
+from deployments.slots import Slots
 from sequoia_ray.live_acceptance import LiveSettings
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.plan_store import PlanKey, PlanStore
@@ -294,6 +295,7 @@ def _served_plan_tags(source: str, temperature: float) -> dict:
 
     replica = object.__new__(Held)
     replica.cfg, replica.in_flight = config(None), InFlight(0.0)
+    replica.slots = Slots(replica.in_flight, replica.cfg.max_concurrent)
     replica.families = replica.rules = None
     replica._plans, replica._decoder = served_plans, no_decoder
     replica.metrics = ServiceMetrics()

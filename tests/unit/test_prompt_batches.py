@@ -97,13 +97,13 @@ def test_a_streamed_batch_interleaves_its_choices_by_index(pair, include_usage):
 
 def peak_in_flight(r) -> list[int]:
     """The replica's requests in flight, recorded at every admission (its peak: ``max`` of the list)."""
-    seen, enter = [], r.in_flight.enter
+    seen, stream = [], r.runner.stream
 
-    def counted():
-        enter()
+    def counted(*args, **kwargs):  # a choice starts generating, its slot held (taken, or handed on by one that ended)
         seen.append(r.active)
+        return stream(*args, **kwargs)
 
-    r.in_flight.enter = counted
+    r.runner.stream = counted
     return seen
 
 
@@ -380,6 +380,35 @@ def test_all_or_none_ends_when_a_task_is_cancelled_from_elsewhere():
             return asyncio.get_running_loop().time() - start < 2
 
     assert asyncio.run(go()) is True
+
+
+def test_a_freed_slot_goes_to_the_batchs_next_choice_not_to_a_request_arriving_then(pair):  # noqa: F811
+    """max_concurrent 1, a batch of three prompts: when a choice ends, a request arriving at that moment is refused
+    (429) and the batch's next choice runs. Before, waiting choices looked for a free slot every 50 ms, and single
+    requests arriving in between took the freed slots — steady traffic could hold a batch's last choices back."""
+    r = replica(pair, max_concurrent=1)
+    release, arrivals = r.slots.release, []
+
+    def released():
+        release()
+        arrivals.append(asyncio.ensure_future(r.generate({"model": "m", "prompt": "hello", "max_tokens": 2})))
+
+    r.slots.release = released
+    seen = peak_in_flight(r)
+
+    async def scenario():
+        batch = await r.generate({"model": "m", "prompt": PROMPTS, "max_tokens": 6, "temperature": 0})
+        r.slots.release = release
+        outcomes = []
+        for arrival in arrivals:
+            try:
+                outcomes.append(len((await arrival)["choices"]))
+            except api.APIError as refused:
+                outcomes.append(refused.status)
+        return len(batch["choices"]), outcomes[:2], seen[:3]
+
+    assert asyncio.run(scenario()) == (3, [429, 429], [1, 1, 1])  # the third release frees the slot: no one waits
+    assert r.active == 0
 
 
 def test_a_streamed_batch_larger_than_its_slots_starts_before_its_waiting_choices_do(pair):  # noqa: F811

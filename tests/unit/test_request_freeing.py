@@ -21,6 +21,7 @@ import pytest
 from deployments import openai_api as api
 from deployments.ingress import OpenAIIngress
 from deployments.service import ActivePlan, Runner
+from deployments.slots import Slots
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import Chunk
 from sequoia_ray.in_flight import InFlight
@@ -48,6 +49,7 @@ def _replica(decoders, max_concurrent=1):
     replica = object.__new__(Held)
     replica.cfg = SimpleNamespace(max_concurrent=max_concurrent, model_name="m")
     replica.in_flight, replica.runner, replica.metrics = InFlight(0.0), Runner(max_concurrent), _metrics()
+    replica.slots = Slots(replica.in_flight, max_concurrent)
     replica.families = replica.rules = replica.live = None
     replica.background = []
     plans = SimpleNamespace(hardware="hw", get=lambda t, size=1: ActivePlan(builtin_plan(t), "builtin"))

@@ -16,6 +16,7 @@ import pytest
 from deployments.ingress import OpenAIIngress
 from deployments.metrics import ServiceMetrics
 from deployments.service import ActivePlan, Runner
+from deployments.slots import Slots
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import ROOT_ONLY, Chunk, Stats
 from sequoia_ray.in_flight import InFlight
@@ -36,6 +37,7 @@ def replica(decoder, prepare_s: float = 0.0) -> _Replica:
     r = object.__new__(_Replica)
     r.cfg = SimpleNamespace(max_concurrent=4, model_name="m")
     r.in_flight, r.runner, r.background = InFlight(0.0), Runner(4), []
+    r.slots = Slots(r.in_flight, 4)
     r.metrics = ServiceMetrics()
     for name, value in list(vars(r.metrics).items()):
         if hasattr(value, "observe") or hasattr(value, "inc") or hasattr(value, "set"):
