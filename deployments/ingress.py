@@ -32,7 +32,7 @@ from deployments.config import ServeConfig
 from deployments.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from deployments.prompt_batch import all_or_none, merged
 from deployments.service import GrowRules, LivePlanner, PlanProvider, Runner, TreeFamilies
-from deployments.slots import Slots
+from deployments.slots import Slots, Ticket
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.engine import PromptError, SpeculativeDecoder, Stats
 from sequoia_ray.hardware import batch_bucket
@@ -450,10 +450,11 @@ class OpenAIIngress:
                         received: float | None = None) -> dict:
         rid = api.completion_id(req.id_kind)
         choices = self._choices(req, prompts, params, rid)
+        tickets = self._admit(len(choices))
 
-        async def one(prompt: list[int], choice_params: SamplingParams, choice_id: str, which: str | None):
+        async def one(prompt: list[int], choice_params: SamplingParams, choice_id: str, which: str | None, ticket):
             text, ids, last, entries = [], 0, None, []
-            async for chunk in self._chunks(prompt, choice_params, choice_id, req, chat, received, which):
+            async for chunk in self._chunks(prompt, choice_params, choice_id, req, chat, received, which, ticket):
                 text.append(chunk.text)
                 ids += len(chunk.token_ids)
                 entries += _logprob_entries(chunk)
@@ -463,8 +464,11 @@ class OpenAIIngress:
                 logprobs = await asyncio.to_thread(self._logprobs, entries, chat)  # alternatives
             return "".join(text), ids, last, logprobs
 
-        ones = [one(*choice) for choice in choices]
-        done = [await ones[0]] if len(ones) == 1 else await all_or_none(ones)
+        ones = [one(*choice, ticket) for choice, ticket in zip(choices, tickets)]
+        try:
+            done = [await ones[0]] if len(ones) == 1 else await all_or_none(ones)
+        finally:
+            self._drop(tickets)
         use = api.usage(sum(map(len, prompts)), sum(ids for _, ids, _, _ in done),
                         Stats.combined([last.stats for _, _, last, _ in done]).to_dict())
         body = api.chat_body if chat else api.completion_body
@@ -516,11 +520,36 @@ class OpenAIIngress:
         event)."""
         rid = api.completion_id(req.id_kind)
         choices = self._choices(req, prompts, params, rid)
-        free = self.cfg.max_concurrent - self.active  # the choices that start now: the stream waits for them alone
-        chunks = merged([self._chunks(prompt, choice_params, choice_id, req, chat, received, which)
-                         for prompt, choice_params, choice_id, which in choices], hold=free)
+        tickets = self._admit(len(choices))
+        start = sum(t is None or t.holds for t in tickets)  # the choices that start now: the stream waits for them
+        chunks = merged([self._chunks(*choice, req, chat, received, which, ticket)
+                         for (*choice, which), ticket in zip(choices, tickets)], hold=start)
+        if len(choices) > 1:
+            chunks = self._dropping(tickets, chunks)
         first = await _first(chunks)
         return self._events(_prepend(first, chunks), req, rid, chat, sum(map(len, prompts)), len(choices))
+
+    def _admit(self, choices: int) -> list:
+        """A request's choices admitted as a whole, at once (``Slots.admit``): a ticket each, or [None] for a
+        request of one choice (it takes its slot in ``_chunks``). A 429 when the replica is full."""
+        if choices == 1:
+            return [None]
+        tickets = self.slots.admit(choices)
+        if tickets is None:
+            raise self._overloaded()
+        return tickets
+
+    def _drop(self, tickets: list) -> None:
+        if tickets != [None]:
+            self.slots.drop(tickets)
+
+    async def _dropping(self, tickets: list, stream: AsyncIterator):
+        """``stream``, the tickets of the choices that never started given back when it ends, however it ends."""
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self._drop(tickets)
 
     def _overloaded(self) -> api.APIError:
         waiting = f", {n} choices of batches waiting" if (n := self.slots.waiting) else ""
@@ -534,13 +563,10 @@ class OpenAIIngress:
         seed + j (vLLM's rule: with one seed the ``n`` sampled choices were the same text). Each has its own request
         id: the actors keep a request's state by its id (under the request's one id a batch's prompts overwrote
         each other's state). Several choices are refused (429) as one request is, when no slot is free; else each
-        takes a slot as one frees (``_chunks``' ``which``): a batch larger than the free slots, or than
-        ``max_concurrent``, runs through the slots it gets (refused whole before, a batch of LangChain's 20 a 400
-        at the default 8)."""
+        takes a slot as one frees (``_admit``): a batch larger than the free slots, or than ``max_concurrent``,
+        runs through the slots it gets (refused whole before, a batch of LangChain's 20 a 400 at the default 8)."""
         if len(prompts) * req.choices == 1:
             return [(prompts[0], params, rid, None)]
-        if self.slots.full():
-            raise self._overloaded()
         choices = []
         for i, prompt in enumerate(prompts):
             for j in range(req.choices):
@@ -702,11 +728,12 @@ class OpenAIIngress:
             self.metrics.live(self.live.live, replanned)
 
     async def _chunks(self, prompt: list[int], params: SamplingParams, rid: str, req, chat: bool,
-                      received: float | None = None, which: str | None = None):
-        """The chunks of one generation. ``which``: a choice of several (``_choices``): it names its prompt in
-        errors, and waits for a free slot instead of being refused (the request was admitted as a whole)."""
-        if which is not None:
-            await self.slots.wait()
+                      received: float | None = None, which: str | None = None, ticket: Ticket | None = None):
+        """The chunks of one generation. ``which``: a choice of several (``_choices``), named in errors;
+        ``ticket``: its place for a slot (``_admit``: the request was admitted as a whole), its turn waited for
+        instead of a 429."""
+        if ticket is not None:
+            await self.slots.claim(ticket)
         elif not self.slots.take():
             raise self._overloaded()
         self.metrics.active.set(self.active)

@@ -411,6 +411,64 @@ def test_a_freed_slot_goes_to_the_batchs_next_choice_not_to_a_request_arriving_t
     assert r.active == 0
 
 
+def _inline_prepare(r) -> None:
+    """Prompts tokenised on the event loop: the order in which concurrent requests reach admission is then the
+    order they were submitted in (the real ``_prepared`` is a thread, its wake-up order a race)."""
+    async def prepared(req, chat):
+        return r._prepare(req, chat)
+
+    r._prepared = prepared
+
+
+def test_batches_arriving_together_are_admitted_no_further_than_the_free_slots(pair):  # noqa: F811
+    """max_concurrent 2, three batches of three prompts at once: the first is admitted (two choices run, one in
+    line) and the others are 429s. The choices took their slots only when their tasks first ran, so all three
+    batches were admitted (9 choices for 2 slots, 7 of them waiting)."""
+    r = replica(pair, max_concurrent=2)
+    _inline_prepare(r)
+
+    async def scenario():
+        body = {"model": "m", "prompt": PROMPTS, "max_tokens": 4, "temperature": 0}
+        outcomes = await asyncio.gather(*(r.generate(body) for _ in range(3)), return_exceptions=True)
+        return [len(o["choices"]) if isinstance(o, dict) else o.status for o in outcomes], r.active, r.slots.waiting
+
+    assert asyncio.run(scenario()) == ([3, 429, 429], 0, 0)
+
+
+def test_a_streamed_batch_is_not_held_back_by_a_request_that_arrives_as_it_starts(pair):  # noqa: F811
+    """max_concurrent 3, one slot busy, a single request submitted just before a streamed batch of three: the
+    batch's first two choices hold the free slots from its admission, and the single request is a 429. The stream
+    counted the free slots at admission but its choices took them later, after the single request had taken one:
+    it then held every event until its first choice had ended (all of choice 0's text before any of choice 1's)."""
+    r = replica(pair, max_concurrent=3)
+    _inline_prepare(r)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True}
+
+    async def scenario():
+        busy = r.generate_stream(chat)
+        await busy.__anext__()
+        single = asyncio.ensure_future(r.generate({"model": "m", "prompt": "hey", "max_tokens": 300,
+                                                   "ignore_eos": True}))
+        events = [e async for e in r.generate_stream({"model": "m", "prompt": PROMPTS, "max_tokens": 40,
+                                                      "ignore_eos": True, "temperature": 0})]
+        await busy.aclose()
+        try:
+            outcome = len((await single)["choices"])
+        except api.APIError as refused:
+            outcome = refused.status
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        ends_0 = next(i for i, c in enumerate(choices) if c["index"] == 0 and c["finish_reason"])
+        starts_1 = next(i for i, c in enumerate(choices) if c["index"] == 1)
+        for _ in range(1000):  # the busy stream's inner generators are closed by their finalizers, a moment later
+            await r.runner.drain(10)
+            if r.active == 0:
+                break
+            await asyncio.sleep(0.01)
+        return outcome, starts_1 < ends_0, r.active
+
+    assert asyncio.run(scenario()) == (429, True, 0)
+
+
 def test_a_streamed_batch_larger_than_its_slots_starts_before_its_waiting_choices_do(pair):  # noqa: F811
     """The stream held every event until every choice had started: a third choice waiting for one of the first
     two to end held their whole text back, the client seeing nothing until then."""
