@@ -15,10 +15,14 @@ planner reads it, four readings of a short profile:
 - ``fastest+isotonic``: the fastest repeat (``hardware.quiet``), the least-squares non-decreasing fit
   (``profiling.isotonic``, what ``profiling.monotone`` applies);
 - ``anchored+isotonic``: that, with t(1) — which every table is divided by — read over the extra repeats
-  ``hardware._time_all`` takes of it through each round (``ANCHOR_EVERY``) — the profile since session 28;
-each against each long profile read the same way, unfitted: the mean over the cells of |estimate / reference -
-1|. And how far apart the long profiles' own tables are, read by medians and anchored: a reference that does
-not reproduce cannot judge. Table + JSON (every repeat of every profile in it).
+  ``hardware._time_all`` takes of it through each round (``ANCHOR_EVERY``) — the profile in sessions 28-62;
+- ``matched+isotonic``: t(1) read over its extra repeats as the expected fastest of as many repeats as every other
+  forward has (``hardware.quiet_as_of``) — the profile since session 63: the fastest of ~20x more repeats sat lower
+  than the others' under the same noise, every ratio over it high;
+each against each long profile read ``matched``, unfitted (a reference read ``anchored`` carries that bias): the
+mean over the cells of |estimate / reference - 1|. And how far apart the long profiles' own tables are, read by
+medians, anchored and matched: a reference that does not reproduce cannot judge. Table + JSON (every repeat of
+every profile in it).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.hardware import BATCH_BUCKETS, _time_all, per_request_sizes, quiet  # noqa: E402
+from sequoia_ray.hardware import BATCH_BUCKETS, _time_all, per_request_sizes, quiet, quiet_as_of  # noqa: E402
 from sequoia_ray.profiling import BOUNDED_BUDGETS, BOUNDED_CONTEXT, BOUNDED_REPEATS, isotonic  # noqa: E402
 
 Key = tuple[str, int, int]  # ("t" | "c", batch, total tokens)
@@ -52,20 +56,24 @@ def _raw(table: dict[int, float]) -> dict[int, float]:
     return table
 
 
-PICKS = {"median": statistics.median, "fastest": quiet, "anchored": quiet}
+PICKS = {"median": statistics.median, "fastest": quiet, "anchored": quiet, "matched": quiet}
 FITS = {"max": running_max, "isotonic": isotonic, "raw": _raw}
-READINGS = ("median+max", "median+isotonic", "fastest+max", "fastest+isotonic", "anchored+isotonic")
+READINGS = ("median+max", "median+isotonic", "fastest+max", "fastest+isotonic", "anchored+isotonic",
+            "matched+isotonic")
+APART = ("median", "anchored", "matched")  # the long profiles' agreement, read these ways
 ONE: Key = ("t", 1, 1)
 
 
 def tables(rounds: dict[Key, list[float]], reading: str) -> dict[tuple[str, int], dict[int, float]]:
     """Per (model, batch) the table the planner would read: each forward's repeats picked, over t(1), fitted.
     ``median`` and ``fastest`` read each forward's own repeats only (one a round); ``anchored`` is ``fastest``
-    with t(1) read over its extra repeats too (``hardware._time_all`` times it again through each round)."""
+    with t(1) read over its extra repeats too (``hardware._time_all`` times it again through each round);
+    ``matched`` reads them as the fastest of ``own`` of them (``hardware.quiet_as_of``)."""
     pick_name, fit_name = reading.split("+")
     pick, fit = PICKS[pick_name], FITS[fit_name]
     own = min(len(v) for v in rounds.values())
-    one = pick(rounds[ONE] if pick_name == "anchored" else rounds[ONE][:own])
+    one = (pick(rounds[ONE]) if pick_name == "anchored" else quiet_as_of(rounds[ONE], own) if pick_name == "matched"
+           else pick(rounds[ONE][:own]))
     rows: dict[tuple[str, int], dict[int, float]] = {}
     for (model, batch, tokens), samples in rounds.items():
         seconds = one if (model, batch, tokens) == ONE else pick(samples[:own])
@@ -85,7 +93,7 @@ def compare(runs: list[dict]) -> tuple[list[dict], list[dict]]:
     longs = [(i, r) for i, r in enumerate(runs) if r["kind"] == "long"]
     rows = []
     for li, ref_run in longs:
-        reference = tables(ref_run["rounds"], "anchored+raw")
+        reference = tables(ref_run["rounds"], "matched+raw")
         for i, run in enumerate(runs):
             if run["kind"] == "short":
                 rows.append({"short": i, "reference": li, **{f"{r} err %": 100 * mean_error(tables(run["rounds"], r),
@@ -97,7 +105,7 @@ def compare(runs: list[dict]) -> tuple[list[dict], list[dict]]:
             (ia, ra), (ib, rb) = longs[a], longs[b]
             agreement.append({"long": ia, "other long": ib, **{
                 f"{p} apart %": 100 * mean_error(tables(ra["rounds"], f"{p}+raw"), tables(rb["rounds"], f"{p}+raw"))
-                for p in ("median", "anchored")}})
+                for p in APART}})
     return rows, agreement
 
 
@@ -148,7 +156,7 @@ def main(argv=None) -> dict:
     print_table(rows, ["short", "reference", *(f"{r} err %" for r in READINGS)])
     print()
     if agreement:
-        print_table(agreement, ["long", "other long", *(f"{p} apart %" for p in ("median", "anchored"))])
+        print_table(agreement, ["long", "other long", *(f"{p} apart %" for p in APART)])
         print()
     summed = summary(rows)
     print_table(summed, ["reading", "median err %", "min %", "max %", "best in"])

@@ -211,10 +211,26 @@ def test_a_profile_without_batch_tables_extrapolates_one_long_request(tmp_path):
     prof = synthetic({1: 1.0, 8: 1.2, 64: 3.0}, c=0.2)
     assert prof.buckets() == (1, 2, 4, 8, 16)
     assert prof.target_cost(4, 32) == prof.t_of(32) and prof.level_cost(4, 8) == prof.c_of(8)
-    assert prof.max_tokens(16) == 64  # min(max t, max c): n <= 4 at batch 16
+    assert prof.max_tokens(16) == 64  # t's largest size: n <= 4 at batch 16
     (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in prof.to_dict().items()
                                                    if k not in ("batch_t", "batch_c")}))  # a file of before
     assert HardwareProfile.load(tmp_path / "old.json") == prof
+
+
+def test_a_batchs_trees_are_bounded_by_the_targets_reach_and_their_levels_by_the_drafts():
+    """A profile without batch tables (a tensor-parallel group's), t to 256 tokens and c to 64 wide: a batch's
+    tree tokens were capped at c's 64 too, so batch 16 could plan no tree of more than 4 nodes however narrow
+    its levels; each level is still held to c's reach (``can_cost``)."""
+    from sequoia_ray.hardware import DEFAULT_BUDGETS, DRAFT_WIDTHS, draft_widths
+
+    t = {n: 1 + 0.002 * (n - 1) for n in DEFAULT_BUDGETS}  # a GPU's nearly flat t(n)
+    prof = HardwareProfile("gpu-tp2", t, {w: 0.05 + 0.0005 * (w - 1) for w in DRAFT_WIDTHS}, 0.02, 256, "bfloat16")
+    table = solve(AcceptanceVector.from_p([0.75, 0.1, 0.04, 0.02, 0.01, 0.01]), 256, 12)
+    assert [prof.max_tokens(b) for b in (1, 4, 16)] == [256, 256, 256]
+    best, candidates = choose(table, prof, DEFAULT_BUDGETS, batch=16)
+    assert best.n > 4 and prof.can_cost(best.plan, 16, best.carried)
+    assert all(16 * max(draft_widths(c.plan, c.carried), default=0) <= 64 for c in candidates)
+    assert any(c.n * 16 > 64 for c in candidates)
 
 
 def test_batch_tables_round_trip_and_validation(tmp_path):

@@ -42,6 +42,14 @@ def test_anchored_reads_t1_over_its_extra_repeats_the_others_over_its_own():
     assert mean_error(tables(short["rounds"], "median+raw"), reference) == pytest.approx(1 - 1 / 2.2)
 
 
+def test_matched_reads_t1s_extra_repeats_as_many_as_the_others_have():
+    short = _run("short")
+    short["rounds"][("t", 1, 1)] += [0.17] * 8 + [0.085]  # one lucky repeat among t(1)'s 12
+    matched, anchored = (tables(short["rounds"], f"{p}+raw")[("t", 1)][8] for p in ("matched", "anchored"))
+    assert anchored == pytest.approx(0.185 / 0.085)  # every table over the one lucky repeat
+    assert matched == pytest.approx(0.185 / (0.17 - 0.085 * 3 / 12))  # in a draw of 3 with chance 3/12
+
+
 def test_running_max_against_isotonic_on_one_slow_small_size():
     short = _run("short", {("t", 1, 8): {0: 1.6, 1: 1.6, 2: 1.6}})  # slow in every repeat: no pick can help
     fitted = {r: tables(short["rounds"], r)[("t", 1)] for r in ("fastest+max", "fastest+isotonic")}
@@ -59,7 +67,8 @@ def test_compare_judges_every_short_run_against_every_long_one_and_the_longs_aga
     assert [(a["long"], a["other long"]) for a in agreement] == [(1, 3)]
     assert agreement[0]["anchored apart %"] == pytest.approx(100 * (1 - 1 / 3.0) / (len(TRUE) - 1))  # one cell
     best = {s["reading"]: s["best in"] for s in summary(rows)}
-    assert best["fastest+isotonic"] == best["anchored+isotonic"] == "4/4" and best["median+max"] != "4/4"
+    assert best["fastest+isotonic"] == best["anchored+isotonic"] == best["matched+isotonic"] == "4/4"
+    assert best["median+max"] != "4/4"
 
 
 def test_a_smoke_run_on_the_tiny_pair_writes_its_json(tmp_path):
