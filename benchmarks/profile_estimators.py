@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_estimators.py [--tiny]
         [--order short,long,short,short,long,short] [--short-repeats 3] [--long-repeats 12] [--context 64]
-        [--out benchmarks/results/profile-estimators.json]
+        [--reference anchored|matched] [--out benchmarks/results/profile-estimators.json]
 
 Times the pair as the main job's bounded profile does (``hardware._time_all``: the target's sizes and the draft's
 widths 1-32 and every batch bucket's grid up to 32 tokens, round-robin, at a context of 64; the real pair as
@@ -15,19 +15,21 @@ planner reads it, four readings of a short profile:
 - ``fastest+isotonic``: the fastest repeat (``hardware.quiet``), the least-squares non-decreasing fit
   (``profiling.isotonic``, what ``profiling.monotone`` applies);
 - ``anchored+isotonic``: that, with t(1) — which every table is divided by — read over the extra repeats
-  ``hardware._time_all`` takes of it through each round (``ANCHOR_EVERY``) — the profile in sessions 28-62;
-- ``matched+isotonic``: t(1) read over its extra repeats as the expected fastest of as many repeats as every other
-  forward has (``hardware.quiet_as_of``) — the profile since session 63: the fastest of ~20x more repeats sat lower
-  than the others' under the same noise, every ratio over it high;
-each against each long profile read ``matched``, unfitted (a reference read ``anchored`` carries that bias): the
-mean over the cells of |estimate / reference - 1|. And how far apart the long profiles' own tables are, read by
-medians, anchored and matched: a reference that does not reproduce cannot judge. Table + JSON (every repeat of
-every profile in it).
+  ``hardware._time_all`` takes of it through each round (``ANCHOR_EVERY``) — the profile since session 28;
+- ``matched+isotonic``: t(1)'s repeats, extra ones included, read as the expected fastest of as many as every other
+  forward has (``quiet_as_of``). Under the same noise on every forward (independent, no phases) the fastest of ~20x
+  more repeats sits lower than the others' fastest and every ratio over it comes out high (fake forwards of known
+  cost: trees 1.5-4% dearer against the target alone); matched in count that bias cancels, but a host's slow
+  phases then reach t(1) again. Tried in session 63 (``--reference matched``), not adopted: see benchmarks/HISTORY.md;
+each against each long profile read ``--reference`` (default ``anchored``), unfitted: the mean over the cells of
+|estimate / reference - 1|. And how far apart the long profiles' own tables are, read by medians, anchored and
+matched: a reference that does not reproduce cannot judge. Table + JSON (every repeat of every profile in it).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -38,10 +40,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
-from sequoia_ray.hardware import BATCH_BUCKETS, _time_all, per_request_sizes, quiet, quiet_as_of  # noqa: E402
+from sequoia_ray.hardware import BATCH_BUCKETS, _time_all, per_request_sizes, quiet  # noqa: E402
 from sequoia_ray.profiling import BOUNDED_BUDGETS, BOUNDED_CONTEXT, BOUNDED_REPEATS, isotonic  # noqa: E402
 
 Key = tuple[str, int, int]  # ("t" | "c", batch, total tokens)
+
+
+def quiet_as_of(samples, repeats: int) -> float:
+    """``hardware.quiet`` as ``repeats`` repeats would read it, from more of them: the expected fastest of
+    ``repeats`` drawn (without replacement) from ``samples``."""
+    ordered = sorted(samples)
+    if repeats >= len(ordered):
+        return ordered[0]
+    # the i-th fastest (from 0) is the fastest of a draw when it is drawn and the other repeats - 1 are slower
+    weights = [math.comb(len(ordered) - 1 - i, repeats - 1) for i in range(len(ordered) - repeats + 1)]
+    return sum(w * x for w, x in zip(weights, ordered)) / math.comb(len(ordered), repeats)
 
 
 def running_max(table: dict[int, float]) -> dict[int, float]:
@@ -68,7 +81,7 @@ def tables(rounds: dict[Key, list[float]], reading: str) -> dict[tuple[str, int]
     """Per (model, batch) the table the planner would read: each forward's repeats picked, over t(1), fitted.
     ``median`` and ``fastest`` read each forward's own repeats only (one a round); ``anchored`` is ``fastest``
     with t(1) read over its extra repeats too (``hardware._time_all`` times it again through each round);
-    ``matched`` reads them as the fastest of ``own`` of them (``hardware.quiet_as_of``)."""
+    ``matched`` reads them as the fastest of ``own`` of them (``quiet_as_of``)."""
     pick_name, fit_name = reading.split("+")
     pick, fit = PICKS[pick_name], FITS[fit_name]
     own = min(len(v) for v in rounds.values())
@@ -88,12 +101,13 @@ def mean_error(estimate: dict, reference: dict) -> float:
     return statistics.mean(errors)
 
 
-def compare(runs: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(a row per short profile and long reference: each reading's mean error; the long profiles' agreement)."""
+def compare(runs: list[dict], reference_pick: str = "anchored") -> tuple[list[dict], list[dict]]:
+    """(a row per short profile and long reference, read ``reference_pick``: each reading's mean error; the long
+    profiles' agreement)."""
     longs = [(i, r) for i, r in enumerate(runs) if r["kind"] == "long"]
     rows = []
     for li, ref_run in longs:
-        reference = tables(ref_run["rounds"], "matched+raw")
+        reference = tables(ref_run["rounds"], f"{reference_pick}+raw")
         for i, run in enumerate(runs):
             if run["kind"] == "short":
                 rows.append({"short": i, "reference": li, **{f"{r} err %": 100 * mean_error(tables(run["rounds"], r),
@@ -135,6 +149,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--short-repeats", type=int, default=BOUNDED_REPEATS)
     ap.add_argument("--long-repeats", type=int, default=12)
     ap.add_argument("--context", type=int, default=BOUNDED_CONTEXT)
+    ap.add_argument("--reference", choices=("anchored", "matched"), default="anchored",
+                    help="how the long profiles that judge the short ones are read")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     order = args.order.split(",")
@@ -152,7 +168,7 @@ def main(argv=None) -> dict:
                            repeats=repeats, grid=grid)
         runs.append({"kind": kind, "repeats": repeats, "seconds": time.perf_counter() - start, "rounds": rounds})
         print(f"{kind} profile: {runs[-1]['seconds']:.0f} s", flush=True)
-    rows, agreement = compare(runs)
+    rows, agreement = compare(runs, args.reference)
     print_table(rows, ["short", "reference", *(f"{r} err %" for r in READINGS)])
     print()
     if agreement:

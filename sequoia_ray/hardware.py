@@ -437,21 +437,6 @@ def quiet(samples) -> float:
     return min(samples)
 
 
-def quiet_as_of(samples, repeats: int) -> float:
-    """``quiet`` as ``repeats`` repeats would read it, from more of them: the expected fastest of ``repeats`` drawn
-    (without replacement) from ``samples``. t(1) is timed again through every round (``_time_all``'s anchor), ~100
-    repeats against every other forward's 5; its plain fastest then sat lower than theirs would under the same
-    noise, and every ratio over it came out high — trees priced 1.5% (10% noise) to 4% (30%) dearer against the
-    target alone (a fake forward of known cost, iid noise). Matched in count the bias cancels, and a slow phase
-    over a few of t(1)'s repeats still hardly moves it (all ``repeats`` drawn from it: rare)."""
-    ordered = sorted(samples)
-    if repeats >= len(ordered):
-        return ordered[0]
-    # the i-th fastest (from 0) is the fastest of the draw when it is drawn and the other repeats - 1 are slower
-    weights = [math.comb(len(ordered) - 1 - i, repeats - 1) for i in range(len(ordered) - repeats + 1)]
-    return sum(w * x for w, x in zip(weights, ordered)) / math.comb(len(ordered), repeats)
-
-
 def timed_rounds(steps: dict, *, repeats: int, warmup: int = 1, anchor=None, every: int = 0
                  ) -> dict[object, list[float]]:
     """Every one of ``repeats`` results of each timing function, the functions called in turn. With an
@@ -585,8 +570,7 @@ def profile(target, draft, *, hardware: str, budgets=DEFAULT_BUDGETS, widths=DRA
         time_all = functools.partial(_time_all, target, draft, sizes, widths, context=context, repeats=repeats,
                                      grid=grid)
     rounds, drift = _calm_rounds(time_all, hardware, max_drift, retries)
-    own = min(map(len, rounds.values()))  # every forward's repeats; t(1) has more (the anchor's)
-    timed, noise = {k: quiet_as_of(v, own) for k, v in rounds.items()}, relative_noise(rounds)
+    timed, noise = {k: quiet(v) for k, v in rounds.items()}, relative_noise(rounds)
     target_s, draft_s = ({k: v for (m, b, k), v in timed.items() if (m, b) == (name, 1)} for name in "tc")
     one = target_s[1]
     batch_t, batch_c = ({b: {k: v / one for (m, bb, k), v in timed.items() if (m, bb) == (name, b)}

@@ -193,30 +193,6 @@ def test_a_profile_still_drifting_keeps_its_least_drifting_timing_and_is_refused
     assert len(calls) == 1  # retries=0: timed once
 
 
-def test_quiet_as_of_is_the_expected_fastest_of_that_many_repeats():
-    import itertools
-    import statistics
-
-    samples = [0.31, 0.12, 0.5, 0.12, 0.2, 0.44, 0.27]
-    for repeats in (1, 2, 3, 7):
-        draws = [min(draw) for draw in itertools.combinations(samples, repeats)]  # every draw, equally likely
-        assert hardware.quiet_as_of(samples, repeats) == pytest.approx(statistics.mean(draws))
-    assert hardware.quiet_as_of(samples, 9) == 0.12  # as many or fewer samples: their fastest
-
-
-def test_t1s_anchor_repeats_are_read_as_many_as_the_other_forwards_repeats(monkeypatch):
-    """t(1) is timed ~20x more often than any other forward (the anchor): its plain fastest, one lucky repeat of
-    100, priced every tree 2x against the target alone here. Read as the fastest of 3 drawn from its repeats,
-    t(2) / t(1) is ~1 as the forwards' costs are."""
-    rounds = _rounds(slow_after=None)
-    rounds[("t", 1, 1)] += [0.1] * 96 + [0.05]  # the anchor's extras, one of them lucky
-    monkeypatch.setattr(hardware, "_time_all", lambda *a, **k: rounds)
-    prof = profile(object(), object(), hardware="hw", budgets=(1, 2), widths=(1, 2), context=8, repeats=3)
-    lucky = 3 / len(rounds[("t", 1, 1)])  # the chance that a draw of 3 holds the lucky repeat
-    assert prof.target_step_s == pytest.approx(0.1 - 0.05 * lucky)
-    assert prof.t[2] == pytest.approx(0.1 / (0.1 - 0.05 * lucky)) and prof.t[2] < 1.02
-
-
 def test_drift_round_trips_and_a_missing_drift_loads_as_nan(tmp_path):
     prof = HardwareProfile("hw", {1: 1.0, 4: 1.2}, {1: 0.1}, 0.1, 64, "float32", noise=0.04, drift=0.07)
     prof.save(tmp_path / "p.json")

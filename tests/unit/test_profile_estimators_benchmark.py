@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from profile_estimators import compare, main, mean_error, summary, tables  # noqa: E402
+from profile_estimators import compare, main, mean_error, quiet_as_of, summary, tables  # noqa: E402
 
 TRUE = {("t", 1, 1): 0.17, ("t", 1, 8): 0.185, ("t", 1, 32): 0.245, ("c", 1, 1): 0.046, ("c", 1, 8): 0.08,
         ("t", 2, 2): 0.175, ("c", 2, 2): 0.05}
@@ -40,6 +40,17 @@ def test_anchored_reads_t1_over_its_extra_repeats_the_others_over_its_own():
     assert mean_error(tables(short["rounds"], "anchored+isotonic"), reference) == pytest.approx(0.0)
     assert mean_error(tables(short["rounds"], "fastest+raw"), reference) == pytest.approx(1 - 1 / 2.1)
     assert mean_error(tables(short["rounds"], "median+raw"), reference) == pytest.approx(1 - 1 / 2.2)
+
+
+def test_quiet_as_of_is_the_expected_fastest_of_that_many_repeats():
+    import itertools
+    import statistics
+
+    samples = [0.31, 0.12, 0.5, 0.12, 0.2, 0.44, 0.27]
+    for repeats in (1, 2, 3, 7):
+        draws = [min(draw) for draw in itertools.combinations(samples, repeats)]  # every draw, equally likely
+        assert quiet_as_of(samples, repeats) == pytest.approx(statistics.mean(draws))
+    assert quiet_as_of(samples, 9) == 0.12  # as many or fewer samples: their fastest
 
 
 def test_matched_reads_t1s_extra_repeats_as_many_as_the_others_have():
