@@ -710,14 +710,30 @@ def gpu_type(device_name: str) -> str:
     return name if name.strip(".") else "unknown-gpu"  # "", "." and ".." name no folder
 
 
-def _cpu_model() -> str:
+# Arm cores by (CPU implementer, CPU part) of /proc/cpuinfo, which names no model on aarch64
+ARM_CORES = {("0x41", "0xd08"): "Cortex-A72", ("0x41", "0xd0b"): "Cortex-A76", ("0x41", "0xd0c"): "Neoverse-N1",
+             ("0x41", "0xd40"): "Neoverse-V1", ("0x41", "0xd49"): "Neoverse-N2", ("0x41", "0xd4f"): "Neoverse-V2",
+             ("0x41", "0xd8e"): "Neoverse-N3", ("0x41", "0xd84"): "Neoverse-V3", ("0xc0", "0xac3"): "AmpereOne"}
+
+
+def _cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from ``cpuinfo`` (default: /proc/cpuinfo's text). An Arm Linux names none there: every
+    Arm CPU was ``aarch64`` (with torch's capability the same ``default`` on a Graviton2, an Ampere Altra and a
+    Graviton4), so one's plans were served on the others; its core is named by its implementer and part codes
+    (``Neoverse-N1``; an unknown one ``arm-0x41-0xd99``)."""
     name = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1]
-                break
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
-        pass
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if fields.get("model name"):
+        name = fields["model name"]
+    elif "CPU part" in fields:
+        codes = (fields.get("CPU implementer", "").lower(), fields["CPU part"].lower())
+        name = ARM_CORES.get(codes) or "arm-" + "-".join(codes)
     keep = "".join(ch if ch.isalnum() else "-" for ch in name.strip())
     return "-".join(part for part in keep.split("-") if part)[:48] or "unknown"

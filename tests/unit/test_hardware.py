@@ -85,6 +85,25 @@ def test_time_forward_on_a_tiny_model_and_hardware_id():
     assert hardware_id("H100", 2) == "H100-tp2" and hardware_id("L4") == "L4"
 
 
+ARM_CPUINFO = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd\nCPU implementer\t: {}\nCPU part\t: {}\n\n"
+
+
+@pytest.mark.parametrize("implementer, part, model", [
+    ("0x41", "0xd0c", "Neoverse-N1"),  # Graviton2, Ampere Altra
+    ("0x41", "0xd40", "Neoverse-V1"),  # Graviton3
+    ("0x41", "0xd4f", "Neoverse-V2"),  # Graviton4, Grace
+    ("0x41", "0xd99", "arm-0x41-0xd99"),  # a core the table does not know: still its own
+])
+def test_arm_cpus_are_told_apart_by_their_core(implementer, part, model):
+    """/proc/cpuinfo names no model on Arm Linux: every Arm CPU was ``aarch64`` (torch's capability ``default``
+    alike on several), so one's plans were served on another."""
+    import sequoia_ray.hardware as hardware
+
+    assert hardware._cpu_model(ARM_CPUINFO.format(implementer, part)) == model
+    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n"
+    assert hardware._cpu_model(x86) == "AMD-EPYC-9R14-96-Core-Processor"
+
+
 def test_cpu_hardware_ids_tell_vector_instruction_sets_apart(monkeypatch):
     """Plans are per CPU kind: the same model name with other kernels (AVX2 against AVX-512 bf16) is another
     id, and an id computed away from the target (its deployment replica) uses the target's CPU."""
