@@ -84,8 +84,31 @@ async def _http(request: Request | None, exc: StarletteHTTPException) -> JSONRes
 def event_stream(events, ended) -> StreamingResponse:
     """Server-sent events, never cached nor buffered on the way (nginx's ingress holds a response it may buffer,
     and the tokens then arrived in bursts)."""
-    return StreamingResponse(_sse(events, ended), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStream(events, ended)
+
+
+class _EventStream(StreamingResponse):
+    """``ended(status)`` once: when the stream ends (``_sse``), or, when its body never started — the client gone
+    before the response's first byte (Starlette then never iterates it: ``send`` of the response's start failed,
+    or the disconnect came first) — a 499 when the response is over. Such a request went uncounted."""
+
+    def __init__(self, events, ended) -> None:
+        self.told = False
+
+        def once(status: str) -> None:
+            if not self.told:
+                self.told = True
+                ended(status)
+
+        self.once = once
+        super().__init__(_sse(events, once), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.once(CLIENT_GONE)  # nothing if the stream has told its end
 
 
 # A client that went away: Serve cancels its request's task (a Ray call awaited then raises TaskCancelledError),

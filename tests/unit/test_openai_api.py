@@ -587,6 +587,46 @@ def test_a_stream_is_neither_cached_nor_buffered_on_the_way():
     assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
 
 
+@pytest.mark.parametrize("gone", ["send", "disconnect", None])
+def test_a_stream_is_counted_once_even_when_its_body_never_starts(gone):
+    """A client gone before the response's first byte: Starlette never iterated the body (its start's ``send``
+    failed, or the disconnect came first), and the request was never counted. A stream that runs is counted by
+    its own end, once."""
+    from starlette.requests import ClientDisconnect
+
+    from deployments.ingress import event_stream
+
+    async def events():
+        yield {"x": 1}
+
+    async def scenario():
+        counted = []
+        response = event_stream(events(), counted.append)
+        sent = []
+
+        async def send(message):
+            if gone == "send":
+                raise OSError("connection reset")
+            if gone == "disconnect":
+                await asyncio.sleep(10)  # the start held up on the way: the disconnect comes first
+            sent.append(message)
+
+        async def receive():
+            if gone == "disconnect":
+                return {"type": "http.disconnect"}
+            await asyncio.sleep(10)
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4" if gone == "send" else "2.0"}}
+        try:
+            await response(scope, receive, send)
+        except ClientDisconnect:
+            pass
+        return counted, bool(sent)
+
+    counted, sent = asyncio.run(scenario())
+    assert counted == (["200"] if gone is None else ["499"]) and sent == (gone is None)
+
+
 @pytest.mark.parametrize("prompt,param,said", [([1, True], "prompt.1", "not bool"), ([1, "a"], "prompt.1", "not str"),
                                                (["a", 2], "prompt.1", "valid string")])
 def test_a_bad_element_of_a_prompt_list_is_the_one_named(prompt, param, said):
