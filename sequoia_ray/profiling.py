@@ -27,7 +27,7 @@ from sequoia_ray.prompts import Prompt, interleave_kinds, load_prompts
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
 from sequoia_ray.tree.builtin import builtin_acceptance
 from sequoia_ray.tree.dp import solve
-from sequoia_ray.tree.plan import TreePlan, chain
+from sequoia_ray.tree.plan import TreePlan, carried_leaf, chain
 from sequoia_ray.tree.plan_file import ACCEPTANCE_FILE, BUILTIN_ACCEPTANCE, PlannedTree, Provenance
 
 logger = logging.getLogger(__name__)
@@ -186,9 +186,14 @@ def _probe(table, prof: HardwareProfile, first: Choice) -> tuple[TreePlan, tuple
     at the largest overhead batch) the DP's tree of at most 8 nodes and 4 levels that can be costed — and the
     overhead batches it can be costed at."""
     top = max(OVERHEAD_BATCHES)
+
+    def costed(plan: TreePlan, batch: int) -> bool:  # its target forward and every draft level within the profile
+        return prof.can_cost(plan, batch, carried_leaf(plan, table.acceptance))
+
     fits = max(1, min(table.max_nodes, prof.max_tokens(top) // top))
-    plan = first.plan if 1 < first.n <= fits else table.tree(max(2, min(8, fits)), max(2, min(4, table.max_depth)))
-    return plan, tuple(b for b in OVERHEAD_BATCHES if b * plan.n <= prof.max_tokens(b))
+    small = table.tree(max(2, min(8, fits)), max(2, min(4, table.max_depth)))
+    plan = first.plan if first.n > 1 and costed(first.plan, top) else small
+    return plan, tuple(b for b in OVERHEAD_BATCHES if costed(plan, b))
 
 
 def _model_picks(pair, table, prof: HardwareProfile, budgets, prompts, params: SamplingParams) -> dict[int, Picked]:

@@ -626,6 +626,24 @@ def test_unmeasured_picks_charge_the_served_calls_when_they_can_be_timed():
     assert charged[8].choice.n == 1 and charged[4].choice.n > 1
 
 
+def test_the_overhead_probe_runs_only_at_batches_whose_draft_levels_were_profiled():
+    """t to 128 tokens, c to 8 wide (no batch tables): the batch-1 choice (32 nodes, a level 8 wide) fits t at
+    batch 4 (4 x 32 tokens) but not c (4 x 8 = 32 wide): it was probed at batch 4 all the same, the overhead fitted
+    on a step no plan could be. The smaller tree is probed instead, at every batch that can be costed."""
+    from sequoia_ray.hardware import choose
+    from sequoia_ray.tree.plan import carried_leaf
+
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128)
+    prof = HardwareProfile("hw", {s: 1 + 0.003 * (s - 1) for s in sizes},
+                           {w: 0.05 * (1 + 0.003 * (w - 1)) for w in (1, 2, 4, 8)}, 0.1, 64, "float32")
+    table = solve(AcceptanceVector.from_p([0.45, 0.2, 0.1, 0.05]), 128, 6)
+    first = choose(table, prof, sizes)[0]
+    assert first.n > 8 and not prof.can_cost(first.plan, 4, first.carried)
+    probe, batches = profiling._probe(table, prof, first)
+    assert probe.n <= 8 and batches == (1, 4)
+    assert all(prof.can_cost(probe, b, carried_leaf(probe, table.acceptance)) for b in batches)
+
+
 @pytest.mark.parametrize("field, value, message", [("max_depth", 1, "max_depth 1 leaves no level for a draft token"),
                                                    ("budgets", (1,), r"budgets \(1,\) hold no tree with a draft")])
 def test_a_profile_job_with_no_room_for_a_tree_is_refused_up_front(field, value, message):
