@@ -575,9 +575,11 @@ class OpenAIIngress:
             self._drop(tickets)
 
     def _overloaded(self) -> api.APIError:
-        waiting = f", {n} choices of batches waiting" if (n := self.slots.waiting) else ""
-        return api.APIError(429, f"{self.active} requests in flight (max_concurrent {self.cfg.max_concurrent}"
-                                 f"{waiting}); retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
+        """Every slot taken (a generation each: a request's, or a choice's of a batch or of ``n``)."""
+        n = self.slots.waiting
+        waiting = f", {n} choice{'s' * (n != 1)} of batches waiting for one" if n else ""
+        return api.APIError(429, f"{self.active} of max_concurrent {self.cfg.max_concurrent} generation slots taken"
+                                 f"{waiting}; retry later", type="rate_limit_error", code="overloaded", retry_after_s=1)
 
     def _choices(self, req, prompts: list[list[int]], params: SamplingParams, rid: str
                  ) -> list[tuple[list[int], SamplingParams, str, str | None]]:

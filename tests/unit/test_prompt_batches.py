@@ -430,9 +430,11 @@ def test_batches_arriving_together_are_admitted_no_further_than_the_free_slots(p
     async def scenario():
         body = {"model": "m", "prompt": PROMPTS, "max_tokens": 4, "temperature": 0}
         outcomes = await asyncio.gather(*(r.generate(body) for _ in range(3)), return_exceptions=True)
-        return [len(o["choices"]) if isinstance(o, dict) else o.status for o in outcomes], r.active, r.slots.waiting
+        return [len(o["choices"]) if isinstance(o, dict) else o.status for o in outcomes], outcomes[1].message, \
+            r.active, r.slots.waiting
 
-    assert asyncio.run(scenario()) == ([3, 429, 429], 0, 0)
+    said = "2 of max_concurrent 2 generation slots taken, 1 choice of batches waiting for one; retry later"
+    assert asyncio.run(scenario()) == ([3, 429, 429], said, 0, 0)
 
 
 def test_a_streamed_batch_is_not_held_back_by_a_request_that_arrives_as_it_starts(pair):  # noqa: F811
