@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from actors.health import CallTracker
-from actors.reaper import Reaper
+from actors.reaper import REAP, Reaper
 from actors.spec import ModelActorSpec
 from actors.thread_share import ThreadShare
 from sequoia_ray.batching import BATCHED, Batcher, comes_straight_back
@@ -97,6 +97,8 @@ class ModelActor:
             return self._unsafe_run_batch(method, calls, stale=stale)
 
     def _unsafe_run(self, method: str, request_id: str, *args, stale=None):  # untracked: the caller tracks
+        if method == REAP:  # the requests freed (rank 0's list on a TP follower)
+            return self._reap(method, [], stale)
         self._reap(method, [request_id], stale)
         if method == "finish":
             self._forget(request_id)

@@ -18,6 +18,7 @@ import ray
 
 from actors.base import ModelActor, assigned_device, model_meta
 from actors.placement import ActorResources, in_bundle
+from actors.reaper import REAP
 from actors.spec import ModelActorSpec, check_backend
 from actors.thread_share import ThreadShare
 
@@ -106,7 +107,8 @@ class TargetRank(ModelActor):
 
     def _lead_one(self, method: str, request_id: str, *args):
         with self.tracker.running(method):
-            stale = self.reaper.due(method, [request_id])  # rank 0 decides; every rank frees the same
+            stale = self.reaper.due(method, [] if method == REAP else [request_id])  # rank 0 decides; every
+            # rank frees the same
             refs = [f.step.remote(method, request_id, *args, stale=stale) for f in self.followers]
             mine = self._unsafe_run(method, request_id, *args, stale=stale)
             self._check_agree(method, [mine], [[r] for r in self._gather(refs)])

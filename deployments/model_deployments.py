@@ -20,6 +20,7 @@ from ray import serve
 from actors.draft import DraftActor
 from actors.health import raise_if_unhealthy
 from actors.placement import bundles, in_bundle
+from actors.reaper import IdleReaping
 from actors.spec import STEP_TIMEOUT_S
 from actors.target import TargetGroup
 from deployments.autoscaling import HELD
@@ -27,6 +28,7 @@ from deployments.config import ServeConfig
 
 logger = logging.getLogger("ray.serve")
 DRAIN_POLL_S = 0.25
+REAPS_PER_TIMEOUT = 4  # an idle actor is told to free idle requests this often per request_idle_timeout_s
 DRAIN_STALL_S = 5.0  # held requests but no forward ran or ran on for this long: abandoned (their ingress gone)
 
 
@@ -89,6 +91,7 @@ class DraftDeployment:
         self.actor = ray.remote(concurrency_groups={"health": 1})(DraftActor).options(
             **in_bundle(self.cfg.resources(), 0), max_concurrency=spec.callers).remote(spec)
         ray.get(self.actor.info.remote())  # returns once the model has loaded
+        self.reaping = IdleReaping(self.actor, self.cfg.request_idle_timeout_s / REAPS_PER_TIMEOUT)
 
     def actors(self):
         """The draft actor's handle (the ingress then calls it directly every step)."""
@@ -97,6 +100,7 @@ class DraftDeployment:
     def check_health(self) -> None:
         state = ray.get(self.actor.health.remote(), timeout=self.cfg.health_check_timeout_s)
         raise_if_unhealthy([state], self.cfg.step_timeout_s, "draft actor")
+        self.reaping.tick()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {HELD: await self.actor.active.remote()}
@@ -112,6 +116,7 @@ class TargetDeployment:
         self.cfg = ServeConfig.model_validate(config)
         self.group = TargetGroup(self.cfg.actor_spec("target"), self.cfg.tp_size, self.cfg.tp_backend,
                                  self.cfg.resources())
+        self.reaping = IdleReaping(self.group.ranks[0], self.cfg.request_idle_timeout_s / REAPS_PER_TIMEOUT)
 
     def actors(self) -> dict:
         """The rank handles and what the ingress needs of the model (EOS ids, context, hardware id, device)."""
@@ -124,6 +129,7 @@ class TargetDeployment:
         and with it the whole TP group (the rank actors are owned by, and die with, the replica)."""
         states = ray.get([r.health.remote() for r in self.group.ranks], timeout=self.cfg.health_check_timeout_s)
         raise_if_unhealthy(states, self.cfg.step_timeout_s, "target rank")
+        self.reaping.tick()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {HELD: await self.group.ranks[0].active.remote()}  # every rank holds the same requests

@@ -54,3 +54,54 @@ def test_a_start_after_its_requests_finish_holds_nothing():
     actor.call("start", "idle", [3, 4], params, 2)  # a reaped request comes back (the draft link restarts it)
     actor.call("start", "late", [3, 4, 5], params, 1)  # and an id finished long ago is an id like any other
     assert actor.active() == 3
+
+
+def test_a_reap_call_frees_idle_requests_on_an_actor_nobody_else_calls():
+    """Idle requests were freed only when another call came: an actor left without calls (its ingress crashed
+    with requests in flight, then traffic stopped) held them for ever, its KV memory and the autoscaler's count of
+    held requests with them. The deployment's health check now sends ``REAP``; on a TP group rank 0 decides
+    and every rank frees the same requests."""
+    from actors.reaper import REAP
+    from actors.target import TargetRank, free_port
+
+    draft = DraftActor(ModelActorSpec("tiny-draft", idle_timeout_s=5.0))
+    rank = TargetRank(0, 1, "127.0.0.1", free_port(), "gloo", ModelActorSpec("tiny-target", idle_timeout_s=5.0))
+    rank.lead([])
+    params = SamplingParams(max_tokens=8)
+    for actor in (draft, rank):
+        actor.reaper.clock = clock = Clock()
+        actor.call("start", "gone-0", [3, 4, 5], params, 1)
+        actor.call("start", "gone-1", [3, 4], params, 2)
+        clock.now = 3
+        assert actor.call(REAP, "") == [] and actor.active() == 2  # not idle long enough: kept
+        clock.now = 6
+        assert sorted(actor.call(REAP, "")) == ["gone-0", "gone-1"] and actor.active() == 0
+        assert actor.reaper.finished == {} and actor.health()["broken"] is None
+        actor.batcher.close()
+
+
+def test_idle_reaping_sends_at_most_one_call_at_a_time_and_no_more_often_than_asked(monkeypatch):
+    import actors.reaper as reaper
+
+    sent, answered = [], set()
+
+    class Actor:
+        class call:
+            @staticmethod
+            def remote(method, request_id):
+                sent.append((method, request_id))
+                return len(sent)
+
+    monkeypatch.setattr(reaper.ray, "wait", lambda refs, timeout: ([r for r in refs if r in answered], []))
+    monkeypatch.setattr(reaper.ray, "get", lambda ref: None)
+    clock = Clock()
+    reaping = reaper.IdleReaping(Actor(), every_s=75.0, clock=clock)
+    reaping.tick()
+    clock.now = 100
+    reaping.tick()  # the first still unanswered (queued behind a long prefill): none sent
+    answered.add(1)
+    reaping.tick()  # answered, and 75 s passed: the next one
+    clock.now = 120
+    answered.add(2)
+    reaping.tick()  # answered, but only 20 s since: none
+    assert sent == [(reaper.REAP, "")] * 2
