@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.spec import STEP_TIMEOUT_S
 
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree, DynamicTrees
+from sequoia_ray.request_errors import UnknownRequest
 from sequoia_ray.tree.plan import TreePlan
 from sequoia_ray.verify import Verdict
 
@@ -57,6 +58,12 @@ class PrefillDeadlines:
 class TargetUnavailable(RuntimeError):
     """The target group failed or timed out on a call (a rank died or hung): the request cannot go on;
     the client may retry once the group has been replaced (HTTP 503)."""
+
+
+class RequestForgotten(RuntimeError):
+    """The target group no longer holds the request — freed after ``request_idle_timeout_s`` without a call (its
+    client did not read its stream that long, or the draft's prefill of its prompt took that long) — though the
+    group itself is fine: the request cannot go on (it was a 503 saying the group had failed)."""
 
 
 class ActorDraft:
@@ -116,11 +123,15 @@ class RanksTarget:
         try:
             return ray.get(self.ranks[0].call.remote(method, *args), timeout=timeout_s or self.timeout_s)
         except (RayError, GetTimeoutError) as exc:
-            self.failed = True
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError's first line is Ray's task header
-            first_line = str(cause).splitlines()[0] if str(cause) else ""
+            if isinstance(cause, UnknownRequest) and method != "start":
+                raise RequestForgotten(f"the target no longer holds the request during {method}: {cause}") from exc
+            self.failed = True
+            # a dead rank's message says why on its later lines (its node, pid, the worker's exit type: out of
+            # memory, a lost node); a task error's first line is the error itself
+            said = " ".join(str(cause).split()) if isinstance(exc, RayActorError) else str(cause).split("\n")[0]
             raise TargetUnavailable(f"the target group failed during {method}: {type(cause).__name__}: "
-                                    f"{first_line}") from exc
+                                    f"{said[:600]}") from exc
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
         self._call("start", request_id, prompt, params, seed, timeout_s=self.deadlines.start(request_id, prompt))
@@ -134,4 +145,7 @@ class RanksTarget:
         if self.failed:  # do not wait on a failed group: tell it without awaiting the answer
             self.ranks[0].call.remote("finish", request_id)
             return
-        self._call("finish", request_id)
+        try:
+            self._call("finish", request_id)
+        except RequestForgotten:  # freed there already: nothing to finish
+            pass

@@ -25,7 +25,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from actors.adapters import ActorDraft, RanksTarget, TargetUnavailable
+from actors.adapters import ActorDraft, RanksTarget, RequestForgotten, TargetUnavailable
 from deployments import openai_api as api
 from deployments.autoscaling import HELD
 from deployments.config import ServeConfig
@@ -793,6 +793,13 @@ class OpenAIIngress:
         except PromptError as exc:  # found by the engine before any token: still a proper 400
             param = {"prompt": req.prompt_param, "max_tokens": req.length_param}.get(exc.param)
             raise api.APIError(400, str(exc), param=param or exc.param, code=exc.code) from None
+        except RequestForgotten as exc:
+            logger.warning("request %s failed: %s", rid, exc)
+            raise api.APIError(503, "the request went without a step for longer than request_idle_timeout_s "
+                               f"({self.cfg.request_idle_timeout_s:g} s) and was freed on the target: its stream "
+                               "was not read that long, or its prompt's prefill on the draft took that long; retry "
+                               "it (an operator may raise request_idle_timeout_s)", type="server_error",
+                               code="request_idle_timeout") from None
         except TargetUnavailable as exc:
             logger.error("request %s failed: %s", rid, exc)
             raise _unavailable("the target model failed while generating (it is being restarted)") from None

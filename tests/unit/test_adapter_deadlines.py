@@ -96,29 +96,70 @@ def test_a_grow_that_times_out_frees_the_request_with_one_finish(monkeypatch):
     assert handle.sent == [("call", "start"), ("grow", "grow"), ("call", "finish")]
 
 
-def test_a_target_failure_names_its_cause_not_rays_task_header(monkeypatch):
-    """A RayTaskError's first line is Ray's header ('ray::...call() (pid=..., ip=...)'): the error logged for the
-    failed request said nothing of what failed."""
+def _raised_on_a_rank(exc: Exception):
+    """``exc`` as ``ray.get`` raises a rank's failure: a RayTaskError that is also an instance of its cause."""
     import traceback
 
     from ray.exceptions import RayTaskError
 
-    from actors.adapters import TargetUnavailable
-    from sequoia_ray.request_errors import UnknownRequest
-
     try:
-        raise UnknownRequest("request 'r' is not active here")
-    except UnknownRequest as exc:
-        wrapped = RayTaskError("call", traceback.format_exc(), exc, proctitle="ray::TargetRank.call()", pid=7,
-                               ip="10.0.0.2").as_instanceof_cause()
+        raise exc
+    except Exception as raised:  # noqa: BLE001 - wrapped as Ray wraps it
+        return RayTaskError("call", traceback.format_exc(), raised, proctitle="ray::TargetRank.call()", pid=7,
+                            ip="10.0.0.2").as_instanceof_cause()
 
+
+def _failing(monkeypatch, exc: Exception) -> None:
     def fail(ref, timeout=None):
-        raise wrapped
+        raise exc
 
     monkeypatch.setattr(adapters.ray, "get", fail)
+
+
+def test_a_target_failure_names_its_cause_not_rays_task_header(monkeypatch):
+    """A RayTaskError's first line is Ray's header ('ray::...call() (pid=..., ip=...)'): the error logged for the
+    failed request said nothing of what failed."""
+    from actors.adapters import TargetUnavailable
+
+    _failing(monkeypatch, _raised_on_a_rank(RuntimeError("tensor-parallel ranks disagree on a batched verify")))
     target = RanksTarget([Handle()])
-    with pytest.raises(TargetUnavailable, match="during verify: UnknownRequest: .?request 'r' is not active here"):
+    with pytest.raises(TargetUnavailable, match="during verify: RuntimeError: tensor-parallel ranks disagree"):
         target.verify("r", chain(0), None)
+    assert target.failed
+
+
+def test_a_dead_ranks_error_keeps_why_it_died(monkeypatch):
+    """An ActorDiedError's first line is Ray's generic sentence; the rank, its node and why its worker exited
+    (out of memory, a lost node) come after it, and were dropped from the error logged."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    from actors.adapters import TargetUnavailable
+
+    died = ActorDiedError(ActorDiedErrorContext(
+        class_name="TargetRank", actor_id=b"\x01" * 16, pid=4242, node_ip_address="10.0.0.7",
+        error_message="The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY"))
+    _failing(monkeypatch, died)
+    with pytest.raises(TargetUnavailable) as info:
+        RanksTarget([Handle()]).verify("r", chain(0), None)
+    assert all(part in str(info.value) for part in ("ActorDiedError", "10.0.0.7", "NODE_OUT_OF_MEMORY", "4242"))
+    assert "\n" not in str(info.value)
+
+
+def test_a_request_the_target_freed_as_idle_is_not_a_failed_group(monkeypatch):
+    """The target frees a request after request_idle_timeout_s without a call (its client did not read its stream
+    that long, or the draft prefilled its prompt that long): its next verify said "the target group failed"
+    (a 503 "being restarted", the group marked failed) though every rank was fine. Its finish then has nothing to
+    free."""
+    from actors.adapters import RequestForgotten
+    from sequoia_ray.request_errors import UnknownRequest
+
+    _failing(monkeypatch, _raised_on_a_rank(UnknownRequest("request 'r' is not active here (reaped after idling)")))
+    target = RanksTarget([Handle()])
+    with pytest.raises(RequestForgotten, match="during verify: .*request 'r' is not active here"):
+        target.verify("r", chain(0), None)
+    assert not target.failed
+    target.finish("r")  # freed there already: no error
 
 
 def test_a_rank_without_followers_gathers_nothing_and_starts_no_ray(monkeypatch):

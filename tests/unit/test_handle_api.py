@@ -143,3 +143,28 @@ def test_handle_calls_are_counted_by_how_they_ended(pair):
     assert [(c["route"], c["status"]) for c in counted] == [
         ("handle_generate", "200"), ("handle_generate", "404"), ("handle_generate_stream", "200"),
         ("handle_generate_stream", "499")]
+
+
+def test_a_request_the_target_freed_as_idle_says_so_not_that_the_target_failed(pair):
+    """A request the target freed after request_idle_timeout_s without a step was a 503 saying the target had
+    failed and was being restarted: the operator looked for a failure that never happened."""
+    from actors.adapters import RequestForgotten
+
+    r = replica(pair)
+
+    class Forgotten:
+        max_context = 512
+
+        def stream(self, prompt, params, request_id):
+            raise RequestForgotten("the target no longer holds the request during verify")
+            yield  # a generator, as the decoder's stream is
+
+    async def decoder(plan, speculate, family=None, rules=None):
+        return Forgotten()
+
+    r._decoder = decoder
+    with pytest.raises(api.APIError) as info:
+        asyncio.run(r.generate({"model": "m", "prompt": "hi", "max_tokens": 4}))
+    error = info.value
+    assert (error.status, error.code) == (503, "request_idle_timeout") and "request_idle_timeout_s (300 s)" in str(
+        error.message) and r.active == 0
