@@ -261,8 +261,12 @@ class DraftWorker(RequestTable):
     def tokens_of(self, method: str, request_id: str, args: tuple) -> int:
         """Tokens the first forward of ``grow`` would take now for this call (the batcher's token budget)."""
         req, plan = self.get(request_id), args[0]
-        unsent = sum(len(tokens) for _, tokens, at in (args[1] if len(args) > 1 else ()) if at >= len(req.committed))
-        pending = len(req.committed) + unsent - req.cached
+        commits = [(path, tokens) for path, tokens, at in (args[1] if len(args) > 1 else ())
+                   if at >= len(req.committed)]
+        # the cache once they are applied: the first keeps the grown tree's forwarded path (``_keep_path``); till
+        # then ``cached`` is the last commit's (0 after a whole prompt: the prompt was counted again every step)
+        cached = req.base + sum(n in req.forwarded for n in commits[0][0]) if req.grown and commits else req.cached
+        pending = len(req.committed) + sum(len(tokens) for _, tokens in commits) - cached
         rule = self._rule(args[2] if len(args) > 2 else None)
         extra = rule.extend if rule is not None else 0
         return self.prefill_chunk if self._chunked(pending) else pending + plan.n + extra

@@ -269,6 +269,41 @@ def test_a_long_prompt_prefilled_in_chunks_gives_the_same_tokens(models, chunk):
         assert spec.generate(prompt, params).token_ids == _alone(target, draft, PLAN, prompt, params)
 
 
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_the_drafts_token_count_is_what_its_next_grow_forwards(models, chunk):
+    """The batcher's budget counts a grow's first forward (the tokens not yet cached) and the tree. The draft's
+    count read the cache as the last commit left it, before the grow's own commits: after a whole prompt, every
+    step counted the prompt again (308 tokens for a 2-token forward), a request then running alone; and with
+    ``prefill_chunk`` every tree step counted as a chunk, so batches went over the budget."""
+    import sequoia_ray.draft as draft_module
+
+    target, draft = models
+    plan = from_nested([[[[]], []], [[]], []])
+    dw, tw = DraftWorker(draft, prefill_chunk=chunk), TargetWorker(target)
+    first_forwards = []
+    forward = draft_module.DraftWorker._forward
+
+    def recorded(self, segments, *, last_only):
+        if last_only:
+            first_forwards.append(sum(s.q for s in segments.values()))
+        return forward(self, segments, last_only=last_only)
+
+    prompt = [(i * 7) % 97 for i in range(150)]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    dw.start("r", prompt, params, 1)
+    tw.start("r", prompt, params, 2)
+    commits, counted, forwarded = [], [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(draft_module.DraftWorker, "_forward", recorded)
+        for _ in range(5):
+            counted.append(dw.tokens_of("grow", "r", (plan, list(commits))))
+            tree = dw.grow("r", plan, list(commits))
+            forwarded.append(first_forwards[-1] + plan.n)  # the last forward of the grow's prefill, and the tree
+            verdict = tw.verify("r", plan, tree)
+            commits = [(verdict.path, verdict.tokens, len(tw.requests["r"].committed) - len(verdict.tokens))]
+    assert counted[1:] == forwarded[1:] and max(counted[1:]) < 20, (counted, forwarded)
+
+
 def test_a_chunked_prefill_takes_one_chunk_per_step_beside_the_others(models):
     target, draft = models
     tw = TargetWorker(target, prefill_chunk=4)
