@@ -426,7 +426,7 @@ class SpeculativeDecoder:
             stats.steps += 1
             stats.tree_nodes += verdict.nodes or plan.n
             stats.accepted_hist[len(verdict.path) - 1] += 1
-            if plan.n > 1:
+            if (verdict.nodes or plan.n) > 1:  # a tree verified: not one a dynamic rule pruned to its root
                 stats.root_rank_hist[_root_rank(plan, verdict)] += 1
             seen = verdict if rule is None else replace(verdict, ranks=())  # a dynamic tree's ranks are biased
             self._observe(plan, seen, params)

@@ -118,6 +118,22 @@ def test_a_high_threshold_keeps_the_root_alone_and_the_target_still_verifies(mod
     assert dw.requests["r"].cached == 3  # prompt's tokens; the root [3] is re-forwarded with the next token
 
 
+def test_steps_whose_tree_was_pruned_to_its_root_are_not_counted_as_tree_steps(models):
+    """A rule that prunes every tree to its root verifies no draft token: such steps were counted as tree steps
+    whose root child was rejected (``tree_steps`` and the root-rank histogram: every step rank 0)."""
+    from sequoia_ray.engine import SpeculativeDecoder
+    from sequoia_ray.tree.plan import from_nested
+
+    target, draft = models
+    sizes = []
+    spec = SpeculativeDecoder(TargetWorker(target), DraftWorker(draft), from_nested([[[[]], []], [[]], []]),
+                              unpruned_every=0, dynamic=lambda plan: DynamicTrees(threshold=1.0),
+                              on_verdict=lambda plan, verdict, stats: sizes.append(verdict.nodes))
+    stats = spec.generate([(i * 7) % 97 for i in range(11)], SamplingParams(max_tokens=12)).stats
+    assert set(sizes) == {1} and stats.steps == len(sizes) > 1
+    assert stats.tree_steps == 0 and not stats.root_rank_hist and stats.tree_nodes == stats.steps
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("extend", [0, 2])
 def test_a_root_only_plan_grows_the_root_alone_unless_it_may_extend(models, temperature, extend):
