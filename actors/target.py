@@ -107,8 +107,8 @@ class TargetRank(ModelActor):
 
     def _lead_one(self, method: str, request_id: str, *args):
         with self.tracker.running(method):
-            stale = self.reaper.due(method, [] if method == REAP else [request_id])  # rank 0 decides; every
-            # rank frees the same
+            # rank 0 decides; every rank frees the same
+            stale = self.reaper.due(method, [] if method == REAP else [request_id])
             refs = [f.step.remote(method, request_id, *args, stale=stale) for f in self.followers]
             mine = self._unsafe_run(method, request_id, *args, stale=stale)
             self._check_agree(method, [mine], [[r] for r in self._gather(refs)])

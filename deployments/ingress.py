@@ -491,7 +491,7 @@ class OpenAIIngress:
         try:
             done = [await ones[0]] if len(ones) == 1 else await all_or_none(ones)
         finally:
-            self._drop(tickets)
+            self.slots.drop(tickets)
         use = api.usage(sum(map(len, prompts)), sum(ids for _, ids, _, _ in done),
                         Stats.combined([last.stats for _, _, last, _ in done]).to_dict())
         body = api.chat_body if chat else api.completion_body
@@ -562,17 +562,13 @@ class OpenAIIngress:
             raise self._overloaded()
         return tickets
 
-    def _drop(self, tickets: list) -> None:
-        if tickets != [None]:
-            self.slots.drop(tickets)
-
     async def _dropping(self, tickets: list, stream: AsyncIterator):
         """``stream``, the tickets of the choices that never started given back when it ends, however it ends."""
         try:
             async for item in stream:
                 yield item
         finally:
-            self._drop(tickets)
+            self.slots.drop(tickets)
 
     def _overloaded(self) -> api.APIError:
         """Every slot taken (a generation each: a request's, or a choice's of a batch or of ``n``)."""

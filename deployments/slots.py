@@ -80,11 +80,11 @@ class Slots:
                 self.release()
             raise
 
-    def drop(self, tickets: list[Ticket]) -> None:
+    def drop(self, tickets: list[Ticket | None]) -> None:
         """The tickets whose choices never started (the request failed or its client left first): out of line,
-        their slots given back."""
+        their slots given back. None (a request of one choice, which takes its slot itself): nothing."""
         for ticket in tickets:
-            if not ticket.claimed:
+            if ticket is not None and not ticket.claimed:
                 ticket.claimed = True
                 if ticket.holds:
                     self.release()
