@@ -100,9 +100,18 @@ def truncate_rows(probs: torch.Tensor, k: int) -> list[SparseDist]:
 
 def draw_without_replacement(dist: SparseDist, k: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
     """k distinct tokens [k]: sequential draws from ``dist`` (Gumbel-top-k), then uniform over the rest.
-    ``generator`` lives on ``dist``'s device."""
+    ``generator`` lives on ``dist``'s device.
+
+    The uniforms go to the support's tokens in id order, not in the order ``dist`` lists them (by probability):
+    the same seed draws the same tokens from the same distribution however its near-ties came out. A batched
+    forward sums in another order than a 1-token one, and two tokens' probabilities 1 ulp apart could swap
+    places in the support and so swap noise (a seeded request drew another tree in a batch than alone, about
+    1 in 8,000 sampled requests); now only Gumbel keys within an ulp of each other can flip. Any fixed
+    assignment of i.i.d. noise keeps the draw's law exact."""
     device = dist.tokens.device
-    noise = torch.rand(len(dist.tokens), generator=generator, dtype=torch.float64, device=device)
+    noise = torch.empty(len(dist.tokens), dtype=torch.float64, device=device)  # [K], noise[j] for dist.tokens[j]
+    noise[torch.argsort(dist.tokens)] = torch.rand(len(dist.tokens), generator=generator, dtype=torch.float64,
+                                                   device=device)
     gumbel = -torch.log(-torch.log(noise))
     keys = torch.log(dist.probs.double()) + gumbel
     order = torch.argsort(keys, descending=True)[:k]

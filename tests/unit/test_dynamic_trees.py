@@ -87,11 +87,15 @@ def test_batched_dynamic_trees_are_the_trees_grown_alone(models, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_grown_tree_is_breadth_first_within_the_cap_and_extends_one_path(models, temperature):
+@pytest.mark.parametrize("thresholds", [(0.01, 0.001), (1e-5, 0.0)])
+def test_grown_tree_is_breadth_first_within_the_cap_and_extends_one_path(models, temperature, thresholds):
     """At most plan.n + extend nodes and plan.num_levels + extend levels; one node per level beyond the plan;
-    the D of every node with children and of no other node; the tree's tokens fit its plan."""
+    the D of every node with children and of no other node; the tree's tokens fit its plan. The tiny draft is
+    near uniform (97 ids): at thresholds (0.01, 0.001) whether a path is kept to the plan's last level and then
+    extended rests on the draws; at (1e-5, 0) every planned node is worth keeping (path probabilities ~1e-4 at
+    the last level) and every tree extends, whatever the draws."""
     _, draft = models
-    plan, rule = k_ary(2, 2), DynamicTrees(0.01, extend=4, extend_threshold=0.001)
+    plan, rule = k_ary(2, 2), DynamicTrees(thresholds[0], extend=4, extend_threshold=thresholds[1])
     trees = grow_all(draft, plan, temperature, rule, batch=True)
     for tree in trees.values():
         grown = tree.plan
@@ -100,7 +104,8 @@ def test_grown_tree_is_breadth_first_within_the_cap_and_extends_one_path(models,
         assert all(len(level) == 1 for level in grown.levels[plan.num_levels :])
         if temperature:
             assert set(tree.dists) == {i for i in range(grown.n) if grown.children[i]}
-    assert any(t.plan.num_levels > plan.num_levels for t in trees.values()), "nothing was extended"
+    if thresholds[1] == 0.0:
+        assert all(t.plan.num_levels == plan.num_levels + rule.extend for t in trees.values()), "a tree not extended"
 
 
 def test_a_high_threshold_keeps_the_root_alone_and_the_target_still_verifies(models):
@@ -185,7 +190,8 @@ def test_a_calls_rule_overrides_the_workers_and_one_batch_mixes_rules(models, te
     extension."""
     _, draft = models
     plan = k_ary(2, 3)
-    rules = {"a": DynamicTrees(0.005, extend=3, extend_threshold=0.001), "b": None, "c": DynamicTrees(0.05)}
+    # a keeps every planned node and extends 3 levels whatever it draws (path probabilities ~1e-4 at depth 3)
+    rules = {"a": DynamicTrees(1e-5, extend=3, extend_threshold=0.0), "b": None, "c": DynamicTrees(0.05)}
     params = SamplingParams(max_tokens=50, temperature=temperature)
     mixed = DraftWorker(draft, dynamic=DynamicTrees(0.5))  # the worker's own rule: for calls without one
     for seed, (rid, prompt) in enumerate(PROMPTS.items()):

@@ -111,6 +111,24 @@ def test_gumbel_top_k_matches_sequential_sampling(k):
         assert abs(freq - expected) <= 5 * se + 1e-3, (order, freq, expected)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_seeded_draw_does_not_depend_on_the_order_its_support_is_listed_in(seed):
+    """A batched forward sums in another order than a 1-token one: two tokens' draft probabilities 1 ulp apart can
+    come out of the top-k the other way round. The same seed must draw the same tokens from the same distribution
+    whichever way its support is listed (12 tokens, 1 ulp near-ties among them; k past the support on odd seeds:
+    the uniform fallback too)."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.rand(12, generator=gen, dtype=torch.float64)
+    probs[1::2] = torch.nextafter(probs[::2], torch.tensor(1.0, dtype=torch.float64))  # pairs 1 ulp apart
+    tokens, perm = torch.randperm(40, generator=gen)[:12], torch.randperm(12, generator=gen)
+    k = 15 if seed % 2 else 5
+    probs = probs / probs.sum()
+    listed = draw_without_replacement(SparseDist(tokens, probs), k, 40, torch.Generator().manual_seed(seed))
+    swapped = draw_without_replacement(SparseDist(tokens[perm], probs[perm]), k, 40, torch.Generator().manual_seed(seed))
+    assert listed.tolist() == swapped.tolist()
+    assert len(set(listed.tolist())) == k
+
+
 def test_truncate_keeps_top_k_and_renormalises():
     d = truncate(torch.tensor([0.1, 0.5, 0.0, 0.4]), 2)
     assert set(d.tokens.tolist()) == {1, 3}
