@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from deployments.config import ServeConfig
-from sequoia_ray.arguments import Parser, is_uri, nonneg_float
+from sequoia_ray.arguments import Parser, is_uri, nonneg_float, shown_uri
 from sequoia_ray.config import ProfileJobConfig
 from sequoia_ray.models import loading
 
@@ -170,7 +170,8 @@ def why_not_profile(cfg: ServeConfig, seconds: float | None, address: str | None
     """Why the launcher must not profile this machine for ``cfg`` (None: it may)."""
     reasons = [(not seconds, "profiling is off (--no-profile or --profile-seconds 0)"),
                (not cfg.plan_store, "no plan store is configured"),
-               (is_uri(cfg.plan_store or ""), f"the plan store {cfg.plan_store} is remote: run tuning/profile.py"),
+               (is_uri(cfg.plan_store or ""),
+                f"the plan store {shown_uri(cfg.plan_store or '')} is remote: run tuning/profile.py"),
                (cfg.draft is None, "no draft model: the target alone needs no plan"),
                (address not in (None, "local"), f"the actors run on the cluster at {address}, not on this machine"),
                (cfg.tp_size > 1, f"tp_size {cfg.tp_size}: profile the TP group with tuning/profile.py"),
@@ -234,7 +235,7 @@ def ensure_plans(cfg: ServeConfig, seconds: float | None, *, address: str | None
     hardware = serving_hardware_id(cfg)
     missing = missing_temperatures(cfg, hardware, seconds)
     if not missing:
-        print(f"plans: the store {cfg.plan_store} has plans for {hardware}; serving them", flush=True)
+        print(f"plans: the store {shown_uri(cfg.plan_store)} has plans for {hardware}; serving them", flush=True)
         return "present"
     job = ProfileJobConfig(storage=cfg.plan_store, draft=cfg.draft, target=cfg.target, temperatures=missing,
                            dtype=cfg.dtype, draft_quantize=cfg.draft_quantize, linears=cfg.linears, layers=cfg.layers,

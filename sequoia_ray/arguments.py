@@ -287,3 +287,17 @@ def is_uri(location: str) -> bool:
     local path (``plans``, ``/data/plans``). Looking for ``://`` took ``file:/abs/path`` for a relative path and
     made a folder ``file:`` in the working directory."""
     return URI_SCHEME.match(location) is not None
+
+
+def shown_uri(location: str) -> str:
+    """A store ``location`` as messages, logs and ``/v1/models`` may show it: a URI without its user info and its
+    query (pyarrow reads ``s3://KEY:SECRET@bucket/p`` as credentials, and a query may hold a secret too: Azure's
+    ``client_secret``); a local path as it is (a ``?`` there is part of a folder's name)."""
+    if not is_uri(location):
+        return location
+    scheme, _, rest = location.partition(":")
+    rest = rest.split("?", 1)[0]
+    if rest.startswith("//"):  # the authority: [user[:password]@]host[:port]
+        authority, slash, path = rest[2:].partition("/")
+        rest = "//" + authority.rpartition("@")[2] + slash + path
+    return f"{scheme}:{rest}".rstrip("/")

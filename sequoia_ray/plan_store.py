@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from sequoia_ray.arguments import is_uri, one_line
+from sequoia_ray.arguments import is_uri, one_line, shown_uri
 from sequoia_ray.config import PLAN_FALLBACK_FILES, PLAN_KEEP_FILES, check_plan_keep
 from sequoia_ray.hardware import BATCH_BUCKETS, ID_UNSAFE, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
@@ -61,6 +61,10 @@ class StoreError(RuntimeError):
     """The store is unreachable or holds a file that is not a valid plan/profile (names the key)."""
 
 
+class _Gone(StoreError):
+    """A listed file was deleted before it was read: another publisher pruned it (newer files were published)."""
+
+
 def temperature_bucket(temperature: float) -> str:
     if temperature < 0:
         raise ValueError(f"temperature {temperature} must be >= 0")
@@ -74,7 +78,7 @@ def pair_key(draft: str, target: str) -> str:
     return f"{slug}-{digest}"
 
 
-def _safe(part: str, what: str) -> str:
+def safe_name(part: str, what: str) -> str:
     if not part or ID_UNSAFE.search(part) or part in (".", ".."):
         raise ValueError(f"{what} {part!r} may hold only letters, digits, '.', '_' and '-'")
     return part
@@ -92,7 +96,11 @@ def _new_name(newest: str | None = None) -> str:
     now = _dt.datetime.now(_dt.timezone.utc)
     last = _stamp_of(newest)
     if last is not None and last >= now:
-        now = last + _dt.timedelta(microseconds=1)
+        try:
+            now = last + _dt.timedelta(microseconds=1)
+        except OverflowError:  # a hand-made name stamped at the end of time: nothing can sort after it
+            raise StoreError(f"{newest} is stamped {last:%Y-%m-%d}: a new plan cannot sort after it and would never "
+                             "be read; remove or rename that file") from None
     return f"{now.strftime(STAMP)}-{uuid.uuid4().hex[:8]}.json"
 
 
@@ -103,6 +111,13 @@ def _stamp_of(path: str | None) -> _dt.datetime | None:
         return _dt.datetime.strptime(stamp, STAMP).replace(tzinfo=_dt.timezone.utc)
     except ValueError:
         return None
+
+
+def _published(name: str) -> bool:
+    """Whether a file name is a publish's (``_new_name``): a stamp, then ``.json``. A name copied in by hand
+    (``2nd-try.json``: it sorted after every stamp and was served over each later publish) is not, nor is a
+    publish's temporary file."""
+    return name.endswith(".json") and _stamp_of(name) is not None
 
 
 
@@ -120,6 +135,19 @@ def parse_bucket(name: str) -> tuple[float, int] | None:
     return float(match[1]), int(match[2] or 1)
 
 
+def _misfiled(prov, key: PlanKey) -> str | None:
+    """What a plan read from ``key``'s folder was published for, when that is not ``key`` (a folder copied to the
+    wrong place: a plan of another machine, pair, temperature or batch was served silently); None when it is, or
+    when the file does not say (files of before a field was recorded). ``prov``: its ``Provenance``."""
+    recorded = {"hardware": prov.hardware, "draft": prov.draft, "target": prov.target}
+    wrong = [f"{name} {value!r}" for name, value in recorded.items() if value not in (None, getattr(key, name))]
+    if prov.temperature is not None and temperature_bucket(prov.temperature) != temperature_bucket(key.temperature):
+        wrong.append(f"temperature {prov.temperature}")
+    if (prov.batch or 1) != key.batch:
+        wrong.append(f"batch bucket {prov.batch}")
+    return ", ".join(wrong) or None
+
+
 @dataclass(frozen=True)
 class PlanKey:
     hardware: str
@@ -134,7 +162,7 @@ class PlanKey:
             raise ValueError(f"batch {self.batch} is not a batch bucket {BATCH_BUCKETS}; {fix}")
 
     def folder(self) -> str:
-        return "/".join(["plans", _safe(self.hardware, "hardware id"), pair_key(self.draft, self.target),
+        return "/".join(["plans", safe_name(self.hardware, "hardware id"), pair_key(self.draft, self.target),
                          plan_bucket(self.temperature, self.batch)])
 
 
@@ -147,7 +175,7 @@ class PlanStore:
             else:
                 self.fs, root = pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
         except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise StoreError(f"cannot open plan store {uri!r}: {exc}") from None
+            raise StoreError(f"cannot open plan store {shown_uri(uri)!r}: {exc}") from None
         self.root = root.rstrip("/")
         self._skipped: set[str] = set()  # files that did not read, logged once each (``_newest_valid``)
         self.skips, self.last_skip = 0, None  # every skip, and why the latest was (a caller counts them as errors)
@@ -207,9 +235,16 @@ class PlanStore:
     def fetch_plan(self, key: PlanKey) -> tuple[PlannedTree, str]:
         """The latest plan for ``key`` that reads, and its path; PlanNotFound if none, StoreError if none of the
         newest few reads (see ``_newest_valid``)."""
+        def read(path: str) -> PlannedTree:
+            planned = self.read_plan(path)
+            if wrong := _misfiled(planned.provenance, key):
+                raise StoreError(f"{self._display(path)}: a plan for {wrong} filed under {key.folder()}; move it to "
+                                 "its own key's folder or delete it")
+            return planned
+
         return self._newest_valid(key.folder(), f"no plan for hardware {key.hardware!r}, pair {key.draft!r} -> "
                                                 f"{key.target!r}, temperature {key.temperature}, batch bucket "
-                                                f"{key.batch}; run tuning/profile.py", self.read_plan)
+                                                f"{key.batch}; run tuning/profile.py", read)
 
     def read_plan(self, path: str) -> PlannedTree:
         """The plan at ``path`` (one of ``list_plans``); StoreError if corrupt or unreadable."""
@@ -224,12 +259,12 @@ class PlanStore:
     def plan_folders(self, hardware: str, draft: str, target: str) -> set[str]:
         """The bucket folders (``t0.6``, ``t0.6-b4``) a hardware and pair have plans in: one listing of the pair's
         folder, not of its files (a server looks every ``plan_refresh_s``). StoreError if unreachable."""
-        folder = "/".join(["plans", _safe(hardware, "hardware id"), pair_key(draft, target)])
+        folder = "/".join(["plans", safe_name(hardware, "hardware id"), pair_key(draft, target)])
         return {i.base_name for i in self._infos(folder, recursive=False) if i.type == pafs.FileType.Directory}
 
     # ---- profiles ------------------------------------------------------------------------------
     def publish_profile(self, profile: HardwareProfile) -> str:
-        return self._publish(f"profiles/{_safe(profile.hardware_id, 'hardware id')}",
+        return self._publish(f"profiles/{safe_name(profile.hardware_id, 'hardware id')}",
                              json.dumps(profile.to_dict(), indent=1))
 
     def fetch_profile(self, hardware: str) -> HardwareProfile:
@@ -242,13 +277,13 @@ class PlanStore:
                 raise StoreError(f"{self._display(path)}: a profile of {prof.hardware_id!r} filed under {hardware!r}")
             return prof
 
-        return self._newest_valid(f"profiles/{_safe(hardware, 'hardware id')}",
+        return self._newest_valid(f"profiles/{safe_name(hardware, 'hardware id')}",
                                   f"no profile for hardware {hardware!r}; run tuning/profile.py", read)[0]
 
     # ---- reports -------------------------------------------------------------------------------
     def put_report(self, name: str, data: bytes) -> str:
         """A human-facing artifact (a PNG heatmap, a table) under <root>/reports/; returns its path."""
-        path = f"{self.root}/reports/{_safe(name, 'report name')}"
+        path = f"{self.root}/reports/{safe_name(name, 'report name')}"
         try:
             self.fs.create_dir(f"{self.root}/reports", recursive=True)
             with self.fs.open_output_stream(path) as out:
@@ -274,8 +309,8 @@ class PlanStore:
 
     def _prune(self, folder: str) -> None:
         """Delete ``folder``'s published files but the newest ``keep``, and its stale temporary files. Never fails
-        the publish that calls it (logged): a file another publisher deleted first is fine, a reader still
-        reading one of them falls back to a newer one (``_newest_valid``)."""
+        the publish that calls it (logged): a file another publisher deleted first is fine, a reader that listed
+        one of them before it went lists the folder again (``_newest_valid``)."""
         if not self.keep:
             return
         try:
@@ -283,7 +318,7 @@ class PlanStore:
         except StoreError as exc:
             logger.warning("plan store: could not list %s to prune it: %s", folder, exc)
             return
-        stamped = sorted(i.path for i in files if i.base_name[:1].isdigit() and i.base_name.endswith(".json"))
+        stamped = sorted(i.path for i in files if _published(i.base_name))
         now = time.time()
         stale = [i.path for i in files if i.base_name.startswith(".tmp-") and i.mtime is not None
                  and now - i.mtime.timestamp() > STALE_TMP_S]
@@ -302,13 +337,23 @@ class PlanStore:
         by hand, written by a newer schema during an upgrade) is logged once per store and path and skipped, so it
         does not hide the good plan before it; at most ``FALLBACK_FILES`` older ones are tried, then the newest's
         StoreError is raised."""
-        names = self._stamped(folder)
-        if not names:
-            raise PlanNotFound(missing)
+        for relisted in (False, True):
+            names = self._stamped(folder)
+            if not names:
+                raise PlanNotFound(missing)
+            try:
+                return self._first_readable(names, read)
+            except _Gone:  # pruned since the listing: newer files were published meanwhile, list them
+                if relisted:
+                    raise
+
+    def _first_readable(self, names: list[str], read):
         first = None
         for path in reversed(names[-1 - FALLBACK_FILES:]):
             try:
                 return read(path), path
+            except _Gone:
+                raise
             except StoreError as exc:
                 first = first or exc
                 self.skips, self.last_skip = self.skips + 1, f"StoreError: {exc}"
@@ -319,8 +364,10 @@ class PlanStore:
         raise first
 
     def _stamped(self, folder: str) -> list[str]:
-        """The published files of ``folder`` (stamped names, not a publish's temporary file), oldest first."""
-        return sorted(p for p in self._files(folder) if p.rsplit("/", 1)[-1][:1].isdigit() and p.endswith(".json"))
+        """The published files of ``folder`` itself (``_published``; not a subfolder's: an old plan moved to
+        ``archive/`` sorted after every publish by its path and was served), oldest first."""
+        return sorted(i.path for i in self._infos(folder, recursive=False)
+                      if i.type == pafs.FileType.File and _published(i.base_name))
 
     def _files(self, folder: str) -> list[str]:
         return sorted(i.path for i in self._infos(folder, recursive=True) if i.type == pafs.FileType.File)
@@ -330,12 +377,14 @@ class PlanStore:
         try:
             return self.fs.get_file_info(selector)
         except OSError as exc:
-            raise StoreError(f"plan store {self.uri!r} is unreachable: {exc}") from None
+            raise StoreError(f"plan store {self._shown_uri()} is unreachable: {exc}") from None
 
     def _read(self, path: str) -> bytes:
         try:
             with self.fs.open_input_stream(path) as f:
                 return f.read()
+        except FileNotFoundError as exc:
+            raise _Gone(f"cannot read {self._display(path)}: {exc}") from None
         except OSError as exc:
             raise StoreError(f"cannot read {self._display(path)}: {exc}") from None
 
@@ -343,5 +392,5 @@ class PlanStore:
         return f"{self._shown_uri()}/{path[len(self.root) + 1:]}" if path.startswith(self.root) else path
 
     def _shown_uri(self) -> str:
-        """The store's URI without its query (which may carry an endpoint's options), for messages."""
-        return self.uri.split("?")[0].rstrip("/")
+        """The store's URI without credentials or query (``shown_uri``), for messages."""
+        return shown_uri(self.uri).rstrip("/")

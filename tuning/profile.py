@@ -40,7 +40,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, is_uri, job_config,  # noqa: E402
-                                   model_source, one_line, positive_int)
+                                   model_source, one_line, positive_int, shown_uri)
 from sequoia_ray.config import ProfileJobConfig  # noqa: E402
 from sequoia_ray.hardware import SERVED_THREADS  # noqa: E402,F401 (tests import it from here too)
 
@@ -198,10 +198,12 @@ def trial_resources(hw: str, tp_size: int, cpus: float):
 
 
 def join_uri(uri: str, *parts: str) -> str:
+    """``parts`` under a store location: a URI keeps its query last; a local path is resolved (a ``?`` in it is part
+    of a folder's name: ``plans?v2`` put Tune's results under ``plans/tune``)."""
+    if not is_uri(uri):
+        return str(Path("/".join([uri.rstrip("/"), *parts])).expanduser().resolve())
     base, _, query = uri.partition("?")
     path = "/".join([base.rstrip("/"), *parts])
-    if not is_uri(path):
-        path = str(Path(path).expanduser().resolve())
     return f"{path}?{query}" if query else path
 
 
@@ -261,8 +263,8 @@ def run(cfg: ProfileJobConfig, options: TrialOptions) -> tuple[list[dict], list[
         check_hardware(types, resources, nodes, lambda hw: trial_need(hw, cfg.tp_size, options.cpus))
     alive = sum(1 for node in ray.nodes() if node.get("Alive"))
     if alive > 1 and (not is_uri(cfg.storage) or cfg.storage.startswith("file:")):  # file:// is node-local too
-        print(f"warning: --storage {cfg.storage} is a local path on a cluster of {alive} nodes: each trial publishes "
-              "on its own node's disk unless that path is one shared mount everywhere; give an s3://... URI "
+        print(f"warning: --storage {shown_uri(cfg.storage)} is a local path on a cluster of {alive} nodes: each trial "
+              "publishes on its own node's disk unless that path is one shared mount everywhere; give an s3://... URI "
               "otherwise", flush=True)
     print(f"profiling hardware types: {types}", flush=True)
     placed = tune.with_resources(
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if rows:
         print(format_results([TrialResult(**r) for r in rows]))
-        print(f"plans published under {cfg.storage}")
+        print(f"plans published under {shown_uri(cfg.storage)}")
     for line in failed:
         print(f"failed: {line}")
     return EXIT_TRIAL_FAILED if failed else 0

@@ -372,3 +372,95 @@ def test_a_folder_far_over_keep_shrinks_a_bounded_number_of_files_a_publish(tmp_
         counts.append(len(pruned.list_plans()))
         assert pruned.fetch_plan(KEY)[1] == newest
     assert counts == [PRUNE_MAX + 21 - PRUNE_MAX, 22 - PRUNE_MAX, 5]  # 37 files -> 21 -> 6 -> 5
+
+
+# ---- what a reader takes for the latest plan --------------------------------------------------------------
+def test_a_plan_filed_under_another_key_is_skipped_for_the_keys_own(tmp_path):
+    """A folder copied to the wrong key (rsync of another machine's, pair's, temperature's or bucket's plans) served
+    their plan silently; such a file is now skipped like a corrupt one (for the key's own plan before it), and
+    alone it is a StoreError naming the file and what it was published for."""
+    store, other = PlanStore(str(tmp_path)), PlanKey("A10G-tp1", "draft-b", "target-b", 0.0, batch=4)
+    own = store.publish_plan(planned(6), KEY)
+    folder = tmp_path / KEY.folder()
+    for n, wrong in enumerate([other, PlanKey(KEY.hardware, KEY.draft, KEY.target, 0.0), PlanKey(
+            KEY.hardware, KEY.draft, KEY.target, 0.6, batch=2)]):
+        stray = Path(PlanStore(str(tmp_path / f"elsewhere{n}")).publish_plan(planned(9), wrong))
+        (folder / f"2099010{n + 1}T000000000000Z-5tray000.json").write_bytes(stray.read_bytes())
+    got, path = store.fetch_plan(KEY)
+    assert path == own and got.budget == 6
+    (folder / Path(own).name).unlink()
+    with pytest.raises(StoreError, match="a plan for batch bucket 2 filed under plans/cpu-test-2c/.*t0.6"):
+        store.fetch_plan(KEY)
+
+
+def test_only_the_folders_own_published_names_are_read(tmp_path):
+    """An old plan moved to a subfolder (``archive/``) sorted after every publish by its path, and a name put there
+    by hand (``2nd-try.json``) after every stamp: each was served over every later publish. A name stamped at the
+    end of time made every later publish an OverflowError; now a StoreError naming it."""
+    store = PlanStore(str(tmp_path))
+    old = Path(store.publish_plan(planned(4), KEY))
+    newest = store.publish_plan(planned(12), KEY)
+    (old.parent / "archive").mkdir()
+    (old.parent / "archive" / old.name).write_bytes(old.read_bytes())
+    (old.parent / "2nd-try.json").write_bytes(old.read_bytes())
+    assert store.fetch_plan(KEY)[1] == newest
+    (old.parent / "99991231T235959999999Z-pinned.json").write_bytes(old.read_bytes())
+    with pytest.raises(StoreError, match="99991231T235959999999Z-pinned.json is stamped 9999-12-31.*remove or rename"):
+        store.publish_plan(planned(5), KEY)
+
+
+def test_a_reader_whose_listed_files_were_pruned_meanwhile_lists_again(tmp_path, monkeypatch):
+    """Between a reader's listing and its read, other publishers' prunes deleted every file it listed (keep 5, five
+    publishes): it failed, though newer plans were there. It lists once more."""
+    writer, reader = PlanStore(str(tmp_path), keep=5), PlanStore(str(tmp_path), keep=5)
+    for b in range(5):
+        writer.publish_plan(planned(4 + b), KEY)
+    listed, calls = reader._stamped, []
+
+    def racing(folder):
+        names = listed(folder)
+        if not calls:  # the first listing only: the others publish right after it
+            for _ in range(5):
+                writer.publish_plan(planned(11), KEY)
+        calls.append(folder)
+        return names
+
+    monkeypatch.setattr(reader, "_stamped", racing)
+    got, _ = reader.fetch_plan(KEY)
+    assert got.budget == 11 and len(calls) == 2 and reader.skips == 0
+
+
+def test_a_uris_credentials_and_query_are_never_shown():
+    """pyarrow takes ``s3://KEY:SECRET@bucket`` as credentials: the secret was in every StoreError, which serving
+    keeps as ``plan_store_last_error`` (GET /v1/models) and logs. Messages show the URI without user info or query
+    (a query may hold a secret too), a URI that does not open included."""
+    store = PlanStore(f"s3://AKIAEXAMPLE:TOPSECRET@plans/prefix?endpoint_override=127.0.0.1:{free_port()}&scheme=http")
+    with pytest.raises(StoreError) as caught:
+        store.fetch_plan(KEY)
+    assert "plan store s3://plans/prefix is unreachable" in str(caught.value) and "TOPSECRET" not in str(caught.value)
+    assert store._display(f"{store.root}/plans/x.json") == "s3://plans/prefix/plans/x.json"
+    with pytest.raises(StoreError, match="cannot open plan store 's3://plans/prefix'") as caught:
+        PlanStore("s3://plans/prefix?scheme=http&secret_key=TOPSECRET")
+    assert "TOPSECRET" not in str(caught.value)
+
+
+def test_a_local_store_path_with_a_question_mark_is_named_as_it_is(tmp_path):
+    """A ``?`` in a local folder's name is no query: an error named ``plans`` for the folder ``plans?v2``."""
+    store = PlanStore(str(tmp_path / "plans?v2"))
+    path = Path(store.publish_plan(planned(4), KEY))
+    path.write_text("{")
+    with pytest.raises(StoreError, match="not valid JSON") as caught:
+        store.fetch_plan(KEY)
+    assert str(caught.value).startswith(f"{path}: ")
+
+
+def test_a_hardware_id_that_cannot_name_a_folder_is_refused_with_the_config():
+    """``hardware_id`` names a store folder: "A100 80GB" was accepted, then every plan refresh failed and the
+    service served built-in plans, or the launcher raised after Ray had started."""
+    from pydantic import ValidationError
+
+    from deployments.config import ServeConfig
+
+    with pytest.raises(ValidationError, match="hardware_id 'A100 80GB' may hold only letters, digits"):
+        ServeConfig(hardware_id="A100 80GB")
+    assert ServeConfig(hardware_id="A100-80GB").hardware_id == "A100-80GB"

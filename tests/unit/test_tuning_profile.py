@@ -19,6 +19,7 @@ def test_a_uri_with_any_scheme_is_kept_and_a_relative_path_made_absolute(tmp_pat
     assert join_uri(f"file:{tmp_path}/store", "tune") == f"file:{tmp_path}/store/tune"
     assert join_uri("s3://b/p?endpoint_override=h:1", "tune") == "s3://b/p/tune?endpoint_override=h:1"
     assert join_uri("plans", "tune") == f"{tmp_path}/plans/tune"
+    assert join_uri("plans?v2/", "tune") == f"{tmp_path}/plans?v2/tune"  # a local folder's name, not a query
     cfg, _ = parse_config(["--storage", f"file:{tmp_path}/store", "--prompts", "file:/data/prompts.jsonl"])
     assert cfg.storage == f"file:{tmp_path}/store" and cfg.prompts == "file:/data/prompts.jsonl"
 
