@@ -169,6 +169,13 @@ class ServeConfig(BaseModel):
     def _plan_keep(cls, value):
         return check_plan_keep(value, "plan_keep")
 
+    @field_validator("hardware_id")
+    @classmethod
+    def _hardware_id(cls, v):  # checked here, not at the first plan lookup (every refresh failed, built-in served)
+        from sequoia_ray.plan_store import safe_name
+
+        return v if v is None else safe_name(v, "hardware_id")
+
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v):

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # every input read before the models load (a bad one failed after loading, or after profiling)
         given = _given_profile(args.profile) if args.profile else None
+        if given is not None and not any(n <= max(given.t) for n in args.sizes):
+            raise ValueError(f"--sizes {','.join(map(str, args.sizes))}: --profile {args.profile} ({given.hardware_id})"
+                             f" has step costs up to {max(given.t)} tokens; give sizes within it")
         if args.acceptance not in ("measure", "builtin"):
             acceptance_of(args, None)
         if args.json:
