@@ -42,7 +42,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from sequoia_ray.tree.acceptance_vector import AcceptanceVector
-from sequoia_ray.tree.plan import TreePlan, from_nested
+from sequoia_ray.tree.plan import TreePlan
 
 BLOCK_CELLS = 1 << 16  # cells per vectorised block: big enough to hide numpy's per-call cost, small for cache
 
@@ -86,12 +86,21 @@ class DPTable:
     def tree(self, n: int, d: int | None = None) -> TreePlan:
         """The optimal tree for budget n and depth d (``None`` = the deepest the table holds)."""
         n, d = self._check(n, d)
-        return from_nested(self._nested(0, d, n))
+        # breadth-first, as plan.from_nested numbers nodes; a queue, not recursion: an optimal tree may be a
+        # chain of ~1,000 levels (p[1] near 1, no depth limit), past Python's recursion limit
+        parents, queue = [-1], [(0, d, n)]  # queue[i]: node i's depth, levels left (its own included), nodes
+        for node, (j, r, size) in enumerate(queue):  # the loop reads the children appended below too
+            for s in self._child_sizes(j, r, size):
+                parents.append(node)
+                queue.append((j + 1, r - 1, s))
+        return TreePlan(tuple(parents))
 
-    def _nested(self, j: int, r: int, n: int) -> list:
-        children: list = []
+    def _child_sizes(self, j: int, r: int, n: int) -> list[int]:
+        """The subtree sizes of the optimal children, in rank order, of a node at depth j with r levels and n
+        nodes (itself included)."""
+        sizes: list[int] = []
         if r <= 1 or n <= 1:
-            return children
+            return sizes
         suffix = self._levels[(self._row(j), r)].suffix
         child = self._levels[(self._row(j + 1), r - 1)].value
         p = self._used.row(j)
@@ -99,16 +108,19 @@ class DPTable:
         for b in range(1, len(p) + 1):
             if left <= 0 or suffix[b - 1, left] <= 0.0:
                 break
-            s = _best_size(p[b - 1], child, suffix[b], left)
-            children.append(self._nested(j + 1, r - 1, s))
-            left -= s
-        return children
+            sizes.append(_best_size(p[b - 1], child, suffix[b], left))
+            left -= sizes[-1]
+        return sizes
 
     def _row(self, j: int) -> int:
         return min(j, len(self._used.rows) - 1)
 
     def _check(self, n: int, d: int | None) -> tuple[int, int]:
         d = self.max_depth if d is None else d
+        for name, v in (("budget n", n), ("depth d", d)):
+            if not _integer(v):  # 4.0 or 2.5 would reach numpy's indexing: a bare IndexError
+                raise DPError(f"{name} = {v!r} must be an integer")
+        n, d = int(n), int(d)
         if not 1 <= n <= self.max_nodes:
             raise DPError(f"budget n = {n} is outside 1..{self.max_nodes}; rebuild the table with max_nodes >= {n}")
         if d < 1:
@@ -166,10 +178,24 @@ def _usable(acceptance: AcceptanceVector, max_nodes: int, max_levels: int) -> Ac
     children of depth-j nodes, and nodes at depth max_levels - 1 are leaves). Exact, and it bounds the table:
     every level holds [W + 1, N] floats per row, so a plan file's vector 6,000 wide took 2 s and 141 MB at
     N = 256. The reject mass is not used by the DP."""
-    width, rows = max(1, max_nodes - 1), max(1, max_levels - 1)
+    width, rows = _usable_size(acceptance, max_nodes, max_levels)
     if acceptance.width <= width and len(acceptance.rows) <= rows:
         return acceptance
     return AcceptanceVector.from_rows([row[:width] for row in acceptance.rows[:rows]])
+
+
+def _usable_size(acceptance: AcceptanceVector, max_nodes: int, max_levels: int) -> tuple[int, int]:
+    """(ranks, rows) of ``acceptance`` that ``_usable`` keeps."""
+    return min(acceptance.width, max(1, max_nodes - 1)), min(len(acceptance.rows), max(1, max_levels - 1))
+
+
+def table_bytes(acceptance: AcceptanceVector, max_nodes: int, max_depth: int | None = None) -> int:
+    """The most memory ``solve`` keeps for these sizes: per kept row and level, a [W + 1, N] suffix table and
+    [N + 1] values (float64; 8.4 MB per (row, level) at W = N - 1 = 1023). An unbounded depth is counted as
+    max_nodes levels, the most it can run before V stops changing (a chain at p[1] near 1 gets there)."""
+    levels = max_nodes if max_depth is None else max_depth
+    width, rows = _usable_size(acceptance, max_nodes, levels)
+    return 8 * rows * levels * ((width + 1) * max_nodes + max_nodes + 1)
 
 
 def _converged(levels: dict[tuple[int, int], _Level], r: int, n_rows: int) -> bool:

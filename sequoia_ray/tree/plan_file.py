@@ -13,11 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from sequoia_ray.tree.acceptance_vector import AcceptanceError, AcceptanceVector
+from sequoia_ray.tree.dp import table_bytes
 from sequoia_ray.tree.plan import MAX_PLAN_DEPTH, MAX_PLAN_NODES, PlanError, TreePlan, expected_tokens
 
 SCHEMA_VERSION = 1
 KIND = "sequoia-ray/tree-plan"
 F_TOLERANCE = 1e-9
+MAX_DP_BYTES = 4 * 10**9  # the DP tables a plan may need (dp.table_bytes); the project's own sizes need
+# at most ~0.55 GB (1,024 nodes, 64 ranks, unbounded depth), a 128 x 1,024 vector at 1,024 nodes and 128
+# levels would need 137 GB
 
 
 class PlanFormatError(ValueError):
@@ -144,6 +148,7 @@ def _parse(obj: Any, source: str) -> PlannedTree:
     max_depth = obj.get("max_depth")
     if max_depth is not None:
         max_depth = _int_field(obj, "max_depth", bad, minimum=plan.num_levels, maximum=MAX_PLAN_DEPTH)
+    _check_dp_memory(budget, max_depth, acceptance, bad)
     value = obj.get("expected_tokens")
     if not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad("expected_tokens", f"{value!r} must be a finite number")
@@ -155,7 +160,8 @@ def _parse(obj: Any, source: str) -> PlannedTree:
 
 def check_plan_size(budget: int, max_depth: int | None, acceptance: AcceptanceVector) -> None:
     """Refuse, before solving, a plan whose file ``load`` would refuse: a budget, a depth or an acceptance vector
-    past what a plan file holds (the checks ``_parse`` makes). PlanFormatError naming the value and the limit."""
+    past what a plan file holds, or together past the DP's memory limit (the checks ``_parse`` makes).
+    PlanFormatError naming the value and the limit."""
     def bad(name: str, why: str) -> PlanFormatError:
         return PlanFormatError(f"{name} {why} (the most a plan file holds)")
 
@@ -163,6 +169,19 @@ def check_plan_size(budget: int, max_depth: int | None, acceptance: AcceptanceVe
     if max_depth is not None:
         _int_field({"max_depth": max_depth}, "max_depth", bad, minimum=1, maximum=MAX_PLAN_DEPTH)
     _check_acceptance_size(acceptance.to_dict(), bad)
+    _check_dp_memory(budget, max_depth, acceptance, lambda name, why: PlanFormatError(f"{name} {why}"))
+
+
+def _check_dp_memory(budget: int, max_depth: int | None, acceptance: AcceptanceVector, bad) -> None:
+    """Each limit alone is not enough: the DP keeps a [ranks, budget] table per (row, level), so 128 rows of
+    1,024 ranks at budget 1,024 and 128 levels passed every limit and then needed 137 GB (dp.table_bytes)."""
+    need = table_bytes(acceptance, budget, max_depth)
+    if need > MAX_DP_BYTES:
+        depth = f"unbounded (up to {budget} levels)" if max_depth is None else max_depth
+        raise bad("acceptance", f"{len(acceptance.rows)} rows x {acceptance.width} ranks at budget {budget} and "
+                                f"max_depth {depth} need ~{need / 1e9:.1f} GB of DP tables, over the "
+                                f"{MAX_DP_BYTES / 1e9:.0f} GB limit: give fewer rows, a smaller max_depth or budget, "
+                                "or cut the ranks")
 
 
 def _check_acceptance_size(acceptance: Any, bad) -> None:

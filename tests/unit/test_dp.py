@@ -297,3 +297,75 @@ def test_dp_with_tied_ranks_at_the_tables_budget(p, n, d, value):
     """Adjacent ranks tied at the table's own budget (live acceptance's exploring sets p[k] = p[k-1]): the
     exchange bound for ties must not cut the optimum (a mutation review: 2.0 for 2.25). Values: brute force."""
     assert solve(AcceptanceVector.from_p(list(p)), n, d).value(n, d) == pytest.approx(value, abs=1e-12)
+
+
+# ---- deep trees, the tree rebuilt without recursion, and what a table may be asked -------------------
+@pytest.mark.parametrize("p", [1.0, 0.999])
+def test_a_chain_of_1024_levels_is_rebuilt(p: float):
+    """tree() recursed once per level: an optimal chain ~1,000 deep (p[1] near 1, no depth limit, a budget a
+    plan file allows) raised RecursionError, which the CLI reported as an input file nested too deeply."""
+    acceptance = AcceptanceVector.from_p([p])
+    table = solve(acceptance, 1024, None)
+    tree = table.tree(1024)
+    assert (tree.n, tree.num_levels) == (1024, 1024)
+    assert tree.parents == tuple(range(-1, 1023))
+    assert expected_tokens(tree, acceptance) == pytest.approx(table.value(1024), rel=1e-12)
+    assert table.value(1024) == pytest.approx((1 - p**1024) / (1 - p) if p < 1 else 1024.0, rel=1e-12)
+
+
+def recursive_tree(table, n: int, d: int):
+    """The tree as the recursive rebuild made it (the reference for the queue): each child's subtree is the
+    smallest size s maximising p[b] V(s) + T_{b+1}(left - s), children added while T_b(left) > 0."""
+    def children(j: int, r: int, size: int) -> list:
+        if r <= 1 or size <= 1:
+            return []
+        suffix = table._levels[(table._row(j), r)].suffix
+        value = table._levels[(table._row(j + 1), r - 1)].value
+        out, left, p = [], size - 1, table._used.row(j)
+        for b in range(len(p)):
+            if left <= 0 or suffix[b, left] <= 0.0:
+                break
+            s = 1 + int(np.argmax([p[b] * value[s] + suffix[b + 1, left - s] for s in range(1, left + 1)]))
+            out.append(children(j + 1, r - 1, s))
+            left -= s
+        return out
+    return from_nested(children(0, d, n))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_queue_rebuilds_the_trees_the_recursion_did(seed: int):
+    rng = np.random.default_rng(900 + seed)
+    acceptance = random_vector(rng, rows=int(rng.integers(1, 4)), sort=bool(rng.integers(2)))
+    nodes = int(rng.integers(1, 30))
+    for depth in (None, int(rng.integers(1, 8))):
+        table = solve(acceptance, nodes, depth)
+        for n, d in itertools.product(range(1, nodes + 1), range(1, table.max_depth + 1)):
+            assert table.tree(n, d) == recursive_tree(table, n, d), (n, d)
+
+
+@pytest.mark.parametrize("call,named", [(lambda t: t.value(4.0), "budget n = 4.0"),
+                                        (lambda t: t.value(4, 2.0), "depth d = 2.0"),
+                                        (lambda t: t.value(2.5), "budget n = 2.5"),
+                                        (lambda t: t.value(True, 2), "budget n = True"),
+                                        (lambda t: t.tree(4.0, 2), "budget n = 4.0"),
+                                        (lambda t: t.tree(4, np.float64(3.0)), r"depth d = (np\.float64\()?3\.0")])
+def test_a_query_that_is_not_an_integer_is_a_dp_error(call, named):
+    """value(4.0) and tree(4, 2.5) reached numpy's indexing: a bare IndexError, not the DPError naming the value."""
+    table = solve(AcceptanceVector.from_p([0.6, 0.2]), 8, 4)
+    with pytest.raises(DPError, match=f"^{named}.* must be an integer$"):
+        call(table)
+    assert table.value(np.int64(8), np.int32(4)) == table.value(8, 4)  # numpy's integers are integers
+
+
+@pytest.mark.parametrize("rows,width,nodes,depth", [(1, 3, 50, 7), (5, 2, 30, 4), (2, 40, 10, 3), (1, 1, 40, None),
+                                                     (3, 4, 25, None)])
+def test_table_bytes_is_what_the_table_keeps(rows: int, width: int, nodes: int, depth: int | None):
+    """check_plan_size refuses sizes by this estimate before solving: exact for a bounded depth, an upper bound
+    (the depth where V may stop changing, max_nodes levels) for an unbounded one."""
+    from sequoia_ray.tree.dp import table_bytes
+
+    acceptance = AcceptanceVector.from_rows([[0.9 / width] * width] * rows)
+    table = solve(acceptance, nodes, depth)
+    kept = sum(level.suffix.nbytes + level.value.nbytes for level in table._levels.values())
+    estimate = table_bytes(acceptance, nodes, depth)
+    assert kept == estimate if depth else kept <= estimate
