@@ -91,10 +91,11 @@ class ModelActor:
         with self.tracker.running(method):
             return self._unsafe_run(method, request_id, *args, stale=stale)
 
-    def _run_batch(self, method: str, calls: list[tuple], stale=None) -> list:
-        """One batched ``grow`` / ``verify`` (``calls`` = [(request_id, *args)]): per call a result or exception."""
+    def _run_batch(self, method: str, calls: list[tuple], caps: dict[str, int] | None = None, stale=None) -> list:
+        """One batched ``grow`` / ``verify`` (``calls`` = [(request_id, *args)]; ``caps``: prefill chunks cut to so
+        many tokens, ``sequoia_ray.batching``): per call a result or exception."""
         with self.tracker.running(method):
-            return self._unsafe_run_batch(method, calls, stale=stale)
+            return self._unsafe_run_batch(method, calls, caps, stale=stale)
 
     def _unsafe_run(self, method: str, request_id: str, *args, stale=None):  # untracked: the caller tracks
         if method == REAP:  # the requests freed (rank 0's list on a TP follower)
@@ -104,9 +105,10 @@ class ModelActor:
             self._forget(request_id)
         return getattr(self.worker, method)(request_id, *args)
 
-    def _unsafe_run_batch(self, method: str, calls: list[tuple], stale=None) -> list:  # untracked
+    def _unsafe_run_batch(self, method: str, calls: list[tuple], caps: dict[str, int] | None = None,
+                          stale=None) -> list:  # untracked
         self._reap(method, [call[0] for call in calls], stale)
-        return getattr(self.worker, BATCHED[method])(calls)
+        return getattr(self.worker, BATCHED[method])(calls, caps)
 
     def _reap(self, method: str, request_ids: list[str], stale: list[str] | None) -> list[str]:
         """Free the requests idle for too long (after marking these calls' requests alive); ``stale`` given:
@@ -127,12 +129,13 @@ class ModelActor:
         waits in its own Ray thread while one batcher thread gathers them and the compute thread runs them.
         With ``spec.wait_trees`` tree requests are waited for too (lockstep); ``waits`` False: this actor only
         gathers (the draft: one of the two may wait long, see ``comes_back_after_any_step``)."""
-        self.batcher = Batcher(lambda method, calls: self.compute.run(self._run_shared, run_batch, method, calls),
-                               lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
-                               self.worker.tokens_of, name=f"{type(self).__name__}-batcher",
-                               **self.spec.batcher_policy(waits=waits))
+        self.batcher = Batcher(
+            lambda method, calls, caps: self.compute.run(self._run_shared, run_batch, method, calls, caps),
+            lambda method, rid, *args: self.compute.run(run_one, method, rid, *args),
+            self.worker.tokens_of, name=f"{type(self).__name__}-batcher", fewest=self.worker.fewest_tokens_of,
+            **self.spec.batcher_policy(waits=waits))
 
-    def _run_shared(self, run_batch, method: str, calls: list[tuple]) -> list:
+    def _run_shared(self, run_batch, method: str, calls: list[tuple], caps: dict[str, int] | None = None) -> list:
         """``run_batch`` with the threads ``self.share`` gives it (on the compute thread: the count is its own)."""
         import torch
 
@@ -142,7 +145,7 @@ class ModelActor:
             wanted = self.share.threads_for(tree, alone)
             if wanted != torch.get_num_threads():
                 torch.set_num_threads(wanted)
-        return run_batch(method, calls)
+        return run_batch(method, calls, caps)
 
     def info(self) -> dict:
         """What the deployment needs to know of the loaded model (EOS ids, context, vocab, threads, device)."""

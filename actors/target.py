@@ -114,11 +114,11 @@ class TargetRank(ModelActor):
             self._check_agree(method, [mine], [[r] for r in self._gather(refs)])
             return mine
 
-    def _lead_batch(self, method: str, calls: list[tuple]) -> list:
+    def _lead_batch(self, method: str, calls: list[tuple], caps: dict[str, int] | None = None) -> list:
         with self.tracker.running(method):
             stale = self.reaper.due(method, [call[0] for call in calls])
-            refs = [f.step_batch.remote(method, calls, stale) for f in self.followers]
-            mine = self._unsafe_run_batch(method, calls, stale=stale)
+            refs = [f.step_batch.remote(method, calls, stale, caps) for f in self.followers]
+            mine = self._unsafe_run_batch(method, calls, caps, stale=stale)
             self._check_agree(method, mine, self._gather(refs))
             return mine
 
@@ -139,9 +139,10 @@ class TargetRank(ModelActor):
         """A follower's share of a call forwarded by rank 0 (``stale``: the idle requests rank 0 freed)."""
         return self.compute.run(self._run, method, request_id, *args, stale=list(stale))
 
-    def step_batch(self, method: str, calls: list[tuple], stale: list[str] = ()) -> list:
-        """A follower's share of a batch forwarded by rank 0."""
-        return self.compute.run(self._run_batch, method, calls, stale=list(stale))
+    def step_batch(self, method: str, calls: list[tuple], stale: list[str] = (),
+                   caps: dict[str, int] | None = None) -> list:
+        """A follower's share of a batch forwarded by rank 0 (its chunks cut as rank 0's: ``caps``)."""
+        return self.compute.run(self._run_batch, method, calls, caps, stale=list(stale))
 
     def time_forward(self, sizes, context: int, repeats: int) -> dict[int, float]:
         """Target timings; every rank must run this at once (the forward is collective)."""

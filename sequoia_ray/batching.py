@@ -25,8 +25,12 @@ budget left, as vLLM's scheduler puts running requests before prefill chunks; an
 in the next forward (the longest passed over first), so neither decoding steps that fill the budget nor chunks
 passed over in turn hold the other back for more than a forward or two (prefill chunks went first once: two
 long prompts whose chunks filled the budget held a decoding request's step back until both were prefilled, 25
-forwards in a review's run). Each call gets its own result or exception; a batch that fails as a whole fails
-each of its calls.
+forwards in a review's run). A prefill chunk is cut to fit, as vLLM's are: it joins a forward with its
+``fewest`` tokens (``CHUNK_FLOOR``, the worker's ``fewest_tokens_of``) and the budget the batch leaves goes
+to its chunks in order, each up to its whole chunk (the worker is told each cut: ``run_batch``'s ``caps``).
+Whole chunks that filled the budget passed a decoding step over as many forwards as prompts prefilled (more
+than 7 long prompts at once with the defaults, 2,048 tokens and chunks of 256). Each call gets its own result
+or exception; a batch that fails as a whole fails each of its calls.
 
 All calls of a worker run on the batcher's one thread, so the worker itself needs no locks. The runner is
 given, not assumed: in-process it is the worker; on a tensor-parallel group it is rank 0 forwarding the
@@ -45,6 +49,8 @@ from dataclasses import dataclass, field
 
 BATCHED = {"grow": "grow_batch", "verify": "verify_batch"}
 NOT_YET = "not-yet"  # a batched call that needs another step (a prefill chunk was forwarded)
+CHUNK_FLOOR = 16  # the fewest tokens a prefill chunk is cut to (a worker's ``fewest_tokens_of``): a chunk of a few
+# tokens costs a forward's per-request work for little progress
 GATHER_S = 0.05  # with ``batch_wait_trees``, how long both workers wait from a batch's first queued call for the
 # rest of it (one forward's results come back as calls a few ms apart); only the target waits ``wait_s`` too
 LOCKSTEP_LOOKBACK = 2  # with ``batch_wait_trees``: the requests of the last two forwards are waited for (two
@@ -94,15 +100,21 @@ class _Call:
     arrived: float = field(default_factory=time.monotonic)
     prefilling: bool = False  # answered NOT_YET: the rest of a long prompt, one chunk per forward
     passed: int = 0  # forwards that ran without it while it was queued (a call passed over goes first)
+    cap: int | None = None  # tokens its chunk is cut to in the forward it joins (None: its whole ``size``)
 
 
 class Batcher:
-    """``call(method, request_id, *args)`` from any thread; returns what the worker returned, or raises."""
+    """``call(method, request_id, *args)`` from any thread; returns what the worker returned, or raises.
+    ``run_batch(method, calls, caps)``: ``caps`` maps a request to the tokens its prefill chunk is cut to in this
+    forward (``fewest``: a call's fewest tokens, None: every call runs whole)."""
 
-    def __init__(self, run_batch: Callable[[str, list[tuple]], list], run_one: Callable[..., object],
-                 size: Callable[[str, str, tuple], int], limits: BatchLimits, *, name: str = "batcher",
-                 comes_back: Callable[[str, tuple], bool] | None = None, lookback: int = 1) -> None:
-        self.run_batch, self.run_one, self.size, self.limits = run_batch, run_one, size, limits
+    fewest: Callable[[str, str, tuple], int] | None = None
+
+    def __init__(self, run_batch: Callable[[str, list[tuple], dict[str, int]], list],
+                 run_one: Callable[..., object], size: Callable[[str, str, tuple], int], limits: BatchLimits, *,
+                 name: str = "batcher", comes_back: Callable[[str, tuple], bool] | None = None, lookback: int = 1,
+                 fewest: Callable[[str, str, tuple], int] | None = None) -> None:
+        self.run_batch, self.run_one, self.size, self.limits, self.fewest = run_batch, run_one, size, limits, fewest
         self.comes_back = comes_back or comes_straight_back
         self.queue: deque[_Call] = deque()
         self.cond = threading.Condition()
@@ -121,9 +133,9 @@ class Batcher:
     def over(cls, worker, limits: BatchLimits, *, name: str = "batcher",
              comes_back: Callable[[str, tuple], bool] | None = None) -> Batcher:
         """A batcher running an in-process worker's own methods."""
-        return cls(lambda method, calls: getattr(worker, BATCHED[method])(calls),
+        return cls(lambda method, calls, caps: getattr(worker, BATCHED[method])(calls, caps),
                    lambda method, rid, *args: getattr(worker, method)(rid, *args),
-                   worker.tokens_of, limits, name=name, comes_back=comes_back)
+                   worker.tokens_of, limits, name=name, comes_back=comes_back, fewest=worker.fewest_tokens_of)
 
     def call(self, method: str, request_id: str, *args):
         item = _Call(method, request_id, args)
@@ -252,13 +264,19 @@ class Batcher:
             return (0, -c.passed) if c.passed else (2 if c.prefilling else 1, 0)
 
         order = sorted(self.queue, key=rank)  # stable: arrival order within each group
-        batch, tokens, skipped = [], 0, False
+        batch, tokens, skipped, wholes = [], 0, False, {}
         for c in order:
-            if skipped or not self._fits(c, batch, tokens):  # in order: no call jumps one that did not fit
+            whole, fewest = self._sizes(c)
+            if skipped or not self._fits(c, batch, tokens + fewest):  # in order: no call jumps one that did not fit
                 skipped = True
                 continue
             batch.append(c)
-            tokens += self._size(c)
+            tokens, wholes[id(c)], c.cap = tokens + fewest, whole, fewest
+        left = max(0, self.limits.max_batch_tokens - tokens)
+        for c in batch:  # the budget left to the chunks, in order, each up to its whole chunk
+            more = min(wholes[id(c)] - c.cap, left)
+            left, tokens = left - more, tokens + more
+            c.cap = c.cap + more if c.cap + more < wholes[id(c)] else None
         taken = {id(c) for c in batch}
         self.queue = deque(c for c in self.queue if id(c) not in taken)
         for c in self.queue:
@@ -268,11 +286,22 @@ class Batcher:
         return batch, tokens
 
     def _fits(self, c: _Call, batch: list[_Call], tokens: int) -> bool:
+        """Whether ``c`` joins ``batch``, the batch then ``tokens`` tokens."""
         if not batch:
             return True  # a first call larger than the token budget still runs, alone
         return (c.method == batch[0].method and len(batch) < self.limits.max_batch_requests
                 and all(b.request_id != c.request_id for b in batch)  # a request's two calls: two forwards
-                and tokens + self._size(c) <= self.limits.max_batch_tokens)
+                and tokens <= self.limits.max_batch_tokens)
+
+    def _sizes(self, c: _Call) -> tuple[int, int]:
+        """A call's tokens whole and the fewest it can run with (a prefill chunk cut short: ``fewest``)."""
+        whole = self._size(c)
+        if self.fewest is None:
+            return whole, whole
+        try:
+            return whole, max(1, min(whole, self.fewest(c.method, c.request_id, c.args)))
+        except Exception:  # noqa: BLE001 - as ``_size``: its call fails in the batch
+            return whole, whole
 
     def _size(self, c: _Call) -> int:
         try:
@@ -282,7 +311,8 @@ class Batcher:
 
     def _run(self, batch: list[_Call]) -> None:
         try:
-            results = list(self.run_batch(batch[0].method, [(c.request_id, *c.args) for c in batch]))
+            results = list(self.run_batch(batch[0].method, [(c.request_id, *c.args) for c in batch],
+                                          {c.request_id: c.cap for c in batch if c.cap is not None}))
         except BaseException as exc:  # noqa: BLE001 - the whole forward failed: each of its calls fails
             for c in batch:
                 c.future.set_exception(exc)

@@ -260,31 +260,38 @@ class DraftWorker(RequestTable):
 
     def tokens_of(self, method: str, request_id: str, args: tuple) -> int:
         """Tokens the first forward of ``grow`` would take now for this call (the batcher's token budget)."""
-        req, plan = self.get(request_id), args[0]
+        pending = self._pending_of(request_id, args)
+        if self._chunked(pending):
+            return self.prefill_chunk
+        rule = self._rule(args[2] if len(args) > 2 else None)
+        return pending + args[0].n + (rule.extend if rule is not None else 0)
+
+    def fewest_tokens_of(self, method: str, request_id: str, args: tuple) -> int:
+        """The fewest tokens this call's first forward can take now (``grow_batch``'s ``caps`` cut a chunk)."""
+        return self._fewest(self.tokens_of(method, request_id, args), self._pending_of(request_id, args))
+
+    def _pending_of(self, request_id: str, args: tuple) -> int:
+        """Tokens a ``grow`` call (``args``: plan[, commits[, rule]]) finds uncached once its commits apply."""
+        req = self.get(request_id)
         commits = [(path, tokens) for path, tokens, at in (args[1] if len(args) > 1 else ())
                    if at >= len(req.committed)]
         # the cache once they are applied: the first keeps the grown tree's forwarded path (``_keep_path``); till
         # then ``cached`` is the last commit's (0 after a whole prompt: the prompt was counted again every step)
         cached = req.base + sum(n in req.forwarded for n in commits[0][0]) if req.grown and commits else req.cached
-        pending = len(req.committed) + sum(len(tokens) for _, tokens in commits) - cached
-        rule = self._rule(args[2] if len(args) > 2 else None)
-        extra = rule.extend if rule is not None else 0
-        return self.prefill_chunk if self._chunked(pending) else pending + plan.n + extra
+        return len(req.committed) + sum(len(tokens) for _, tokens in commits) - cached
 
-    def _chunked(self, pending: int) -> bool:
-        return self.prefill_chunk is not None and pending > self.prefill_chunk
-
-    def grow_batch(self, calls: list[tuple]) -> list[DraftTree | Exception | str]:
+    def grow_batch(self, calls: list[tuple], caps: dict[str, int] | None = None) -> list[DraftTree | Exception | str]:
         """``calls``: ``(request_id, plan[, commits[, rule]])``. Every call's tree (host tensors), the exception
-        that ended it, or ``NOT_YET`` (a chunk of its prompt was prefilled; call again). A forward that fails as a
-        whole is retried request by request (each regrows from its committed tokens; commits apply once)."""
+        that ended it, or ``NOT_YET`` (a chunk of its prompt was prefilled; call again). ``caps``: a request's
+        prefill chunk cut to so many tokens in this forward (the batcher's token budget left). A forward that fails
+        as a whole is retried request by request (each regrows from its committed tokens; commits apply once)."""
         # The sampled requests' generators as they were: a retry alone draws what the batch would have (the same
         # seed gives the same tree at batch 1 and in a batch, even after a failed batch had drawn some levels).
         drawing = [req for req in map(self.requests.get, dict.fromkeys(c[0] for c in calls))
                    if req is not None and not req.params.greedy]
         states = [(req.generator, req.generator.get_state()) for req in drawing] if len(calls) > 1 else []
         try:
-            return self._grow_batch(calls)
+            return self._grow_batch(calls, caps or {})
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
             if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
                 raise
@@ -293,9 +300,9 @@ class DraftWorker(RequestTable):
             logger.exception("a batched grow of %d requests failed; retrying them one by one", len(calls))
             for generator, state in states:
                 generator.set_state(state)
-            return [self.grow_batch([call])[0] for call in calls]
+            return [self.grow_batch([call], caps)[0] for call in calls]
 
-    def _grow_batch(self, calls: list[tuple]) -> list[DraftTree | Exception | str]:
+    def _grow_batch(self, calls: list[tuple], caps: dict[str, int]) -> list[DraftTree | Exception | str]:
         results: list[DraftTree | Exception | str | None] = [None] * len(calls)
         growing: dict[int, _Growth] = {}
         segments: dict[int, Segment] = {}
@@ -304,7 +311,7 @@ class DraftWorker(RequestTable):
                 for path, tokens, at in rest[0] if rest else ():
                     self.commit(request_id, path, tokens, at)
                 rule = rest[1] if len(rest) > 1 else None
-                growing[i], segments[i] = self._start_growth(request_id, plan, rule)
+                growing[i], segments[i] = self._start_growth(request_id, plan, rule, caps.get(request_id))
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                 if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
                     raise
@@ -332,16 +339,19 @@ class DraftWorker(RequestTable):
             logits = self._forward(segments, last_only=False)
         return results
 
-    def _start_growth(self, request_id: str, plan: TreePlan, rule: DynamicTrees | None) -> tuple[_Growth, Segment]:
+    def _start_growth(self, request_id: str, plan: TreePlan, rule: DynamicTrees | None,
+                      cap: int | None = None) -> tuple[_Growth, Segment]:
         req, device = self.get(request_id), self.device
         req.session.truncate(req.cached)
         pending = req.committed[req.cached :]
         if not all(0 <= t < self.embedded for t in pending):
             raise ValueError(f"request {request_id!r} has token ids outside the draft's vocabulary [0, {self.embedded})")
+        chunked = self._chunked(len(pending))
+        size = self._chunk_size(cap) if chunked else len(pending)
         # beyond the depth + 1 tokens a tree step can accept: a prompt, or steps the target took alone
-        self.prefilled += max(0, min(len(pending), self.prefill_chunk or len(pending)) - 1 - req.depth)
-        if self._chunked(len(pending)):
-            chunk = torch.tensor(pending[: self.prefill_chunk], device=device)
+        self.prefilled += max(0, size - 1 - req.depth)
+        if chunked:
+            chunk = torch.tensor(pending[:size], device=device)
             segment = Segment(req.session, chunk, torch.arange(req.cached, req.cached + len(chunk), device=device))
             return _Growth(req, plan, tokens=chunk, mask=None, prefill_only=True), segment
         req.base = len(req.committed) - 1

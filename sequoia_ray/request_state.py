@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sequoia_ray.batching import CHUNK_FLOOR
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.forward_clock import ForwardClock
 from sequoia_ray.models.tree_lm import KVSession, new_cache
@@ -48,6 +49,21 @@ class RequestTable:
         self.prefix_cache = prefix_cache  # K/V of prompt prefixes shared across requests (None: none)
         self._prompts: dict[str, int] = {}  # request -> its prompt's length (what the prefix cache may keep)
         self.forward_clock = ForwardClock(model.device)  # time inside the model's forwards (off unless turned on)
+
+    prefill_chunk: int | None = None  # a worker's (``check_prefill_chunk``): None, a prompt in one forward
+
+    def _chunked(self, pending: int) -> bool:
+        """Whether ``pending`` uncached tokens go a chunk per forward (more than ``prefill_chunk``)."""
+        return self.prefill_chunk is not None and pending > self.prefill_chunk
+
+    def _chunk_size(self, cap: int | None) -> int:
+        """A prefill chunk's tokens in one forward: ``prefill_chunk``, cut to ``cap`` (the batcher's budget left)."""
+        return self.prefill_chunk if cap is None else max(1, min(cap, self.prefill_chunk))
+
+    def _fewest(self, whole: int, pending: int) -> int:
+        """The fewest tokens a call of ``whole`` tokens with ``pending`` uncached can run with: a prefill chunk may be
+        cut to ``CHUNK_FLOOR`` (the batcher's ``fewest``), a step may not."""
+        return min(whole, CHUNK_FLOOR) if self._chunked(pending) else whole
 
     @property
     def device(self) -> torch.device:

@@ -92,18 +92,25 @@ class TargetWorker(RequestTable):
         """Tokens ``verify`` would forward now for this call (the batcher's token budget)."""
         req, plan = self.get(request_id), _grown(args[0], args[1] if len(args) > 1 else None)
         pending = len(req.committed) - 1 - req.session.length
-        if self.prefill_chunk is not None and pending > self.prefill_chunk:
+        if self._chunked(pending):
             return self.prefill_chunk
         return pending + plan.n
 
-    def verify_batch(self, calls: list[tuple[str, TreePlan, DraftTree]]) -> list[Verdict | Exception | str]:
+    def fewest_tokens_of(self, method: str, request_id: str, args: tuple) -> int:
+        """The fewest tokens this call can forward now (``verify_batch``'s ``caps`` cut a prefill chunk)."""
+        req = self.get(request_id)
+        return self._fewest(self.tokens_of(method, request_id, args), len(req.committed) - 1 - req.session.length)
+
+    def verify_batch(self, calls: list[tuple[str, TreePlan, DraftTree]],
+                     caps: dict[str, int] | None = None) -> list[Verdict | Exception | str]:
         """One forward for every call's tree; per call its verdict, the exception that ended it, or ``NOT_YET``
-        (a chunk of its prompt was prefilled; call again)."""
+        (a chunk of its prompt was prefilled; call again). ``caps``: a request's prefill chunk cut to so many
+        tokens in this forward (the batcher's token budget left)."""
         results: list[Verdict | Exception | None] = [None] * len(calls)
         prepared: dict[int, _Prepared] = {}
         for i, call in enumerate(calls):
             try:
-                prepared[i] = self._prepare(*call)
+                prepared[i] = self._prepare(*call, cap=(caps or {}).get(call[0]))
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                 if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
                     raise
@@ -147,7 +154,7 @@ class TargetWorker(RequestTable):
             out[i] = self._walk(prepared[i], node_logits, tree_logits)
         return out
 
-    def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree) -> _Prepared:
+    def _prepare(self, request_id: str, plan: TreePlan, draft: DraftTree, *, cap: int | None = None) -> _Prepared:
         req, device, plan = self.get(request_id), self.device, _grown(plan, draft)
         if draft.tokens.shape != (plan.n,):
             raise ValueError(f"draft tree has {draft.tokens.shape[0]} tokens, plan {plan.n}")
@@ -156,8 +163,9 @@ class TargetWorker(RequestTable):
         if not 0 <= int(draft.tokens.min()) <= int(draft.tokens.max()) < self.vocab:  # host tensor: no sync
             raise ValueError(f"draft tree has token ids outside the target's vocabulary [0, {self.vocab})")
         cached, base = req.session.length, len(req.committed) - 1
-        if self.prefill_chunk is not None and base - cached > self.prefill_chunk:
-            chunk = torch.tensor(req.committed[cached : cached + self.prefill_chunk], dtype=torch.long, device=device)
+        if self._chunked(base - cached):
+            chunk = torch.tensor(req.committed[cached : cached + self._chunk_size(cap)], dtype=torch.long,
+                                 device=device)
             segment = Segment(req.session, chunk, torch.arange(cached, cached + len(chunk), device=device))
             return _Prepared(req, plan, None, segment, len(chunk), base, cached)
         # Built on the host and placed with two copies (ids and positions together, then the mask): one copy per

@@ -327,7 +327,7 @@ def test_a_chunked_prefill_takes_one_chunk_per_step_beside_the_others(models):
 def _recording_batcher(limits, sizes=None):
     seen = []
 
-    def run_batch(method, calls):
+    def run_batch(method, calls, caps):
         seen.append((method, [c[0] for c in calls]))
         return [f"{method}:{c[0]}" for c in calls]
 
@@ -375,7 +375,7 @@ def test_batcher_limits_order_and_results():
 def test_batcher_requeues_not_yet_and_fails_each_call_of_a_failed_batch():
     rounds = []
 
-    def run_batch(method, calls):
+    def run_batch(method, calls, caps):
         rounds.append([c[0] for c in calls])
         if any(c[0] == "boom" for c in calls):
             raise RuntimeError("the forward failed")
@@ -399,7 +399,7 @@ def test_prefill_chunks_fill_the_budget_after_the_decoding_requests_steps():
     decoding request's step now goes first and the chunks fill the budget left; both prompts still finish."""
     gate, rounds, chunks = threading.Event(), [], {"L1": 5, "L2": 5}
 
-    def run_batch(method, calls):
+    def run_batch(method, calls, caps):
         rounds.append([c[0] for c in calls])
         if len(rounds) == 1:
             gate.wait(5)  # the first forward (both prompts' first chunks) runs while "d"'s step arrives
@@ -450,6 +450,83 @@ def test_a_prefill_chunk_passed_over_goes_first_in_the_next_forward():
         if prompt in batch:
             batcher.queue.appendleft(prompt)  # answered NOT_YET: another chunk to go
     assert ["long" in run for run in runs] == [False, True] * 3, runs
+
+
+def test_a_decoding_step_joins_every_forward_while_prompts_whose_chunks_fill_the_budget_prefill():
+    """Ten long prompts whose whole chunks (256 tokens) fill the 2,048-token budget eight at a time: chunks passed
+    over went first, the longest passed over first, so a decoding step waited as many forwards as prompts were
+    prefilling. A chunk now joins with its fewest tokens (CHUNK_FLOOR) and is cut to the budget the batch leaves:
+    the step joins every forward, every forward stays within the budget and spends all of it, and every prompt
+    moves at every forward, the first queued most (12 forwards)."""
+    from sequoia_ray.batching import CHUNK_FLOOR, _Call
+
+    batcher = object.__new__(Batcher)
+    batcher.limits = BatchLimits(max_batch_tokens=2048)
+    batcher.size = lambda m, rid, a: 256 if rid.startswith("L") else 20
+    batcher.fewest = lambda m, rid, a: CHUNK_FLOOR if rid.startswith("L") else 20
+    prompts = [_Call("verify", f"L{i}", ()) for i in range(10)]
+    batcher.queue, moved = deque(prompts), {c.request_id: 0 for c in prompts}
+    for _ in range(12):
+        if all(c.request_id != "d" for c in batcher.queue):
+            batcher.queue.append(_Call("verify", "d", ()))  # the decoding request's next step, back at once
+        batch, tokens = batcher._take()
+        ran = {c.request_id: (c.cap or batcher.size("verify", c.request_id, ())) for c in batch}
+        assert "d" in ran and tokens == sum(ran.values()) == 2048, ran
+        assert all(CHUNK_FLOOR <= ran[rid] <= 256 for rid in moved), ran
+        for rid in moved:
+            moved[rid] += ran[rid]
+        for c in reversed([c for c in batch if c.request_id != "d"]):  # answered NOT_YET: more chunks to go
+            c.prefilling = True
+            batcher.queue.appendleft(c)
+    assert moved["L0"] == 12 * 256 and min(moved.values()) >= 12 * CHUNK_FLOOR, moved
+
+
+@pytest.mark.parametrize("where", ["target", "draft"])
+def test_a_cut_chunk_forwards_its_cap_and_the_rest_follows(models, where):
+    """The batcher's ``caps`` cut a prefill chunk: the worker forwards that many of the prompt's tokens, answers
+    NOT_YET, and says the call may be cut to CHUNK_FLOOR (``fewest_tokens_of``); a cap is never taken past the
+    chunk, nor below one token."""
+    from sequoia_ray.batching import CHUNK_FLOOR
+    from sequoia_ray.draft import DraftTree
+
+    target, draft = models
+    worker = (TargetWorker if where == "target" else DraftWorker)(target if where == "target" else draft,
+                                                                  prefill_chunk=32)
+    worker.start("long", list(range(1, 81)), SamplingParams(max_tokens=5), seed=0)
+    args = (chain(0), DraftTree(torch.tensor([80]), {})) if where == "target" else (chain(0),)
+
+    def cached():
+        req = worker.requests["long"]
+        return req.session.length if where == "target" else req.cached
+
+    assert worker.tokens_of("verify", "long", args) == 32
+    assert worker.fewest_tokens_of("verify", "long", args) == CHUNK_FLOOR
+    run = worker.verify_batch if where == "target" else worker.grow_batch
+    for cap, total in [(20, 20), (0, 21), (500, 53)]:
+        assert run([("long", *args)], {"long": cap}) == [NOT_YET]
+        assert cached() == total
+    assert worker.fewest_tokens_of("verify", "long", args) == worker.tokens_of("verify", "long", args)  # the last
+
+
+def test_prompts_cut_to_the_budget_left_decode_as_the_target_alone(models):
+    """Six prompts of 40-63 tokens prefilled in chunks of 24 through batchers of 64 tokens, beside two short ones:
+    chunks are cut to the budget left (at a forward with two short requests' trees, a 24-token chunk does not
+    fit whole). Greedy output equals the target alone's; the batchers did cut chunks."""
+    target, draft = models
+    pair = _Pair(target, draft, BatchLimits(max_batch_tokens=64), prefill_chunk=24)
+    cuts = []
+    for batcher in (pair.target_batcher, pair.draft_batcher):
+        run = batcher.run_batch
+        batcher.run_batch = lambda m, calls, caps, run=run: cuts.append(dict(caps)) or run(m, calls, caps)
+    prompts = [[(r * 11 + i * 5) % 97 for i in range(40 + 4 * r)] for r in range(6)] + ragged_prompts(2)
+    params = [SamplingParams(max_tokens=8, seed=r) for r in range(8)]
+    try:
+        got = pair.run(PLAN, list(zip(prompts, params)))
+    finally:
+        pair.close()
+    for prompt, p, ids in zip(prompts, params, got):
+        assert ids == _alone(target, None, chain(0), prompt, p)
+    assert any(cuts), "no chunk was cut"
 
 
 @pytest.mark.parametrize("chunk,limits", [(8, BatchLimits(max_batch_tokens=8)),
@@ -596,7 +673,7 @@ def test_a_request_twice_in_the_queue_goes_into_two_forwards():
 
 def test_a_malformed_batch_result_fails_its_calls_and_the_batcher_lives_on():
     answers = iter([[], ["ok"]])  # first batch: no result for its one call
-    batcher = Batcher(lambda m, calls: next(answers), lambda *a: None, lambda m, rid, a: 1, BatchLimits())
+    batcher = Batcher(lambda m, calls, caps: next(answers), lambda *a: None, lambda m, rid, a: 1, BatchLimits())
     with pytest.raises(RuntimeError, match="a batch of 1 calls returned 0 results"):
         batcher.call("verify", "x")
     assert batcher.call("verify", "y") == "ok" and batcher.thread.is_alive()
@@ -604,7 +681,7 @@ def test_a_malformed_batch_result_fails_its_calls_and_the_batcher_lives_on():
 
 
 def test_a_call_on_a_dead_batcher_thread_fails_instead_of_waiting_for_ever():
-    batcher = Batcher(lambda m, calls: [], lambda *a: None, lambda m, rid, a: 1, BatchLimits())
+    batcher = Batcher(lambda m, calls, caps: [], lambda *a: None, lambda m, rid, a: 1, BatchLimits())
     batcher.close()
     batcher.thread.join(5)
     batcher.closed = False  # as if the thread had died on its own
@@ -674,7 +751,7 @@ def _clients(batcher, rids, rounds, turnaround_s, stop_after=None, stagger_s=0.0
 
 
 def _slow_batcher(wait_s, forward_s=0.05, comes_back=lambda method, args: True, lookback=1, gather_s=0.0):
-    def run_batch(method, calls):
+    def run_batch(method, calls, caps):
         time.sleep(forward_s)
         return [c[0] for c in calls]
 
@@ -789,7 +866,7 @@ def test_in_lockstep_a_request_started_while_the_others_gather_joins_their_forwa
     policy = dict(comes_back=comes_back_after_any_step, lookback=LOCKSTEP_LOOKBACK) if lockstep else {}
     seen = []
 
-    def run_batch(method, calls):
+    def run_batch(method, calls, caps):
         seen.append((method, [c[0] for c in calls]))
         return [c[0] for c in calls]
 
@@ -868,7 +945,7 @@ def test_a_call_that_failed_is_not_waited_for():
     ``wait_s`` for it (it did: every call of a forward was taken as coming back, failed ones too)."""
     gate, known, root = threading.Event(), {"x", "y"}, SimpleNamespace(n=1)  # root-only verifies come back
 
-    def run_batch(method, calls):
+    def run_batch(method, calls, caps):
         gate.wait(5)
         return [c[0] if c[0] in known else KeyError(f"unknown {c[0]}") for c in calls]
 
@@ -963,7 +1040,7 @@ def test_the_trace_counts_tree_calls_in_a_shared_batch():
     4 + 1 + 8 tokens; the batch gathered from its first call's arrival, while the forward before it ran."""
     started, gate = threading.Event(), threading.Event()
 
-    def run_batch(method, calls):
+    def run_batch(method, calls, caps):
         started.set()
         gate.wait(5)
         return [c[0] for c in calls]

@@ -4,6 +4,7 @@ the model actors (built in-process, no Ray) loading and running their models the
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,7 +15,7 @@ import sequoia_ray.models.loading as loading
 from actors.draft import DraftActor
 from actors.spec import ModelActorSpec
 from actors.target import TargetRank, free_port
-from sequoia_ray.batching import WORKER_CALLS
+from sequoia_ray.batching import NOT_YET, WORKER_CALLS
 from sequoia_ray.compute_thread import ComputeThread, compute_thread
 from sequoia_ray.config import SamplingParams
 from sequoia_ray.draft import DraftTree
@@ -107,3 +108,25 @@ def test_model_actors_load_and_run_their_models_on_the_compute_thread(monkeypatc
     ident = compute_thread().run(threading.get_ident)
     assert loads == ["tiny-target", "tiny-draft"]  # both went through the recorder
     assert where == {"load": {ident}, "forward": {ident}}, (where, ident, threading.get_ident())
+
+
+def test_rank_0_sends_its_chunk_cuts_with_the_batch_to_every_follower(monkeypatch):
+    """The batcher cuts a prefill chunk to the token budget left (``caps``); every rank of a tensor-parallel group
+    must forward the same tokens (the same collectives), so rank 0 sends the cuts with the batch."""
+    spec = ModelActorSpec("tiny-target", prefill_chunk=32)
+    rank, follower = (TargetRank(0, 1, "127.0.0.1", free_port(), "gloo", spec) for _ in range(2))
+    sent = []
+
+    def remote(*args):
+        sent.append(args)
+        return follower.step_batch(*args)
+
+    monkeypatch.setattr("actors.target.ray.get", lambda refs, timeout=None: list(refs))
+    rank.lead([SimpleNamespace(step_batch=SimpleNamespace(remote=remote))])
+    prompt = list(range(1, 81))
+    for r in (rank, follower):
+        r.worker.start("f", prompt, SamplingParams(max_tokens=4), 0)
+    root = DraftTree(torch.tensor([prompt[-1]]), {})
+    assert rank._lead_batch("verify", [("f", ROOT_ONLY, root)], {"f": 20}) == [NOT_YET]
+    assert [r.worker.requests["f"].session.length for r in (rank, follower)] == [20, 20]
+    assert sent[0][3] == {"f": 20}

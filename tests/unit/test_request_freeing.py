@@ -181,10 +181,10 @@ def test_a_client_gone_during_a_long_prefill_stops_it_at_the_next_chunk(where, f
     method = "verify_batch" if where == "target" else "grow_batch"
     real = getattr(slowed, method)
 
-    def counted(calls):  # a chunk of ~40 ms (a CPU prefill chunk of a real model takes far longer)
+    def counted(calls, caps=None):  # a chunk of ~40 ms (a CPU prefill chunk of a real model takes far longer)
         time.sleep(0.04)
         forwards.append(time.monotonic())
-        return real(calls)
+        return real(calls, caps)
 
     setattr(slowed, method, counted)
     batchers = [Batcher.over(target, BatchLimits(), name="target"), Batcher.over(draft, BatchLimits(), name="draft")]
