@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,25 +17,39 @@ class Prompt:
 
 def load_prompts(path: str | Path) -> list[Prompt]:
     path = Path(path)
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except OSError as exc:
-        raise FileNotFoundError(f"prompt file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    lines = _lines(path)
     if not lines:  # said now, not as a failure of whatever the prompts were for (after loading the models)
         raise ValueError(f"prompt file {path} holds no prompts; give one prompt per line"
                          + (" (a JSON object with a 'prompt' string)" if path.suffix == ".jsonl" else ""))
     if path.suffix != ".jsonl":
-        return [Prompt(line) for line in lines]
+        return [Prompt(line) for _, line in lines]
     out = []
-    for i, line in enumerate(lines, start=1):
+    for i, line in lines:
         try:
             out.append(_prompt(json.loads(line)))
         except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise ValueError(f"{path}:{i}: expected a JSON object with a non-empty 'prompt' string, and 'chat' a "
                              f"boolean and 'kind' a string if given ({exc})") from None
     return out
+
+
+def _lines(path: Path) -> list[tuple[int, str]]:
+    """The file's non-blank lines with their physical line numbers (counted before blank ones are skipped: an error
+    on line 4 after two blank lines was reported as line 2). Lines end at "\n" only ("\r\n" too): ``splitlines``
+    also split at form feeds, U+0085 and U+2028, which a prompt may hold and JSON writes raw inside strings
+    (``ensure_ascii=False``), so one .jsonl line failed as an unterminated string. A leading UTF-8 BOM (Windows
+    editors write one) is dropped: it was read as the first prompt's first character and broke its JSON."""
+    try:
+        data = path.read_bytes()  # not read_text: its universal newlines would split at a lone "\r" too
+    except OSError as exc:
+        raise FileNotFoundError(f"prompt file {path}: {exc.strerror}") from None
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {bom + exc.start}); save it as UTF-8") from None
+    lines = (line.removesuffix("\r") for line in text.split("\n"))
+    return [(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
 
 
 def _prompt(obj: dict) -> Prompt:

@@ -54,3 +54,40 @@ def test_a_prompt_file_not_in_utf8_names_itself(tmp_path):
     with pytest.raises(ValueError, match="p.txt is not UTF-8"):
         load_prompts(path)
 
+
+
+def test_a_prompt_line_ends_at_a_newline_only(tmp_path):
+    """``splitlines`` also split at U+2028, U+0085 and form feeds: JSON writes U+2028 raw inside a string
+    (``ensure_ascii=False``), so a valid .jsonl line failed as an unterminated string, and a .txt prompt holding a
+    form feed was read as two prompts."""
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "first clause\u2028second", "kind": "prose"}, {"prompt": "caf\u00e9\x85culture\x0cpage"}]
+    path.write_bytes("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode())
+    assert [(p.text, p.kind) for p in load_prompts(path)] == [("first clause\u2028second", "prose"),
+                                                                ("caf\u00e9\x85culture\x0cpage", "text")]
+    path = tmp_path / "p.txt"
+    path.write_bytes("def f():\n    pass\x0c page two\r\nSummarise caf\u00e9\x85cul\rture\u2028too\n".encode())
+    assert [p.text for p in load_prompts(path)] == ["def f():", "    pass\x0c page two",
+                                                    "Summarise caf\u00e9\x85cul\rture\u2028too"]
+
+
+def test_a_utf8_bom_is_not_part_of_the_first_prompt(tmp_path):
+    """Windows editors begin UTF-8 files with a BOM: it was read as the first prompt's first character, and the
+    first .jsonl line failed to parse."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [p.text for p in load_prompts(path)] == ["a", "b"]
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"\xef\xbb\xbfHello\n")
+    assert [p.text for p in load_prompts(path)] == ["Hello"]
+    path.write_bytes(b"\xef\xbb\xbfcaf\xe9\n")  # the byte counted in the file, BOM included
+    with pytest.raises(ValueError, match=r"p.txt is not UTF-8 text \(byte 6\)"):
+        load_prompts(path)
+
+
+def test_an_error_names_its_physical_line_after_blank_lines(tmp_path):
+    """Lines were numbered after the blank ones were dropped: the bad object on line 4 was reported as line 2."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n\n  \n{"prompt": "b", "chat": "yes"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:4: expected a JSON object"):
+        load_prompts(path)
