@@ -10,7 +10,9 @@ output again at every token cost O(length) a token: 2.4 s over a 4,096-token ans
 
 from __future__ import annotations
 
+import codecs
 import os
+import re
 
 
 PREFIX_TOKENS = 4  # tokens decoded before the unsettled ones (vLLM's incremental detokenizer reads 5)
@@ -20,6 +22,9 @@ SETTLE_AFTER, KEEP_UNSETTLED = 48, 16  # with 48 unsettled tokens, settle all bu
 # " '" before "s" once the "s" arrives, after that space was sent: text[sent:] then skipped a character
 # ("{'key': 'server'}" streamed as "{'key': 'erver'}").
 DECODE = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
+OPEN_BYTES = 3  # the most bytes an unfinished UTF-8 character has
+SPELL_LOOKUP = 16  # tokens read for bytes on each side of a cut; past them, bytes count as unknown
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback's (Llama's, Mistral's)
 
 
 class StopChecker:
@@ -35,6 +40,7 @@ class StopChecker:
         self.prefix = _window(tokenizer, prefix) if tokenizer is not None else []
         self.prefix_text = tokenizer.decode(self.prefix, **DECODE) if self.prefix else ""
         self.settled, self.settled_text = 0, ""  # ids[:settled] read as settled_text, whatever follows them
+        self.spelled: dict[int, bytes | None] = {}  # token -> its bytes (None: unknown)
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of text already emitted
@@ -93,12 +99,12 @@ class StopChecker:
         return text[len(window_text):] if text.startswith(window_text) else None
 
     def _settle(self, tail: str, window: list[int], window_text: str) -> None:
-        """Settle all but the last KEEP_UNSETTLED tokens when the text then reads the same: their text (read after
-        ``window``, as ``tail`` was) ends in a whole character, and the rest read after the new window gives the
-        rest of ``tail``. Else try later."""
-        cut = len(self.ids) - KEEP_UNSETTLED
+        """Settle all but the last KEEP_UNSETTLED tokens (a few more if the cut would split a character) when the
+        text then reads the same: their text (read after ``window``, as ``tail`` was) ends in a whole character,
+        and the rest read after the new window gives the rest of ``tail``. Else try later."""
+        cut = self._cut()
         head = self._after(window, window_text, self.ids[self.settled:cut])
-        if head is None or head.endswith("\ufffd") or not tail.startswith(head):
+        if head is None or (head.endswith("\ufffd") and self._unfinished_at(cut)) or not tail.startswith(head):
             return
         window = _window(self.tokenizer, self.ids[:cut])
         window_text = self.tokenizer.decode(window, **DECODE)
@@ -107,11 +113,57 @@ class StopChecker:
         self.settled, self.settled_text = cut, self.settled_text + head
         self.prefix, self.prefix_text = window, window_text
 
+    def _cut(self) -> int:
+        """Where to settle: before the last KEEP_UNSETTLED tokens, or up to OPEN_BYTES tokens earlier, at the last
+        place that does not split a character. A byte-fallback decoder reads a byte run that ends inside a character
+        as U+FFFD a byte, so a run (emoji, CJK characters outside the vocabulary, U+FFFD: 3 bytes each) settled only
+        with both the cut and the end after a whole character: with 3-byte ones, 16 tokens apart, never."""
+        last = len(self.ids) - KEEP_UNSETTLED
+        cuts = range(last, max(last - OPEN_BYTES, self.settled + 1) - 1, -1)
+        return next((cut for cut in cuts if not self._unfinished_at(cut)), last)
+
+    def _unfinished_at(self, cut: int) -> bool:
+        """Whether ``ids[:cut]`` may end inside a character that later tokens complete: their bytes end in the first
+        bytes of one, and the bytes after the cut so far continue it or complete it (a byte-fallback decoder still
+        reads the whole byte run as U+FFFD while it ends unfinished), not break it off. Unknown bytes count as
+        unfinished. A head ending in U+FFFD was never settled: a real U+FFFD too (Qwen2.5's token 5691, a stray
+        continuation byte), so an output of them read every token of it at every token (4,001 ids at 4,000)."""
+        before = self._spelling(range(cut - 1, max(cut - SPELL_LOOKUP, 0) - 1, -1))
+        if before is None:
+            return True
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(before)
+        start = decoder.getstate()[0]  # an unfinished character's first bytes, held until more come
+        if not start:
+            return False
+        after = self._spelling(range(cut, min(cut + SPELL_LOOKUP, len(self.ids))), whole=False)
+        return after is None or not _broken_off(start, after)
+
+    def _spelling(self, positions: range, whole: bool = True) -> bytes | None:
+        """The bytes of the tokens at ``positions`` (in their order: backwards before a cut), up to OPEN_BYTES of
+        them. None if a token's are unknown, or ``whole`` and the positions end before OPEN_BYTES bytes."""
+        out = b""
+        for at in positions:
+            token = self.ids[at]
+            if token not in self.spelled:
+                self.spelled[token] = _token_bytes(self.tokenizer, token)
+            data = self.spelled[token]
+            if data is None:
+                return None
+            out = data + out if positions.step < 0 else out + data
+            if len(out) >= OPEN_BYTES:
+                return out[-OPEN_BYTES:] if positions.step < 0 else out[:OPEN_BYTES]
+        return None if whole else out
+
     def _delta(self, final: bool) -> str:
+        """The text not sent yet, but for what may still change. Trailing U+FFFD is held only if the output may end
+        inside a character: a real U+FFFD was held too, so an output of them was sent at its end only (and each
+        token walked back over all of them)."""
         end = len(self.text)
-        if not final:  # an incomplete character first, then what could begin a stop string before it
-            while end > self.sent and self.text[end - 1] == "\ufffd":
-                end -= 1
+        if not final:  # an unfinished character first (with the U+FFFD before it: a byte-fallback decoder reads a
+            # byte run ending inside a character as U+FFFD a byte), then what could begin a stop string before it
+            if self.text.endswith("\ufffd") and self._unfinished_at(self.count):
+                end = max(self.sent, len(self.text.rstrip("\ufffd")))
             end -= self._open_tail(end)
         if end <= self.sent:
             return ""
@@ -127,6 +179,42 @@ class StopChecker:
             if any(s.startswith(tail) for s in self.stop):
                 return k
         return 0
+
+
+def _broken_off(start: bytes, after: bytes) -> bool:
+    """Whether ``after`` breaks off the character ``start`` begins (a byte that cannot continue it comes first): it
+    then reads as U+FFFD whatever follows. Completed, it may still change the text before the cut: a byte-fallback
+    decoder reads a byte run as U+FFFD a byte until the run ends whole."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(start + after)
+    except UnicodeDecodeError as exc:
+        return exc.start == 0
+    return False
+
+
+def _token_bytes(tokenizer, token: int) -> bytes | None:
+    """A token's bytes, or None if unknown: its text when it decodes to whole characters, else its spelling: a
+    byte-fallback ``<0xNN>``, or byte-level BPE's (GPT-2's, Qwen's, Llama 3's) characters, one a byte."""
+    text = tokenizer.decode([token], **DECODE)
+    if "\ufffd" not in text:
+        return text.encode()
+    spelling = tokenizer.convert_ids_to_tokens(token) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+    if not isinstance(spelling, str):
+        return None
+    if match := BYTE_TOKEN.fullmatch(spelling):
+        return bytes([int(match[1], 16)])
+    return bytes(BYTE_LEVEL[c] for c in spelling) if all(c in BYTE_LEVEL for c in spelling) else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character -> byte (GPT-2's ``bytes_to_unicode``): printable Latin-1 characters
+    stand for themselves, the other bytes for characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _window(tokenizer, ids) -> list[int]:

@@ -277,3 +277,67 @@ def test_a_token_decodes_a_bounded_window_however_long_the_output():
 def test_a_stop_string_completed_by_the_last_allowed_token_is_cut():
     """Stop strings are checked before max_tokens: ``length`` with the stop string in the text was returned."""
     assert run(("foo",), [1, 3, 4], max_tokens=3) == ([1, 3, 4], "x", "stop")
+
+
+def _replacement_char_tokenizer():
+    """A byte-level BPE whose tokens are every byte alone and U+FFFD whole (its bytes EF BF BD merged), as Qwen2.5's
+    token 5691 is; a skipped special token too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"ï¿": len(vocab), "ï¿½": len(vocab) + 1})
+    backend = Tokenizer(models.BPE(vocab, [("ï", "¿"), ("ï¿", "½")]))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=["<|x|>"])
+
+
+def _stream_bounded(tok, prompt, output, whole):
+    """Feed ``output`` a token a step: every step's streamed text is a prefix of ``whole`` (no half character sent),
+    it all adds up to ``whole``, and no decode reads more than the settle window. Returns the checker, and how many
+    characters were streamed after each token."""
+    from sequoia_ray.stopping import PREFIX_TOKENS, SETTLE_AFTER
+
+    read, decode = [], tok.decode
+    tok.decode = lambda ids, **kw: read.append(len(ids)) or decode(ids, **kw)
+    checker, streamed, sent = StopChecker(tok, (), frozenset(), prefix=tuple(prompt)), "", []
+    try:
+        for token in output:
+            streamed += checker.feed([token], 100_000)[1]
+            assert whole.startswith(streamed), len(sent)
+            sent.append(len(streamed))
+    finally:
+        tok.decode = decode
+    assert streamed + checker._delta(final=True) == whole
+    assert max(read) <= PREFIX_TOKENS + SETTLE_AFTER + 3, max(read)  # + 3: a settle retried past a split character
+    assert checker.settled >= len(output) - SETTLE_AFTER, checker.settled
+    return checker, sent
+
+
+def test_an_output_of_real_replacement_characters_settles_and_streams():
+    """A head ending in U+FFFD was never settled, as if it were a character's first bytes: a real U+FFFD too (a
+    whole token, a stray continuation byte, a lead byte broken off), so each token of such an output decoded all of
+    it (4,001 ids at 4,000 tokens of Qwen2.5's token 5691: 3.4 s) and none of it was streamed before its end. A 🚀
+    split into its 4 byte tokens, 20 skipped special tokens after its first, is still never sent half."""
+    tok = _replacement_char_tokenizer()
+    [fffd], [_, stray], [lead, *_], rocket = (tok.encode(s) for s in ("\ufffd", "\x80", "数", "🚀"))  # U+0080: C2 80
+    assert tok.decode([fffd]) == tok.decode([stray]) == tok.decode([lead]) == "\ufffd" and len(rocket) == 4
+    special = tok.convert_tokens_to_ids("<|x|>")
+    unit = [fffd] * 20 + [stray, fffd, lead] + [fffd] * 20 + rocket[:1] + [special] * 20 + rocket[1:]
+    output = (unit * 40)[:3000]
+    whole = tok.decode(tok.encode("Say") + output, skip_special_tokens=True)[3:]
+    _, sent = _stream_bounded(tok, tok.encode("Say"), output, whole)
+    assert output[99] == fffd and sent[99] == len(tok.decode(output[:100], skip_special_tokens=True))  # all sent
+
+
+def test_a_byte_fallback_output_of_replacement_characters_settles():
+    """The same on a byte-fallback tokenizer, U+FFFD spelled as its three ``<0xNN>`` bytes, and runs of stray
+    continuation bytes and of CJK characters outside the vocabulary. The decoder reads a byte run that ends inside a
+    character as U+FFFD a byte: such a run settled only when the cut and the end both followed a whole character,
+    so with 3-byte characters (16 tokens apart) it never did."""
+    tok, vocab, byte_ids = _byte_fallback_tokenizer()
+    unit = byte_ids("\ufffd" * 30) + [vocab["▁yes"]] + [byte_ids("é")[1]] * 10 + [vocab[":"]] + byte_ids("✅数据" * 20)
+    output = (unit * 15)[:1500]
+    prompt = [vocab["<s>"], vocab["▁Rate"], vocab[":"]]
+    whole = tok.decode(prompt + output, skip_special_tokens=True)[len("Rate:"):]
+    _stream_bounded(tok, prompt, output, whole)
