@@ -39,6 +39,7 @@ from sequoia_ray.hardware import batch_bucket
 from sequoia_ray.in_flight import InFlight
 from sequoia_ray.live_cost import CostSettings, StepRates
 from sequoia_ray.local import encode, pair_refusal as local_pair_refusal
+from sequoia_ray.stopping import token_bytes
 
 logger = logging.getLogger("sequoia_ray.serve")
 app = FastAPI(title="sequoia-ray", description="Sequoia tree speculative decoding, OpenAI-compatible.")
@@ -500,7 +501,7 @@ class OpenAIIngress:
     def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
         """A choice's ``logprobs`` for ``entries`` (``_logprob_entries``), in the route's form."""
         if chat:
-            return api.chat_logprobs(self._token_text, entries)
+            return api.chat_logprobs(self._token_text, entries, self._token_bytes)
         return api.completion_logprobs(self._token_text, entries, offset)
 
     def _token_text(self, token_id: int) -> str:
@@ -511,6 +512,13 @@ class OpenAIIngress:
         if text is None:
             text = texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def _token_bytes(self, token_id: int) -> bytes | None:
+        """A token's own bytes (``stopping.token_bytes``), found once a replica as ``_token_text``."""
+        found = self.__dict__.setdefault("token_bytes", {})
+        if token_id not in found:
+            found[token_id] = token_bytes(self.tokenizer, token_id)
+        return found[token_id]
 
     async def generate_stream(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest
                               ) -> AsyncIterator[dict]:

@@ -507,11 +507,15 @@ def completion_logprobs(text_of, entries: list, offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def chat_logprobs(text_of, entries: list) -> dict:
-    """A chat choice's ``logprobs`` (OpenAI's form: ``content``, one entry a token with its UTF-8 bytes)."""
+def chat_logprobs(text_of, entries: list, bytes_of=None) -> dict:
+    """A chat choice's ``logprobs`` (OpenAI's form: ``content``, one entry a token with its UTF-8 bytes).
+    ``bytes_of(id)``: a token's own bytes (None: unknown), which rebuild a character split across tokens whose text
+    alone is U+FFFD (an emoji's 4 byte tokens gave three U+FFFD's bytes); else its text's."""
     def one(token_id: int, lp: float) -> dict:
         text = text_of(token_id)
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8", "backslashreplace"))}
+        raw = bytes_of(token_id) if bytes_of is not None else None
+        return {"token": text, "logprob": _lp(lp),
+                "bytes": list(raw if raw is not None else text.encode("utf-8", "backslashreplace"))}
 
     return {"content": [{**one(token_id, lp), "top_logprobs": [one(i, v) for i, v in likely]}
                         for token_id, lp, likely in entries], "refusal": None}

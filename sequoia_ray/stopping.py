@@ -146,7 +146,7 @@ class StopChecker:
         for at in positions:
             token = self.ids[at]
             if token not in self.spelled:
-                self.spelled[token] = _token_bytes(self.tokenizer, token)
+                self.spelled[token] = token_bytes(self.tokenizer, token)
             data = self.spelled[token]
             if data is None:
                 return None
@@ -192,7 +192,7 @@ def _broken_off(start: bytes, after: bytes) -> bool:
     return False
 
 
-def _token_bytes(tokenizer, token: int) -> bytes | None:
+def token_bytes(tokenizer, token: int) -> bytes | None:
     """A token's bytes, or None if unknown: its text when it decodes to whole characters, else its spelling: a
     byte-fallback ``<0xNN>``, or byte-level BPE's (GPT-2's, Qwen's, Llama 3's) characters, one a byte."""
     text = tokenizer.decode([token], **DECODE)

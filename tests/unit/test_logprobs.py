@@ -165,3 +165,24 @@ def test_each_tokens_text_is_decoded_once_a_replica(pair):  # noqa: F811
     r.tokenizer_inner, r.tokenizer = r.tokenizer, Counting()
     assert r._token_text(5) == r._token_text(5) == decode([5])
     assert calls == [(5,)]
+
+
+def test_a_chats_logprobs_carry_each_tokens_own_bytes():
+    """OpenAI's ``bytes`` rebuild a character split across tokens, each of whose text alone is U+FFFD: the bytes of
+    that text (three U+FFFD's for an emoji's 4 byte tokens) rebuilt nothing. A byte-level BPE of single bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sequoia_ray.stopping import token_bytes
+
+    backend = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, []))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ids = tok.encode("a🚀")
+    assert len(ids) == 5 and tok.decode(ids[1:2]) == "\ufffd"
+    text_of = lambda i: tok.decode([i])  # noqa: E731
+    content = api.chat_logprobs(text_of, [(i, -0.1, ((i, -0.1),)) for i in ids],
+                                lambda i: token_bytes(tok, i))["content"]
+    assert bytes(sum((c["bytes"] for c in content), [])).decode() == "a🚀"
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+    assert api.chat_logprobs(text_of, [(ids[1], -0.1, ())])["content"][0]["bytes"] == list("\ufffd".encode())
