@@ -19,11 +19,12 @@ STALL = {"whole/padded": [1.0, 2.0], "whole/flat": [0.5, 2.0], "whole/ragged": [
 def test_rounds_rotate_and_the_ratios_are_paired(monkeypatch, tmp_path):
     order = []
 
-    def run(pair, layout, chunk, decoders, prompt_tokens, max_tokens):
+    def run(pair, layout, chunk, decoders, prompt_tokens, max_tokens, **settings):
         name = prefill.setting_name(layout, chunk)
         stall = STALL[name][sum(n == name for n in order)]
         order.append(name)
-        return {"setting": name, "stall max s": stall, "median gap s": 0.1, "long TTFT s": 1.0, "tokens/s": 1 / stall}
+        return {"setting": name, "stall max s": stall, "median gap s": 0.1, "long TTFT s": 1.0, "last TTFT s": 1.0,
+                "tokens/s": 1 / stall}
 
     monkeypatch.setattr(prefill, "run", run)
     monkeypatch.setattr(prefill.LocalPair, "tiny", staticmethod(lambda device="auto": None))
