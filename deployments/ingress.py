@@ -514,10 +514,12 @@ class OpenAIIngress:
         return text
 
     def _token_bytes(self, token_id: int) -> bytes | None:
-        """A token's own bytes (``stopping.token_bytes``), found once a replica as ``_token_text``."""
+        """The own bytes (``stopping.token_bytes``) of a token whose text alone reads U+FFFD (a piece of a character),
+        found once a replica as ``_token_text``; None for any other: its text's bytes are its own (a special token's
+        too, which ``token_bytes``, reading text as streamed, finds empty)."""
         found = self.__dict__.setdefault("token_bytes", {})
         if token_id not in found:
-            found[token_id] = token_bytes(self.tokenizer, token_id)
+            found[token_id] = token_bytes(self.tokenizer, token_id) if "\ufffd" in self._token_text(token_id) else None
         return found[token_id]
 
     async def generate_stream(self, request: dict | api.CompletionRequest | api.ChatCompletionRequest

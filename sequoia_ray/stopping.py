@@ -126,8 +126,11 @@ class StopChecker:
         """Whether ``ids[:cut]`` may end inside a character that later tokens complete: their bytes end in the first
         bytes of one, and the bytes after the cut so far continue it or complete it (a byte-fallback decoder still
         reads the whole byte run as U+FFFD while it ends unfinished), not break it off. Unknown bytes count as
-        unfinished. A head ending in U+FFFD was never settled: a real U+FFFD too (Qwen2.5's token 5691, a stray
-        continuation byte), so an output of them read every token of it at every token (4,001 ids at 4,000)."""
+        unfinished, a byte-fallback ``<0xNN>`` token's too: such a decoder reads a broken run as U+FFFD throughout,
+        so a cut inside one could not be settled without changing text already read (32 stray bytes then 数 x10 came
+        out 15 characters short); runs of them settle where they did before. A head ending in U+FFFD was never
+        settled: a real U+FFFD too (Qwen2.5's token 5691, a stray continuation byte), so an output of them read
+        every token of it at every token (4,001 ids at 4,000)."""
         before = self._spelling(range(cut - 1, max(cut - SPELL_LOOKUP, 0) - 1, -1))
         if before is None:
             return True
@@ -146,7 +149,7 @@ class StopChecker:
         for at in positions:
             token = self.ids[at]
             if token not in self.spelled:
-                self.spelled[token] = token_bytes(self.tokenizer, token)
+                self.spelled[token] = token_bytes(self.tokenizer, token, byte_fallback=False)
             data = self.spelled[token]
             if data is None:
                 return None
@@ -192,9 +195,11 @@ def _broken_off(start: bytes, after: bytes) -> bool:
     return False
 
 
-def token_bytes(tokenizer, token: int) -> bytes | None:
+def token_bytes(tokenizer, token: int, *, byte_fallback: bool = True) -> bytes | None:
     """A token's bytes, or None if unknown: its text when it decodes to whole characters, else its spelling: a
-    byte-fallback ``<0xNN>``, or byte-level BPE's (GPT-2's, Qwen's, Llama 3's) characters, one a byte."""
+    byte-fallback ``<0xNN>`` (None with ``byte_fallback`` False), or byte-level BPE's (GPT-2's, Qwen's, Llama 3's)
+    characters, one a byte — spelled bytes only if they read as the token's text (an unknown spelling that happens
+    to be Latin-1 is not byte-level BPE's)."""
     text = tokenizer.decode([token], **DECODE)
     if "\ufffd" not in text:
         return text.encode()
@@ -202,8 +207,10 @@ def token_bytes(tokenizer, token: int) -> bytes | None:
     if not isinstance(spelling, str):
         return None
     if match := BYTE_TOKEN.fullmatch(spelling):
-        return bytes([int(match[1], 16)])
-    return bytes(BYTE_LEVEL[c] for c in spelling) if all(c in BYTE_LEVEL for c in spelling) else None
+        data = bytes([int(match[1], 16)]) if byte_fallback else None
+    else:
+        data = bytes(BYTE_LEVEL[c] for c in spelling) if all(c in BYTE_LEVEL for c in spelling) else None
+    return data if data is not None and data.decode("utf-8", "replace") == text else None
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -169,20 +169,36 @@ def test_each_tokens_text_is_decoded_once_a_replica(pair):  # noqa: F811
 
 def test_a_chats_logprobs_carry_each_tokens_own_bytes():
     """OpenAI's ``bytes`` rebuild a character split across tokens, each of whose text alone is U+FFFD: the bytes of
-    that text (three U+FFFD's for an emoji's 4 byte tokens) rebuilt nothing. A byte-level BPE of single bytes."""
+    that text (three U+FFFD's for an emoji's 4 byte tokens) rebuilt nothing. A special token keeps its text's bytes
+    (``token_bytes`` reads text as streamed, without special tokens: ``<|im_end|>`` got ``[]``). A byte-level BPE
+    of single bytes, with a special token; the ingress's own lookups."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from sequoia_ray.stopping import token_bytes
+    from tests.unit.test_handle_api import Held
 
     backend = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, []))
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
-    ids = tok.encode("a🚀")
-    assert len(ids) == 5 and tok.decode(ids[1:2]) == "\ufffd"
-    text_of = lambda i: tok.decode([i])  # noqa: E731
-    content = api.chat_logprobs(text_of, [(i, -0.1, ((i, -0.1),)) for i in ids],
-                                lambda i: token_bytes(tok, i))["content"]
-    assert bytes(sum((c["bytes"] for c in content), [])).decode() == "a🚀"
+    ingress = object.__new__(Held)
+    ingress.tokenizer = tok = PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=["<|end|>"])
+    ids = tok.encode("a🚀") + [tok.convert_tokens_to_ids("<|end|>")]
+    assert len(ids) == 6 and tok.decode(ids[1:2]) == "\ufffd"
+    content = ingress._logprobs([(i, -0.1, ((i, -0.1),)) for i in ids], chat=True)["content"]
+    assert bytes(sum((c["bytes"] for c in content), [])).decode() == "a🚀<|end|>"
     assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
-    assert api.chat_logprobs(text_of, [(ids[1], -0.1, ())])["content"][0]["bytes"] == list("\ufffd".encode())
+    alone = api.chat_logprobs(ingress._token_text, [(ids[1], -0.1, ())])  # no bytes_of: the text's
+    assert alone["content"][0]["bytes"] == list("\ufffd".encode())
+
+
+def test_a_spelling_that_does_not_read_as_the_token_gives_no_bytes():
+    """A spelling of ASCII and Latin-1 characters that is not byte-level BPE's (``<0xæ>`` for the byte E6) was read
+    as that alphabet's bytes: the stop checker then took the token for a whole character and streamed U+FFFD, later
+    contradicted. Spelled bytes count only if they read as the token's text."""
+    from types import SimpleNamespace
+
+    from sequoia_ray.stopping import token_bytes
+
+    odd = SimpleNamespace(decode=lambda ids, **kw: "\ufffd", convert_ids_to_tokens=lambda i: "<0xæ>")
+    assert token_bytes(odd, 7) is None
+    byte_level = SimpleNamespace(decode=lambda ids, **kw: "\ufffd", convert_ids_to_tokens=lambda i: "æ")  # E6
+    assert token_bytes(byte_level, 7) == b"\xe6"
