@@ -27,7 +27,8 @@ passed over in turn hold the other back for more than a forward or two (prefill 
 long prompts whose chunks filled the budget held a decoding request's step back until both were prefilled, 25
 forwards in a review's run). A prefill chunk is cut to fit, as vLLM's are: it joins a forward with its
 ``fewest`` tokens (``CHUNK_FLOOR``, the worker's ``fewest_tokens_of``) and the budget the batch leaves goes
-to its chunks in order, each up to its whole chunk (the worker is told each cut: ``run_batch``'s ``caps``).
+to its chunks in order, each up to its whole chunk (the worker is told each cut: ``run_batch``'s ``caps``); a chunk
+cut short ``CUT_TURNS`` forwards in a row goes whole, and first, in the next.
 Whole chunks that filled the budget passed a decoding step over as many forwards as prompts prefilled (more
 than 7 long prompts at once with the defaults, 2,048 tokens and chunks of 256). Each call gets its own result
 or exception; a batch that fails as a whole fails each of its calls.
@@ -51,6 +52,9 @@ BATCHED = {"grow": "grow_batch", "verify": "verify_batch"}
 NOT_YET = "not-yet"  # a batched call that needs another step (a prefill chunk was forwarded)
 CHUNK_FLOOR = 16  # the fewest tokens a prefill chunk is cut to (a worker's ``fewest_tokens_of``): a chunk of a few
 # tokens costs a forward's per-request work for little progress
+CUT_TURNS = 3  # forwards in a row a prefill chunk may be cut short; the next takes it whole, first: decoding steps
+# that fill the budget at every forward left a chunk CHUNK_FLOOR tokens a forward (a 2,048-token prompt 114 forwards
+# at a 256-token budget, against 15 whole), past the prefill deadline (timeout_s a chunk) on a slow host
 GATHER_S = 0.05  # with ``batch_wait_trees``, how long both workers wait from a batch's first queued call for the
 # rest of it (one forward's results come back as calls a few ms apart); only the target waits ``wait_s`` too
 LOCKSTEP_LOOKBACK = 2  # with ``batch_wait_trees``: the requests of the last two forwards are waited for (two
@@ -101,6 +105,7 @@ class _Call:
     prefilling: bool = False  # answered NOT_YET: the rest of a long prompt, one chunk per forward
     passed: int = 0  # forwards that ran without it while it was queued (a call passed over goes first)
     cap: int | None = None  # tokens its chunk is cut to in the forward it joins (None: its whole ``size``)
+    cut: int = 0  # forwards in a row its chunk was cut short (CUT_TURNS of them: the next takes it whole)
 
 
 class Batcher:
@@ -260,8 +265,11 @@ class Batcher:
         (longest first), the calls stepping a request in arrival order, then the other prefill chunks
         (``prefilling``) in the budget left."""
         def rank(c: _Call) -> tuple[int, int]:  # any call passed over first (a prefill chunk or a step that chunks
-            # passed over first crowded out), the longest passed over first; then steps; then chunks
-            return (0, -c.passed) if c.passed else (2 if c.prefilling else 1, 0)
+            # passed over first crowded out), the longest passed over first, with a chunk cut short CUT_TURNS times;
+            # then steps; then chunks
+            if c.passed or c.cut >= CUT_TURNS:
+                return 0, -c.passed
+            return (2 if c.prefilling else 1), 0
 
         order = sorted(self.queue, key=rank)  # stable: arrival order within each group
         batch, tokens, skipped, wholes = [], 0, False, {}
@@ -282,7 +290,7 @@ class Batcher:
         for c in self.queue:
             c.passed += 1
         for c in batch:
-            c.passed = 0
+            c.passed, c.cut = 0, (c.cut + 1 if c.cap is not None else 0)
         return batch, tokens
 
     def _fits(self, c: _Call, batch: list[_Call], tokens: int) -> bool:
@@ -294,9 +302,10 @@ class Batcher:
                 and tokens <= self.limits.max_batch_tokens)
 
     def _sizes(self, c: _Call) -> tuple[int, int]:
-        """A call's tokens whole and the fewest it can run with (a prefill chunk cut short: ``fewest``)."""
+        """A call's tokens whole and the fewest it can run with (a prefill chunk cut short: ``fewest``; whole after
+        CUT_TURNS cuts in a row)."""
         whole = self._size(c)
-        if self.fewest is None:
+        if self.fewest is None or c.cut >= CUT_TURNS:
             return whole, whole
         try:
             return whole, max(1, min(whole, self.fewest(c.method, c.request_id, c.args)))

@@ -195,6 +195,7 @@ class _Request(RequestState):
     grown: bool = False  # a tree was grown since the last commit
     depth: int = 0  # depth of the last tree grown (a step accepts at most depth + 1 tokens)
     prefill_mark: int = 0  # the worker's ``prefilled`` at this request's start or last tree
+    free: int | None = None  # of a catch-up going in chunks, the depth + 1 tokens not counted yet (None: none)
 
 
 @dataclass
@@ -348,8 +349,11 @@ class DraftWorker(RequestTable):
             raise ValueError(f"request {request_id!r} has token ids outside the draft's vocabulary [0, {self.embedded})")
         chunked = self._chunked(len(pending))
         size = self._chunk_size(cap) if chunked else len(pending)
-        # beyond the depth + 1 tokens a tree step can accept: a prompt, or steps the target took alone
-        self.prefilled += max(0, size - 1 - req.depth)
+        # beyond the depth + 1 tokens a tree step can accept: a prompt, or steps the target took alone (once a
+        # catch-up, however its chunks were cut: per chunk, the same tokens counted less the more cuts there were)
+        free = 1 + req.depth if req.free is None else req.free
+        self.prefilled += max(0, size - free)
+        req.free = max(0, free - size) if chunked else None
         if chunked:
             chunk = torch.tensor(pending[:size], device=device)
             segment = Segment(req.session, chunk, torch.arange(req.cached, req.cached + len(chunk), device=device))

@@ -457,15 +457,15 @@ def test_a_decoding_step_joins_every_forward_while_prompts_whose_chunks_fill_the
     over went first, the longest passed over first, so a decoding step waited as many forwards as prompts were
     prefilling. A chunk now joins with its fewest tokens (CHUNK_FLOOR) and is cut to the budget the batch leaves:
     the step joins every forward, every forward stays within the budget and spends all of it, and every prompt
-    moves at every forward, the first queued most (12 forwards)."""
-    from sequoia_ray.batching import CHUNK_FLOOR, _Call
+    moves at every forward, none cut short more than CUT_TURNS forwards in a row (12 forwards)."""
+    from sequoia_ray.batching import CHUNK_FLOOR, CUT_TURNS, _Call
 
     batcher = object.__new__(Batcher)
     batcher.limits = BatchLimits(max_batch_tokens=2048)
     batcher.size = lambda m, rid, a: 256 if rid.startswith("L") else 20
     batcher.fewest = lambda m, rid, a: CHUNK_FLOOR if rid.startswith("L") else 20
     prompts = [_Call("verify", f"L{i}", ()) for i in range(10)]
-    batcher.queue, moved = deque(prompts), {c.request_id: 0 for c in prompts}
+    batcher.queue, moved, cut = deque(prompts), {c.request_id: 0 for c in prompts}, {c.request_id: 0 for c in prompts}
     for _ in range(12):
         if all(c.request_id != "d" for c in batcher.queue):
             batcher.queue.append(_Call("verify", "d", ()))  # the decoding request's next step, back at once
@@ -475,10 +475,42 @@ def test_a_decoding_step_joins_every_forward_while_prompts_whose_chunks_fill_the
         assert all(CHUNK_FLOOR <= ran[rid] <= 256 for rid in moved), ran
         for rid in moved:
             moved[rid] += ran[rid]
+            cut[rid] = cut[rid] + 1 if ran[rid] < 256 else 0
+            assert cut[rid] <= CUT_TURNS, (rid, cut)
         for c in reversed([c for c in batch if c.request_id != "d"]):  # answered NOT_YET: more chunks to go
             c.prefilling = True
             batcher.queue.appendleft(c)
-    assert moved["L0"] == 12 * 256 and min(moved.values()) >= 12 * CHUNK_FLOOR, moved
+    assert min(moved.values()) >= 3 * 256, moved
+
+
+def test_a_prompt_beside_steps_that_fill_the_budget_is_not_left_a_floor_a_forward():
+    """Eight decoding steps of 30 tokens at every forward of a 256-token budget, beside a 2,048-token prompt in chunks
+    of 256: cut to the budget left, its chunks moved CHUNK_FLOOR tokens a forward (114 forwards to prefill it, 15 with
+    whole chunks), past the prefill deadline (timeout_s a chunk) wherever a forward takes over 4.2 s. A chunk cut
+    short CUT_TURNS forwards in a row goes whole and first in the next: the prompt is prefilled in at most 30
+    forwards (26), and no step waits two forwards in a row."""
+    from sequoia_ray.batching import CHUNK_FLOOR, _Call
+
+    batcher, left = object.__new__(Batcher), [2048]
+    batcher.limits = BatchLimits(max_batch_tokens=256)
+    batcher.size = lambda m, rid, a: min(256, left[0]) if rid == "L" else 30
+    batcher.fewest = lambda m, rid, a: (CHUNK_FLOOR if left[0] > 256 else left[0]) if rid == "L" else 30
+    prompt, runs = _Call("verify", "L", ()), []
+    batcher.queue = deque([prompt])
+    while left[0] > 0 and len(runs) < 200:
+        queued = {c.request_id for c in batcher.queue}
+        batcher.queue.extend(_Call("verify", f"d{i}", ()) for i in range(8) if f"d{i}" not in queued)
+        batch, tokens = batcher._take()
+        assert tokens <= 256
+        runs.append({c.request_id for c in batch})
+        if prompt in batch:
+            left[0] -= prompt.cap or batcher.size("verify", "L", ())
+            prompt.prefilling = True
+            batcher.queue.appendleft(prompt)
+    assert len(runs) <= 30, len(runs)
+    for i in range(8):
+        skipped = [f"d{i}" not in run for run in runs]
+        assert not any(a and b for a, b in zip(skipped, skipped[1:])), (i, skipped)
 
 
 @pytest.mark.parametrize("where", ["target", "draft"])
@@ -506,6 +538,29 @@ def test_a_cut_chunk_forwards_its_cap_and_the_rest_follows(models, where):
         assert run([("long", *args)], {"long": cap}) == [NOT_YET]
         assert cached() == total
     assert worker.fewest_tokens_of("verify", "long", args) == worker.tokens_of("verify", "long", args)  # the last
+
+
+@pytest.mark.parametrize("cap", [None, 16, 20])
+def test_the_drafts_prefill_count_does_not_depend_on_how_chunks_were_cut(models, cap):
+    """``prefilled`` (a tree's ``prefill_beside``, which the live cost model reads) counts the tokens beyond the depth
+    + 1 a step accepts: that allowance was taken off every chunk, so the same 100-token prompt counted 96 in whole
+    chunks and 94 cut to 16, and a 37-token catch-up after a depth-20 tree 11 whole and 0 cut (a step beside it then
+    reported none). Now once a prompt or catch-up: 99 and 16 however cut."""
+    _, draft = models
+    worker = DraftWorker(draft, prefill_chunk=32)
+    caps = {"r": cap} if cap else None
+
+    def grown(*args):
+        while isinstance(tree := worker.grow_batch([("r", *args)], caps)[0], str):
+            pass
+        return tree
+
+    worker.start("r", [3 + i % 90 for i in range(100)], SamplingParams(max_tokens=5), 0)
+    assert grown(chain(1)).prefill_beside == worker.prefilled == 99
+    worker.finish("r")
+    worker.start("r", [5, 6, 7], SamplingParams(max_tokens=100), 0)
+    worker.grow("r", chain(20))  # a tree of depth 20, then 37 tokens the target took alone (its root kept)
+    assert grown(chain(2), [([0], [9] * 37, 3)]).prefill_beside == 37 - 21  # less the depth + 1 a step accepts
 
 
 def test_prompts_cut_to_the_budget_left_decode_as_the_target_alone(models):
