@@ -288,23 +288,30 @@ class DraftWorker(RequestTable):
         as a whole is retried request by request (each regrows from its committed tokens; commits apply once)."""
         # The sampled requests' generators as they were: a retry alone draws what the batch would have (the same
         # seed gives the same tree at batch 1 and in a batch, even after a failed batch had drawn some levels).
-        drawing = [req for req in map(self.requests.get, dict.fromkeys(c[0] for c in calls))
-                   if req is not None and not req.params.greedy]
-        states = [(req.generator, req.generator.get_state()) for req in drawing] if len(calls) > 1 else []
+        states = {rid: (req.generator, req.generator.get_state()) for rid in dict.fromkeys(c[0] for c in calls)
+                  if (req := self.requests.get(rid)) is not None and not req.params.greedy} if len(calls) > 1 else {}
+        results: list[DraftTree | Exception | str | None] = [None] * len(calls)
         try:
-            return self._grow_batch(calls, caps or {})
+            return self._grow_batch(calls, caps or {}, results)
         except Exception as exc:  # noqa: BLE001 - sorted out below: which requests fail
             if poisons_device(exc):  # a CUDA error: no request here survives it; the actor must go
                 raise
             if len(calls) == 1:
                 return [exc]
             logger.exception("a batched grow of %d requests failed; retrying them one by one", len(calls))
-            for generator, state in states:
+            # only the calls the batch left unanswered: a chunk forwarded before the failure stays forwarded (its
+            # retry forwarded a second one), a tree grown stays grown
+            again = [i for i, result in enumerate(results) if result is None]
+            for rid in {calls[i][0] for i in again} & states.keys():
+                generator, state = states[rid]
                 generator.set_state(state)
-            return [self.grow_batch([call], caps)[0] for call in calls]
+            for i in again:
+                results[i] = self.grow_batch([calls[i]], caps)[0]
+            return results
 
-    def _grow_batch(self, calls: list[tuple], caps: dict[str, int]) -> list[DraftTree | Exception | str]:
-        results: list[DraftTree | Exception | str | None] = [None] * len(calls)
+    def _grow_batch(self, calls: list[tuple], caps: dict[str, int],
+                    results: list) -> list[DraftTree | Exception | str]:
+        """``grow_batch``'s batch, each call's outcome written into ``results`` as it is known."""
         growing: dict[int, _Growth] = {}
         segments: dict[int, Segment] = {}
         for i, (request_id, plan, *rest) in enumerate(calls):

@@ -563,6 +563,36 @@ def test_the_drafts_prefill_count_does_not_depend_on_how_chunks_were_cut(models,
     assert grown(chain(2), [([0], [9] * 37, 3)]).prefill_beside == 37 - 21  # less the depth + 1 a step accepts
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_failed_grow_retries_only_the_calls_it_left_unanswered(models, monkeypatch, temperature):
+    """A batched grow whose second forward (a tree level) fails is retried request by request: a prompt whose chunk
+    the first forward had prefilled forwarded a second chunk in its retry (its cache 40 tokens for a cap of 20). Only
+    the calls the batch left unanswered are retried; the other's tree is the one it grows alone (sampled: the same
+    draws, its generator as it was before the batch)."""
+    import sequoia_ray.draft as draft_module
+
+    _, draft = models
+    params, plan = SamplingParams(max_tokens=20, temperature=temperature, seed=7), k_ary(2, 2)
+    prompts = {"A": [3 + i % 90 for i in range(80)], "B": [5, 6, 7]}
+    batched, alone = DraftWorker(draft, prefill_chunk=32), DraftWorker(draft, prefill_chunk=32)
+    for worker in (batched, alone):
+        for seed, (rid, prompt) in enumerate(prompts.items()):
+            worker.start(rid, prompt, params, seed)
+    real, forwards = draft_module.hidden_many, []
+
+    def failing(*args):
+        forwards.append(len(args[1]))
+        if len(forwards) == 2:
+            raise RuntimeError("injected: the first tree level's forward")
+        return real(*args)
+
+    monkeypatch.setattr(draft_module, "hidden_many", failing)
+    out = batched.grow_batch([("A", plan), ("B", plan)], {"A": 20})
+    monkeypatch.setattr(draft_module, "hidden_many", real)
+    assert forwards[:2] == [2, 1] and out[0] == NOT_YET and batched.requests["A"].cached == 20
+    assert torch.equal(out[1].tokens, alone.grow("B", plan).tokens)
+
+
 def test_prompts_cut_to_the_budget_left_decode_as_the_target_alone(models):
     """Six prompts of 40-63 tokens prefilled in chunks of 24 through batchers of 64 tokens, beside two short ones:
     chunks are cut to the budget left (at a forward with two short requests' trees, a 24-token chunk does not
