@@ -99,10 +99,10 @@ class StopChecker:
         return text[len(window_text):] if text.startswith(window_text) else None
 
     def _settle(self, tail: str, window: list[int], window_text: str) -> None:
-        """Settle all but the last KEEP_UNSETTLED tokens (a few more if the cut would split a character) when the
-        text then reads the same: their text (read after ``window``, as ``tail`` was) ends in a whole character,
-        and the rest read after the new window gives the rest of ``tail``. Else try later."""
-        cut = self._cut()
+        """Settle all but the last KEEP_UNSETTLED tokens when the text then reads the same: their text (read after
+        ``window``, as ``tail`` was) ends in a whole character, and the rest read after the new window gives the
+        rest of ``tail``. Else try later."""
+        cut = len(self.ids) - KEEP_UNSETTLED
         head = self._after(window, window_text, self.ids[self.settled:cut])
         if head is None or (head.endswith("\ufffd") and self._unfinished_at(cut)) or not tail.startswith(head):
             return
@@ -112,15 +112,6 @@ class StopChecker:
             return
         self.settled, self.settled_text = cut, self.settled_text + head
         self.prefix, self.prefix_text = window, window_text
-
-    def _cut(self) -> int:
-        """Where to settle: before the last KEEP_UNSETTLED tokens, or up to OPEN_BYTES tokens earlier, at the last
-        place that does not split a character. A byte-fallback decoder reads a byte run that ends inside a character
-        as U+FFFD a byte, so a run (emoji, CJK characters outside the vocabulary, U+FFFD: 3 bytes each) settled only
-        with both the cut and the end after a whole character: with 3-byte ones, 16 tokens apart, never."""
-        last = len(self.ids) - KEEP_UNSETTLED
-        cuts = range(last, max(last - OPEN_BYTES, self.settled + 1) - 1, -1)
-        return next((cut for cut in cuts if not self._unfinished_at(cut)), last)
 
     def _unfinished_at(self, cut: int) -> bool:
         """Whether ``ids[:cut]`` may end inside a character that later tokens complete: their bytes end in the first
