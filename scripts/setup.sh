@@ -27,14 +27,28 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
 LOG=$VENV/setup.log
+touch "$LOG"
+disk_full() {  # the pip call that failed (the log past line $1) ran out of disk: say so and where, and stop
+  tail -n +"$(($1 + 1))" "$LOG" | grep -q "No space left on device" || return 0
+  echo "setup: the disk is full (pip: 'No space left on device'). The install needs about 2.5 GB: $VENV about" \
+    "2 GB (torch 0.75 GB of it, ray 0.25 GB), and pip unpacks wheels in ${TMPDIR:-/tmp} first. Free now:" >&2
+  df -h "$VENV" "${TMPDIR:-/tmp}" >&2 || true
+  echo "setup: free some space (or set TMPDIR to a folder on a larger disk) and run this again; the log is $LOG" >&2
+  exit 1
+}
 pip() {
+  local start
+  start=$(wc -l < "$LOG")
   "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" >>"$LOG" 2>&1 \
-    || { echo "setup: 'pip $*' failed; the log is $LOG:" >&2; tail -20 "$LOG" >&2; exit 1; }
+    || { disk_full "$start"; echo "setup: 'pip $*' failed; the log is $LOG:" >&2; tail -20 "$LOG" >&2; exit 1; }
 }
 install_torch() {
+  local start
+  start=$(wc -l < "$LOG")
   if [ -n "${SEQUOIA_TORCH:-}${SEQUOIA_TORCH_PIP_ARGS:-}" ]; then
     pip install --no-compile "$TORCH_SPEC" ${SEQUOIA_TORCH_PIP_ARGS:-}
   elif ! "$VENV/bin/python" -m pip --disable-pip-version-check -q install --no-compile "$TORCH_SPEC" >>"$LOG" 2>&1; then
+    disk_full "$start"  # not a missing wheel: another index would fail the same way
     echo "setup: $TORCH_SPEC is not on the configured package index; trying PyTorch's CPU wheel index" >&2
     pip install --no-compile "$TORCH_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
   fi

@@ -88,3 +88,31 @@ def test_a_torch_build_chosen_once_is_kept_by_later_set_ups(repo):
     assert any("torch==2.13.0+cpu" in c for c in pip_installs())
     assert run(setup, cwd=repo).returncode == 0
     assert pip_installs() == []
+
+
+def test_a_full_disk_is_named_and_no_other_index_is_tried(repo):
+    """CI's stop 67 failed on a machine whose disk was full: setup.sh said torch was not on the package index, tried
+    PyTorch's own index (unreachable there), and left the reason to the last lines of pip's log."""
+    python = repo / ".venv" / "bin" / "python"
+    python.write_text(STUB.format(log=repo.parent / "calls.log") + 'case "$*" in *"-m pip"*" install "*)\n'
+                      '  echo "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"'
+                      '\n  exit 1;; esac\n')
+    out = run(repo / "scripts" / "setup.sh", cwd=repo)
+    assert out.returncode == 1, out.stderr
+    assert "the disk is full" in out.stderr and "Avail" in out.stderr, out.stderr  # df's table: what is free where
+    assert "not on the configured package index" not in out.stderr, out.stderr
+    installs = [c for c in calls(repo) if "-m pip" in c and " install " in c]
+    assert len(installs) == 1 and "download.pytorch.org" not in installs[0], installs
+    assert not (repo / ".venv" / ".sequoia-ray-installed").exists()
+
+
+def test_a_missing_wheel_still_tries_the_cpu_index(repo):
+    """A first install that fails for another reason (the wheel is not where pip looks) goes on to PyTorch's index."""
+    python = repo / ".venv" / "bin" / "python"
+    python.write_text(STUB.format(log=repo.parent / "calls.log") + 'case "$*" in *download.pytorch.org*) ;;\n'
+                      '  *"-m pip"*" install "*torch*) echo "ERROR: No matching distribution found"; exit 1;; esac\n')
+    out = run(repo / "scripts" / "setup.sh", cwd=repo)
+    assert out.returncode == 0, out.stderr
+    assert "not on the configured package index" in out.stderr and "disk is full" not in out.stderr
+    installs = [c for c in calls(repo) if "-m pip" in c and " install " in c]
+    assert "download.pytorch.org" in installs[1], installs
