@@ -356,3 +356,21 @@ def test_plan_buckets_measures_the_overhead_and_adds_the_served_calls(tmp_path):
     for b, p in picks.items():
         if b > 1:
             assert p.choice == choose(TABLE, prof, (1, 2, 4, 8, 16), batch=b, overhead=over)[0]
+
+
+@pytest.mark.parametrize("t, batch_t, refused", [
+    ({1: 1.0, 2: 1.0, 4: 7.58, 8: 7.58}, {}, r"t\(4\) = 7\.58: a forward of 4 tokens timed at more than 4 one-token"),
+    ({1: 1.0, 2: 1.1, 4: 1.2}, {2: {2: 1.1, 8: 10.5}}, r"batch 2's T_2\(8\) = 10\.5"),
+    ({1: 1.0, 2: 2.4, 4: 4.9, 8: 9.9}, {2: {2: 2.4}}, None),  # at most x·(1 + 25%): compute-bound, within noise
+])
+def test_a_forward_timed_above_that_many_one_token_forwards_is_refused(t, batch_t, refused):
+    """Session 65's main job profiled beside three busy processes: noise 24% passed the 25% bound, t(4) = 7.58 (a
+    4-token forward at 7.6 one-token ones: only load between the timings does that), and the plans it published
+    served the target alone (1 node, 0.98x) on every later run. x one-token forwards do a forward of x tokens' work."""
+    prof = HardwareProfile("hw", t, {1: 0.1}, 0.1, 64, "float32", batch_t=batch_t, noise=0.24, drift=0.07)
+    if refused is None:
+        check_noise(prof, 0.25)
+        return
+    with pytest.raises(ProfileError, match=rf"profile of hw: {refused}.*quieter machine.*--max-noise.*now 0\.25\)"):
+        check_noise(prof, 0.25)
+    check_noise(prof, math.inf)  # the smoke test's bound (tiny models: sub-ms timings, all noise) lets it through
