@@ -91,10 +91,12 @@ def event_stream(events, ended) -> StreamingResponse:
 class _EventStream(StreamingResponse):
     """``ended(status)`` once: when the stream ends (``_sse``), or, when its body never started — the client gone
     before the response's first byte (Starlette then never iterates it: ``send`` of the response's start failed,
-    or the disconnect came first) — a 499 when the response is over. Such a request went uncounted."""
+    or the disconnect came first) — a 499 when the response is over. Such a request went uncounted. When the
+    response is over, however it ended, the body and ``events`` are closed (``_Started``: a generation begun
+    before the response went on for nobody, its slots taken until a garbage collection)."""
 
     def __init__(self, events, ended) -> None:
-        self.told = False
+        self.told, self.events = False, events
 
         def once(status: str) -> None:
             if not self.told:
@@ -110,6 +112,34 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.once(CLIENT_GONE)  # nothing if the stream has told its end
+            await asyncio.shield(_closed(self.body_iterator, self.events))  # nothing for streams that ran out
+
+
+async def _closed(*streams) -> None:
+    """Each of ``streams`` closed (``aclose``), in order, whatever the others' closes raise."""
+    for stream in streams:
+        try:
+            await stream.aclose()
+        except Exception:  # noqa: BLE001 - a stream's own failure was told by its end; the next still closes
+            logger.debug("closing a stream failed", exc_info=True)
+
+
+class _Started:
+    """A stream's events (``events``, an async generator) over a generation already started (``started``: its
+    first chunk awaited, its choices' slots taken). ``aclose`` closes both: an async generator closed before its
+    first step skips its ``finally``, so closing the events alone, or dropping them unread (Starlette does not
+    iterate the body of a response whose client left before its first byte, nor close one a failed send
+    stopped), left the generation running until a garbage collection found the cycle holding it (an exception's
+    traceback): with ``n`` 2, both choices generated every token for nobody."""
+
+    def __init__(self, events: AsyncIterator[dict], started: AsyncIterator) -> None:
+        self.events, self.started = events, started
+
+    def __aiter__(self) -> AsyncIterator[dict]:
+        return self.events
+
+    async def aclose(self) -> None:
+        await _closed(self.events, self.started)
 
 
 # A client that went away: Serve cancels its request's task (a Ray call awaited then raises TaskCancelledError),
@@ -534,8 +564,12 @@ class OpenAIIngress:
                 request = {**request, "stream": True}
             req, chat = _as_request(request)
             req = req.model_copy(update={"stream": True})
-            async for event in await self._stream(req, *await self._prepared(req, chat), chat, received):
-                yield event
+            stream = await self._stream(req, *await self._prepared(req, chat), chat, received)
+            try:
+                async for event in stream:
+                    yield event
+            finally:  # a caller that stops reading: its generation stops now, not at a garbage collection
+                await stream.aclose()
 
     # ---- internals --------------------------------------------------------------------------------
     async def _serve(self, req, chat: bool, ended=lambda status: None, received: float | None = None):
@@ -560,7 +594,8 @@ class OpenAIIngress:
         if len(choices) > 1:
             chunks = self._dropping(tickets, chunks)
         first = await _first(chunks)
-        return self._events(_prepend(first, chunks), req, rid, chat, sum(map(len, prompts)), len(choices))
+        return _Started(self._events(_prepend(first, chunks), req, rid, chat, sum(map(len, prompts)), len(choices)),
+                        chunks)
 
     def _admit(self, choices: int) -> list:
         """A request's choices admitted as a whole, at once (``Slots.admit``): a ticket each, or [None] for a
@@ -579,6 +614,7 @@ class OpenAIIngress:
                 yield item
         finally:
             self.slots.drop(tickets)
+            await stream.aclose()  # closed here, not when a collection finds it: the choices it runs stop
 
     def _overloaded(self) -> api.APIError:
         """Every slot taken (a generation each: a request's, or a choice's of a batch or of ``n``)."""

@@ -36,8 +36,11 @@ async def merged(streams: list[AsyncIterator[T]], hold: int | None = None) -> As
     batch's choices waiting for a slot, which may free only when the first ones end) do not hold the others' text
     back, and fail mid-stream. A stream's failure cancels the others and is raised; closing this closes them all."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:  # closed with this, not when a garbage collection finds it
+            await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -168,3 +168,102 @@ def test_a_request_the_target_freed_as_idle_says_so_not_that_the_target_failed(p
     error = info.value
     assert (error.status, error.code) == (503, "request_idle_timeout") and "request_idle_timeout_s (300 s)" in str(
         error.message) and r.active == 0
+
+
+
+@pytest.mark.parametrize("n, spec_version, sends", [(2, "2.3", None), (1, "2.3", None), (1, "2.4", 3), (2, "2.4", 3)])
+def test_a_stream_whose_client_left_frees_its_slots_and_stops_without_a_collection(pair, monkeypatch, n,
+                                                                                      spec_version, sends):
+    """A stream's generation starts before the response (its first chunk is awaited for errors). A client gone
+    before the response's first byte (spec 2.3: the start's ``send`` held up, the disconnect first) left that
+    generation running — Starlette never iterates the body, and an async generator closed before its first step
+    skips its ``finally`` — with its slots taken until a garbage collection: with ``n`` 2 both choices ran all 300
+    tokens for nobody. Under spec 2.4 a client gone mid-stream (a ``send`` failing after ``sends`` body chunks) did
+    the same: Starlette does not close a body it stopped, and the exception's traceback holds it in a cycle.
+    Driven through the FastAPI app, collections off, as between a replica's collections."""
+    import gc
+    import json
+
+    from ray import serve
+    from starlette.requests import ClientDisconnect
+
+    from deployments.ingress import app
+
+    r = replica(pair, max_concurrent=4)
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=r))
+    counted, made = [], []
+    r.metrics.requests = SimpleNamespace(inc=lambda tags: counted.append(tags["status"]))
+    r.metrics.generated = made.append
+    body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                       "stream": True, "n": n}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("test", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def main():
+        asked, chunks = 0, 0
+
+        async def receive():
+            nonlocal asked
+            asked += 1
+            if asked == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            if sends is not None:
+                await asyncio.sleep(60)  # 2.4: the server tells it by failing a send
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            nonlocal chunks
+            if sends is None:
+                await asyncio.sleep(60)  # the start held up on the way: the disconnect comes first
+            chunks += message["type"] == "http.response.body"
+            if chunks > sends:
+                raise OSError("the client went away")
+
+        try:
+            await app(scope, receive, send)
+        except ClientDisconnect:  # the failed send, raised on as Starlette's (the server's to catch)
+            assert sends is not None
+        for _ in range(40):  # up to 2 s for the step in flight and the close
+            if r.active == 0:
+                break
+            await asyncio.sleep(0.05)
+        before = sum(made)
+        await asyncio.sleep(0.5)  # time for a few more steps, were any choice still generating
+        return before, sum(made)
+
+    gc.disable()
+    try:
+        before, after = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert r.active == 0, f"{r.active} slots still held"
+    assert counted == ["499"] and after == before < 300 * n, (counted, before, after)
+
+
+def test_a_handle_stream_closed_after_its_first_event_stops_its_choices(pair):
+    """A handle caller that stops reading (``aclose`` on ``generate_stream``) frees the slots of all ``n`` choices
+    and stops their generation at once, collections off."""
+    import gc
+
+    r = replica(pair, max_concurrent=4)
+    made = []
+    r.metrics.generated = made.append
+
+    async def main():
+        stream = r.generate_stream({"model": "m", "prompt": "hello", "max_tokens": 300, "ignore_eos": True,
+                                    "temperature": 0, "n": 2})
+        await stream.__anext__()
+        held = r.active
+        await stream.aclose()
+        before = sum(made)
+        await asyncio.sleep(0.5)
+        return held, before, sum(made)
+
+    gc.disable()
+    try:
+        held, before, after = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert held == 2 and r.active == 0 and after == before < 600, (held, r.active, before, after)
