@@ -222,13 +222,14 @@ def _fit_context(prompt: list[int], params: SamplingParams, context: int | None,
     name = which or field
     if not req.length_sent and room > 0:
         return params.model_copy(update={"max_tokens": room})
-    if req.length_sent:
+    if req.length_sent and room > 0:
         message = (f"{name} of {len(prompt)} tokens + {req.length_param} {params.max_tokens} exceeds the model's "
                    f"context of {context} tokens; shorten the {name} or lower {req.length_param}")
-    else:
-        message = f"{name} of {len(prompt)} tokens leaves no room in the model's context of {context} tokens"
-    raise api.APIError(400, message, param=req.length_param if req.length_sent else field,
-                       code="context_length_exceeded")
+        raise api.APIError(400, message, param=req.length_param, code="context_length_exceeded")
+    # the prompt alone fills the context: no length helps (it said to lower one already at its least, 1)
+    message = (f"{name} of {len(prompt)} tokens leaves no room in the model's context of {context} tokens; "
+               f"shorten the {name}")
+    raise api.APIError(400, message, param=field, code="context_length_exceeded")
 
 
 def _logprob_entries(chunk) -> list[tuple[int, float, tuple]]:

@@ -429,6 +429,9 @@ def test_a_chat_prompt_over_the_limit_names_the_messages():
     ({}, 10, ("prompt", "leaves no room")),  # nothing left: the prompt is what to change
     ({"max_tokens": 50}, 40, ("max_tokens", "max_tokens 50 exceeds")),  # a length the client sent is never cut
     ({"max_completion_tokens": 50}, 40, ("max_completion_tokens", "max_completion_tokens 50 exceeds")),
+    # a prompt that fills the context alone: no length helps, even one sent (said to lower max_tokens 1)
+    ({"max_tokens": 1}, 10, ("prompt", "leaves no room in the model's context of 10 tokens; shorten the prompt")),
+    ({"max_tokens": 4}, 8, ("prompt", "prompt of 10 tokens leaves no room")),
 ])
 def test_a_default_length_fits_the_context_and_a_sent_one_is_refused_by_name(body, context, expect):
     from deployments.ingress import _fit_context
