@@ -7,8 +7,10 @@ The tree may be any tree (a pruned or extended one), not only the plan's.
 Estimate. Children are drawn without replacement and verified in rank order, so whether rank k is accepted
 does not depend on how many children come after it: a node with w >= k children is a fair trial for rank k,
 a node with fewer is censored. So, with m[k] = (weighted) inner nodes with >= k children and a[k] = those of
-them that accepted rank k, p̂[k] = a[k] / m[k] is unbiased for trees of any widths. One row (not depth-
-indexed): every visited inner node counts, whatever its depth.
+them that accepted rank k, p̂[k] = a[k] / m[k] is unbiased for trees of any widths chosen without regard to
+the node's own acceptance. A tree a request's own policy chose (``request_trees``: wide for prose, narrow for
+code) is not: its nodes tell rank 1 alone (``engine._rank_one``). One row (not depth-indexed): every visited
+inner node counts, whatever its depth.
 
 Prior. A rank that has never had ``min_samples`` effective trials is *unsettled*. Once settled, a rank keeps its
 estimate when the plan stops trying it: its counts stop decaying at ``min_samples`` effective trials, so the
