@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deployments.config import ServeConfig
 from sequoia_ray import live_acceptance
@@ -229,8 +229,8 @@ class PlanProvider:
 
     def adopt(self, temperature: float, planned: dict[int, PlannedTree],
               based_on: dict[int, PlannedTree] | None = None) -> bool:
-        """Serve ``planned`` (a re-plan per batch bucket) from the next step on, publishing each to the store
-        as a live plan; buckets that were following this temperature's plans follow the new ones. ``based_on``:
+        """Serve ``planned`` (a re-plan per batch bucket) from the next step on, publishing each new tree to the
+        store as a live plan (a bucket's tree with only a new vector, ``live_acceptance.refit``, is not); buckets that were following this temperature's plans follow the new ones. ``based_on``:
         the plans the re-plan started from (``current``); when a refresh has swapped in another since (a newer
         store plan, found while the DP ran), nothing is adopted (False): the re-plan would overwrite it here and
         publish itself as the store's latest over it, on every replica. The next check starts from the new one."""
@@ -247,6 +247,12 @@ class PlanProvider:
     def _adopt(self, temperature: float, planned: dict[int, PlannedTree]) -> None:
         for bucket, tree in sorted(planned.items()):
             name = plan_bucket(temperature, bucket)
+            held = self.plans.get(name)
+            if held is not None and held.bucket == bucket and held.planned.plan == tree.plan:
+                # the vector alone moved (``refit``; its provenance says "live"): served from the same source,
+                # never published: two replicas' estimates, a little apart, would publish in turn
+                self._swap(name, replace(held, planned=tree))
+                continue
             path = self._publish(tree, temperature, bucket)
             if path is not None:
                 self.seen[name] = f"store:{path}"  # the store's latest is this one: refresh keeps it
@@ -353,7 +359,8 @@ class LivePlanner:
                 self.replans[temperature] += 1
                 done.append(temperature)
                 logger.info("live re-plan at T=%s: %s", temperature,
-                            {b: (p.plan.n, p.plan.num_levels) for b, p in fresh.items()})
+                            {b: (p.plan.n, p.plan.num_levels) if b not in current or current[b].plan != p.plan
+                             else "the estimate as its vector" for b, p in fresh.items()})
         return done
 
     def summary(self) -> dict:

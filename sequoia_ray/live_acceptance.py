@@ -285,7 +285,8 @@ def measured_alone(planned: PlannedTree) -> bool:
 def check(live: LiveAcceptance, temperature: float, current: dict[int, PlannedTree],
           profile: HardwareProfile | None, max_depth: int) -> dict[int, PlannedTree] | None:
     """The re-planned buckets when the served plan's vector (``compared_vector``, root row) has left the live
-    estimate's bound at ``temperature``, else None (also when the re-plan changes no bucket). Also, once no
+    estimate's bound at ``temperature``, else None: each rewritten bucket's new tree where it is worth serving
+    (``worth_serving``), its served tree with the estimate as its vector (``refit``) where it is not. Also, once no
     tree has been verified there for ``half_life`` steps, the re-plan of the faded estimate when it gives a
     tree to a bucket served by the target alone by the model (see the module docstring)."""
     snap = live.snapshot(temperature)
@@ -293,13 +294,27 @@ def check(live: LiveAcceptance, temperature: float, current: dict[int, PlannedTr
         return None
     prior = compared_vector(current).row(0)
     if snap.departs(prior):
-        fresh = replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth)
-        return worth_serving(fresh, current, profile) or None
+        estimate = snap.estimate(prior)
+        fresh = replan(estimate, current, profile, samples=snap.samples, max_depth=max_depth)
+        worth = worth_serving(fresh, current, profile)
+        kept = {b: refit(current[b], estimate, snap.samples) for b in fresh if b in current and b not in worth}
+        return {**kept, **worth} or None  # none: every rewritten bucket measured to serve the target alone
     alone = [b for b, planned in current.items() if planned.plan.n == 1 and not measured_alone(planned)]
     if not alone or snap.blind < snap.settings.half_life:
         return None
     fresh = replan(snap.estimate(prior), current, profile, samples=snap.samples, max_depth=max_depth)
     return fresh if any(b in fresh and fresh[b].plan.n > 1 for b in alone) else None
+
+
+def refit(planned: PlannedTree, acceptance: AcceptanceVector, samples: int) -> PlannedTree:
+    """``planned``'s tree with ``acceptance`` (the live estimate) as its vector: what a bucket serves when the
+    estimate has left the served vector's bound but its re-planned tree is not worth serving (the same tree,
+    or one within ``MIN_GAIN``). The served vector kept the rejected numbers: every check re-ran the DP and
+    found the same, and what reads the vector used them (the dynamic-tree thresholds 15% high, request trees'
+    prior, /v1/models; a review's case: p[1] 0.60 served, 0.52 live). Served in place, never published
+    (``PlanProvider.adopt``): the tree is the store's, and two replicas' estimates would publish in turn."""
+    return replace(planned, acceptance=acceptance, expected_tokens=expected_tokens(planned.plan, acceptance),
+                   provenance=replace(planned.provenance, source="live", live_samples=samples))
 
 
 MIN_GAIN = 0.01  # a re-plan serves a bucket's new tree only when worth this much more than the one served

@@ -242,12 +242,36 @@ def test_a_re_plan_worth_about_the_same_is_not_served():
         live.observe(0.0, [(3, draw(rng, (0.6, 0.25, 0.1), 3))])
     current = {1: other_replica}
     assert live.snapshot(0.0).departs(other_replica.acceptance.row(0))
-    assert check(live, 0.0, current, None, 6) is None
+    kept = check(live, 0.0, current, None, 6)[1]  # the served tree, the estimate its vector (``refit``)
+    assert kept.plan == other_replica.plan and kept.acceptance != other_replica.acceptance
     fresh = live_acceptance.replan(live.snapshot(0.0).estimate(other_replica.acceptance.row(0)), current, None,
                                    samples=30_000, max_depth=6)
     gain = expected_tokens(fresh[1].plan, fresh[1].acceptance) / expected_tokens(other_replica.plan,
                                                                                  fresh[1].acceptance)
     assert 1.0 <= gain < 1 + live_acceptance.MIN_GAIN  # what was re-planned before: a tree worth as much
+    assert check(live, 0.0, {1: kept}, None, 6) is None  # the same counts: nothing more
+
+
+def test_an_estimate_outside_the_bound_becomes_the_served_vector_when_the_tree_stays():
+    """A review's case: the plan made from p = (0.60, 0.25, 0.10), traffic at (0.52, 0.25, 0.10). The estimate
+    left the bound, the re-plan gave the same tree, and ``check`` returned None at every check: the plan kept the
+    rejected vector and its G (3.49 where 3.02 is right), which the dynamic-tree thresholds and request trees read.
+    Now the bucket keeps its tree with the estimate as its vector (15,000 walks of the served tree: p̂[1] sd
+    ~0.004), and the next check, on the same counts, has nothing to do."""
+    served = plan_for(AcceptanceVector.from_p((0.60, 0.25, 0.10)), 16, 6)[0]
+    rng, live = np.random.default_rng(0), LiveAcceptance(LiveSettings())
+    for _ in range(15_000):
+        live.observe(0.0, walk(served.plan, (0.52, 0.25, 0.10), rng))
+    assert live.snapshot(0.0).departs(served.acceptance.row(0))
+    kept = check(live, 0.0, {1: served}, None, 6)
+    assert kept is not None and set(kept) == {1}
+    kept = kept[1]
+    assert kept.plan == served.plan and kept.budget == served.budget and kept.max_depth == served.max_depth
+    assert kept.acceptance.row(0)[0] == pytest.approx(0.52, abs=0.015)
+    assert kept.expected_tokens == pytest.approx(expected_tokens(served.plan, kept.acceptance))
+    assert kept.expected_tokens < 0.9 * served.expected_tokens
+    assert kept.provenance.source == "live" and kept.provenance.live_samples == live.snapshot(0.0).samples
+    assert check(live, 0.0, {1: kept}, None, 6) is None
 
 
 def test_a_bucket_measured_to_serve_the_target_alone_does_not_re_plan_every_check():

@@ -486,3 +486,31 @@ def test_dynamic_tree_steps_whose_ranks_are_withheld_are_not_blind_steps():
     for _ in range(300):
         planner.observe(builtin_plan(0.0, budget=1).plan, Verdict([0], [1], ()), params)
     assert not planner.live.snapshot(0.0).settled[:2].any()  # the target alone: faded
+
+
+def test_a_live_vector_on_the_served_tree_is_served_but_never_published(tmp_path):
+    """The estimate left the bound of the served vector and the re-plan gave the same tree: the bucket serves its
+    tree with the estimate as its vector (what the dynamic-tree rules and request trees read), and the store keeps
+    its one file: two replicas whose estimates sit a little apart would publish in turn, each re-planning the
+    other's. A refresh keeps it; the next check, with traffic as before, has nothing to do."""
+    from sequoia_ray.tree.planning import plan_for
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(plan_for(AcceptanceVector.from_p((0.60, 0.25, 0.10)), 16, 6)[0], KEY)
+    files = sorted(tmp_path.rglob("*.json"))
+    plans, cfg = PlanProvider(config(str(tmp_path)), HW), config(str(tmp_path))
+    planner = LivePlanner(cfg, plans)
+    start = plans.get(0.0)
+    rng = np.random.default_rng(0)
+    for _ in range(15_000):
+        plan = plans.get(0.0).planned.plan
+        planner.observe(plan, Verdict([0], [1], tuple(walk(plan, (0.52, 0.25, 0.10), rng))), SamplingParams())
+    assert planner.tick() == [0.0]
+    served = plans.get(0.0)
+    assert served.planned.plan == start.planned.plan and served.source == start.source  # the tree's file
+    assert served.planned.provenance.source == "live"  # and a live vector
+    assert served.planned.acceptance.row(0)[0] == pytest.approx(0.52, abs=0.015)
+    assert sorted(tmp_path.rglob("*.json")) == files  # nothing published
+    plans.refresh()
+    assert plans.get(0.0) is served
+    assert planner.tick() == []
