@@ -4,9 +4,10 @@
 target alone, the baseline every speedup is over, and itself a candidate: a batch where speculation does not
 pay serves it) are run for real in lockstep at the batch size (``sequoia_ray.lockstep``), round-robin over
 ``rounds`` rounds — round r decodes prompts r·B, r·B + 1, ... with seed r for every candidate, so they do the
-same work and load drift hits them alike. The measured throughput is the timed steps' tokens over their seconds
-(the first step, which prefills, is not timed; nor the tail of a run, once a request has finished: serving fills
-the batch again) — plus, for plans that will be served, the actor calls every
+same work and load drift hits them alike. The measured throughput is the timed steps' tokens a request-step times
+their request-steps a second (the first step, which prefills, is not timed; the tail of a run, once a request has
+finished, gives its tokens but not its seconds: serving fills the batch again, ``_Runs.tokens_per_s``) — plus,
+for plans that will be served, the actor calls every
 request makes each step (``calls``, from ``actors.call_probe``; lockstep runs make none: a root-only step's one
 call, a tree step's two and the tree between them), as the cost model adds them. The pick is the fastest
 measured, the prediction only the prior that chose who gets measured.
@@ -106,12 +107,21 @@ class _Runs:
 
     @property
     def tokens_per_s(self) -> float:
-        """The tokens of the timed steps that held the whole batch over their seconds, each step charged
-        ``call_s`` for each request in it. A run's tail, where the requests that finished first have left, is
-        left out: it runs the others at a smaller batch than the one measured, while serving refills the batch."""
+        """Serving's rate at the batch measured: request-steps a second, from the timed steps that held the whole
+        batch (each charged ``call_s`` for each request in it), times tokens a request-step, over every timed step.
+        A run's tail, where the requests that finished first have left, runs the others at a smaller batch than
+        the one measured, while serving refills the batch: its seconds are left out. Its tokens are not: the
+        requests still running there are the slow ones (prose beside code), and serving spends a slot's steps on
+        them for as long. Read off the whole-batch steps alone, a tree's rate weighed fast and slow requests alike
+        until the first finished: a review's code/prose batch of 2 read 7.6% above the same mix served with
+        refill (the target alone's requests finish together: unbiased either way)."""
         rates = [run.full_rate() for run in self.done]
         seconds = sum(s + self.call_s * steps for _, s, steps in rates)
-        return sum(k for k, _, _ in rates) / seconds if seconds > 0 else math.nan
+        request_steps = sum(sum(run.batch) for run in self.done)
+        if seconds <= 0 or request_steps == 0:
+            return math.nan
+        per_request_step = sum(run.timed_tokens for run in self.done) / request_steps
+        return per_request_step * sum(steps for _, _, steps in rates) / seconds
 
     @property
     def tokens_per_step(self) -> float:

@@ -276,18 +276,34 @@ def test_measure_choices_runs_each_tree_and_measures_over_the_target_alone(model
         measure_choices(target, draft, choices[1:], PROMPTS, SamplingParams(max_tokens=8), batch=1, rounds=1)
 
 
-def test_a_measured_run_is_charged_its_served_calls_per_request_and_step_and_not_its_tail():
+def test_a_measured_run_is_charged_its_served_calls_per_request_and_step_and_not_its_tails_seconds():
     """Two runs' timed steps: 0.1 + 0.1 s holding 2 and 1 requests, 0.3 s holding 3; 4 + 2 + 9 tokens. The
-    first run's second step is its tail (a request has left): not counted. Each request of each counted step
-    pays 0.05 s of calls: (4 + 9) / (0.4 + 0.05 * 5) tokens/s."""
+    first run's second step is its tail (a request has left): its seconds are not counted, its tokens are (15
+    tokens over 6 request-steps). Each request of each counted step pays 0.05 s of calls: 5 request-steps in
+    0.4 + 0.05 * 5 s."""
     from sequoia_ray.lockstep import LockstepRun
     from sequoia_ray.measured_choice import _Runs
 
     runs = _Runs(None, None, chain(1), [], SamplingParams(), call_s=0.05)
     runs.done = [LockstepRun(8, (0.1, 0.1), (2, 1), (4, 2), 2.0), LockstepRun(12, (0.3,), (3,), (9,), 3.0)]
-    assert runs.tokens_per_s == pytest.approx(13 / 0.65)
+    assert runs.tokens_per_s == pytest.approx(15 / 6 * 5 / 0.65)
     runs.call_s = 0.0
-    assert runs.tokens_per_s == pytest.approx(13 / 0.4)
+    assert runs.tokens_per_s == pytest.approx(15 / 6 * 5 / 0.4)
+
+
+def test_a_measured_batch_of_fast_and_slow_requests_reads_what_serving_with_refill_gives():
+    """A batch of 2: a code request at 4 tokens a step and a prose one at 2, 16 tokens each, 1 s a step. Served
+    with the batch refilled (code and prose in turn), a slot spends 4 steps on code and 8 on prose: 32 tokens
+    in 12 slot-steps, 2 x 32 / 12 = 5.33 tokens/s. The steps until code finished read 6 tokens/s (12.5% high;
+    a review's sampled mix: 7.6%); the target alone (every request 1 token a step) reads 2 either way."""
+    from sequoia_ray.lockstep import LockstepRun
+    from sequoia_ray.measured_choice import _Runs
+
+    runs = _Runs(None, None, chain(1), [], SamplingParams())
+    runs.done = [LockstepRun(32, (1.0,) * 8, (2,) * 4 + (1,) * 4, (6,) * 4 + (2,) * 4, 32 / 12)]
+    assert runs.tokens_per_s == pytest.approx(2 * 32 / 12)
+    runs.done = [LockstepRun(32, (1.0,) * 16, (2,) * 16, (2,) * 16, 1.0)]
+    assert runs.tokens_per_s == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("calls", [(0.0,), (-0.001, 0.0), (0.0, math.nan), (0.0, math.inf)])
