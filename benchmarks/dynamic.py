@@ -47,8 +47,8 @@ class CountingDraft(DraftWorker):
         super().__init__(model, **kw)
         self.nodes = self.levels = self.trees = 0
 
-    def grow(self, request_id, plan, commits=()):
-        tree = super().grow(request_id, plan, commits)
+    def grow(self, request_id, plan, commits=(), rule=None):
+        tree = super().grow(request_id, plan, commits, rule)
         grown = tree.plan or plan
         self.nodes, self.levels, self.trees = self.nodes + grown.n, self.levels + grown.num_levels - 1, self.trees + 1
         return tree
@@ -67,9 +67,12 @@ def configurations(thresholds: list[float], levels: list[float], extend: int) ->
 
 
 def run_prompt(pair: LocalPair, plan, dynamic, prompt: list[int], params: SamplingParams) -> dict:
-    draft = CountingDraft(pair.draft.model, dynamic=dynamic)
+    draft = CountingDraft(pair.draft.model)
+    # the rule through the decoder, on every step (unpruned_every 0), as served: the engine caps its extension to
+    # the tokens left and the draft's context (a worker's own rule grew 7 levels for 3 tokens left)
     decoder = SpeculativeDecoder(TargetWorker(pair.target.model), draft, plan, tokenizer=pair.target.tokenizer,
-                                 eos_ids=pair.target.eos_ids, max_context=pair.target.max_context)
+                                 eos_ids=pair.target.eos_ids, max_context=pair.target.max_context,
+                                 dynamic=None if dynamic is None else lambda _plan: dynamic, unpruned_every=0)
     start = time.perf_counter()
     out = decoder.generate(prompt, params)
     seconds = time.perf_counter() - start

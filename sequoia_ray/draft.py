@@ -236,7 +236,10 @@ class DraftWorker(RequestTable):
                  prefix_cache: PrefixCache | None = None) -> None:
         super().__init__(model, prefix_cache)
         self.support, self.layout = support, layout
-        self.dynamic = dynamic  # None: every tree is its plan (see the module docstring)
+        # None: every tree is its plan (see the module docstring). The worker's own rule knows no request's tokens
+        # left nor the draft's context: under a SpeculativeDecoder give the rule to it (``dynamic=``), which caps
+        # the extension to both, and withholds the pruned trees' biased ranks from the live estimate
+        self.dynamic = dynamic
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)  # None: the whole prompt at once
         self.vocab = model.config.vocab_size
         self.embedded = model.get_input_embeddings().num_embeddings  # token ids it can read

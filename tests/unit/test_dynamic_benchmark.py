@@ -35,3 +35,20 @@ def test_real_loads_e2es_default_pair(monkeypatch):
     assert (seen["draft_quantize"], seen["device"]) == (served.draft_quantize, served.device) == ("int8", "cpu")
     assert seen["dtype"] == served.dtype == "bfloat16" and seen["args"] == ()
     assert seen.get("draft_vocab", DEFAULT_DRAFT_VOCAB) == served.draft_vocab  # (LocalPair.load's default)
+
+
+def test_an_extending_rule_is_capped_by_the_tokens_left():
+    """The benchmark gave its rule to the draft worker (``DraftWorker(dynamic=...)``), which the engine knows
+    nothing of: a tree extended past the tokens the request had left (a review: 7 levels grown for 3 tokens left,
+    and past the draft's context). Given to the decoder, as served, the engine caps its extension."""
+    from sequoia_ray.config import SamplingParams
+    from sequoia_ray.draft import DynamicTrees
+    from sequoia_ray.local import LocalPair
+    from sequoia_ray.tree.plan import chain
+
+    pair = LocalPair.tiny(device="cpu")
+    rule = DynamicTrees(0.0, extend=4, extend_threshold=0.0)  # every node kept, every extension taken
+    row = dynamic.run_prompt(pair, chain(2), rule, list(range(3, 11)), SamplingParams(max_tokens=3, seed=0))
+    assert row["steps"] == 1 and row["levels/step"] == 2  # 3 tokens: the root's 2 levels below it, + the bonus
+    row = dynamic.run_prompt(pair, chain(2), rule, list(range(3, 11)), SamplingParams(max_tokens=40, seed=0))
+    assert row["levels/step"] > 2  # with tokens to spare the rule extends the 2-level chain
