@@ -29,7 +29,7 @@ fi
 LOG=$VENV/setup.log
 touch "$LOG"
 disk_full() {  # the pip call that failed (the log past line $1) ran out of disk: say so and where, and stop
-  tail -n +"$(($1 + 1))" "$LOG" | grep -q "No space left on device" || return 0
+  awk -v from="$1" 'NR > from && /No space left on device/ { found = 1 } END { exit !found }' "$LOG" || return 0
   echo "setup: the disk is full (pip: 'No space left on device'). The install needs about 2.5 GB: $VENV about" \
     "2 GB (torch 0.75 GB of it, ray 0.25 GB), and pip unpacks wheels in ${TMPDIR:-/tmp} first. Free now:" >&2
   df -h "$VENV" "${TMPDIR:-/tmp}" >&2 || true

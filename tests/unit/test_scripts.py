@@ -92,11 +92,12 @@ def test_a_torch_build_chosen_once_is_kept_by_later_set_ups(repo):
 
 def test_a_full_disk_is_named_and_no_other_index_is_tried(repo):
     """CI's stop 67 failed on a machine whose disk was full: setup.sh said torch was not on the package index, tried
-    PyTorch's own index (unreachable there), and left the reason to the last lines of pip's log."""
+    PyTorch's own index (unreachable there), and left the reason to the last lines of pip's log. 200 kB of log
+    after the message: a ``tail | grep -q`` under pipefail missed it (grep quits, tail gets SIGPIPE)."""
     python = repo / ".venv" / "bin" / "python"
     python.write_text(STUB.format(log=repo.parent / "calls.log") + 'case "$*" in *"-m pip"*" install "*)\n'
                       '  echo "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device"'
-                      '\n  exit 1;; esac\n')
+                      '\n  head -c 200000 /dev/zero | tr "\\0" x; echo\n  exit 1;; esac\n')  # pip's log goes on
     out = run(repo / "scripts" / "setup.sh", cwd=repo)
     assert out.returncode == 1, out.stderr
     assert "the disk is full" in out.stderr and "Avail" in out.stderr, out.stderr  # df's table: what is free where
