@@ -248,9 +248,12 @@ class PlanProvider:
         for bucket, tree in sorted(planned.items()):
             name = plan_bucket(temperature, bucket)
             held = self.plans.get(name)
-            if held is not None and held.bucket == bucket and held.planned.plan == tree.plan:
-                # the vector alone moved (``refit``; its provenance says "live"): served from the same source,
-                # never published: two replicas' estimates, a little apart, would publish in turn
+            if (held is not None and name not in self.follows and held.bucket == bucket
+                    and held.planned.plan == tree.plan):
+                # the vector alone moved (``refit``; its provenance says "live") on a plan of this bucket's own:
+                # served from the same source, never published (two replicas' estimates, a little apart, would
+                # publish in turn). A borrowed plan (another temperature's) is published as this one's own, as a
+                # new tree is: refit in place, the next ``_refollow`` put the lender's back, at every check
                 self._swap(name, replace(held, planned=tree))
                 continue
             path = self._publish(tree, temperature, bucket)

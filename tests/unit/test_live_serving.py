@@ -514,3 +514,29 @@ def test_a_live_vector_on_the_served_tree_is_served_but_never_published(tmp_path
     plans.refresh()
     assert plans.get(0.0) is served
     assert planner.tick() == []
+
+
+def test_a_live_vector_for_a_temperature_serving_another_ones_plan_is_kept(tmp_path):
+    """A review: the store has T=0 alone and requests come at T=0.5, which serves T=0's plan. The estimate left
+    its bound with the same tree: the refit was swapped in, then ``_refollow`` put T=0's plan back, and every tick
+    re-planned and counted a re-plan, the served p[1] staying 0.60 (traffic at 0.52). A borrowed plan refit is
+    published as T=0.5's own: one re-plan, then quiet."""
+    from sequoia_ray.tree.planning import plan_for
+
+    store = PlanStore(str(tmp_path))
+    store.publish_plan(plan_for(AcceptanceVector.from_p((0.60, 0.25, 0.10)), 16, 6)[0], KEY)  # T=0 only
+    cfg = config(str(tmp_path))
+    plans = PlanProvider(cfg, HW)
+    planner = LivePlanner(cfg, plans)
+    start = plans.get(0.5)
+    assert start.source.startswith("store:") and start is plans.get(0.0)  # T=0's plan, borrowed
+    rng, params = np.random.default_rng(0), SamplingParams(temperature=0.5)
+    for _ in range(15_000):
+        plan = plans.get(0.5).planned.plan
+        planner.observe(plan, Verdict([0], [1], tuple(walk(plan, (0.52, 0.25, 0.10), rng))), params)
+    assert planner.tick() == [0.5]
+    served = plans.get(0.5)
+    assert served.planned.plan == start.planned.plan and served.source.startswith("live:")
+    assert served.planned.acceptance.row(0)[0] == pytest.approx(0.52, abs=0.015)
+    assert plans.get(0.0) is not served and plans.get(0.0).planned.acceptance.row(0)[0] == pytest.approx(0.60)
+    assert planner.tick() == [] and planner.tick() == [] and planner.replans[0.5] == 1
