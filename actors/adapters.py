@@ -33,16 +33,19 @@ def prefill_timeout(timeout_s: float, tokens: int, chunk: int | None) -> float:
 
 
 class PrefillDeadlines:
-    """Each started request's deadline for its first step — the call that prefills its prompt (at ``start``
-    unbatched, else at the first grow or verify) — then ``timeout_s`` for every later call."""
+    """Each started request's deadline for its first step — the call that prefills its prompt, the first grow or
+    verify — then ``timeout_s`` for every later call. ``start`` itself forwards nothing (it makes the request's
+    state), so it has ``timeout_s``: with the prompt's deadline a hung draft held every new request's first step
+    up to ``step_timeout_s`` per chunk (a 6,000-token prompt at 60 s and chunks of 256: 24 minutes)."""
 
     def __init__(self, timeout_s: float, chunk: int | None) -> None:
         self.timeout_s, self.chunk = timeout_s, chunk
         self.pending: dict[str, float] = {}  # request -> the deadline of its first step
 
     def start(self, request_id: str, prompt: list[int]) -> float:
-        self.pending[request_id] = deadline = prefill_timeout(self.timeout_s, len(prompt), self.chunk)
-        return deadline
+        """Keeps the prompt's deadline for the request's first step; the start's own (one step)."""
+        self.pending[request_id] = prefill_timeout(self.timeout_s, len(prompt), self.chunk)
+        return self.timeout_s
 
     def step(self, request_id: str) -> float:
         return self.pending.pop(request_id, self.timeout_s)

@@ -1,5 +1,6 @@
-"""The actor adapters' deadlines: a call that prefills a prompt is given ``step_timeout_s`` per prefill chunk (a
-batching actor answers it only after the last chunk's forward); every other call one ``step_timeout_s``. No Ray:
+"""The actor adapters' deadlines: a call that prefills a prompt (the first grow or verify) is given ``step_timeout_s``
+per prefill chunk (a batching actor answers it only after the last chunk's forward); every other call, the start
+that makes the request's state included, one ``step_timeout_s``. No Ray:
 the handles are stand-ins and ``ray.get`` is recorded."""
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def test_the_targets_first_verify_has_the_prompts_deadline_and_the_next_one_step
     target.verify("r", chain(0), None)  # the prompt's prefill, 24 chunks
     target.verify("r", chain(0), None)
     target.finish("r")
-    assert waited == [60.0 * 24, 60.0 * 24, 60.0, 60.0]
+    assert waited == [60.0, 60.0 * 24, 60.0, 60.0]  # the start forwards nothing: one step (was the prompt's)
     target.start("s", [1, 2, 3], params, 0)
     target.finish("s")  # a request that ends before its first verify leaves nothing behind
     assert target.deadlines.pending == {}
@@ -63,7 +64,7 @@ def test_the_drafts_first_grow_has_the_prompts_deadline(waited):
     assert draft.grow("r", chain(2)) == ("ref", "tree")
     draft.grow("r", chain(2))
     draft.finish("r")
-    assert waited == [100.0, 100.0, 10.0, 10.0]
+    assert waited == [10.0, 100.0, 10.0, 10.0]
     draft.start("s", list(range(1000)), SamplingParams(max_tokens=8), 0)
     draft.abandon("s")  # after a failure: not awaited, and the deadline is dropped
     assert draft.deadlines.pending == {} and handle.sent[-1] == ("call", "finish")
@@ -168,3 +169,41 @@ def test_a_rank_without_followers_gathers_nothing_and_starts_no_ray(monkeypatch)
 
     monkeypatch.setattr("actors.target.ray.get", lambda *a, **k: pytest.fail("ray.get with no followers"))
     assert TargetRank._gather(object.__new__(TargetRank), []) == []
+
+
+def test_a_requests_end_waits_on_neither_a_hung_drafts_start_nor_its_finish(monkeypatch):
+    """A review: with the draft actor hung, a request whose steps all ran the target alone (``first_step_alone``,
+    a root-only plan) had its output complete at 0.28 s and its response at 2.0 s (step_timeout_s 1): its end
+    waited on the early start, then on a finish, each up to its deadline. The finish is now sent, not awaited
+    (the actor refuses a start that comes after it). Here the deadline is 30 s and the request must end within 10."""
+    import threading
+
+    from ray.exceptions import GetTimeoutError
+
+    from sequoia_ray.engine import SpeculativeDecoder
+    from sequoia_ray.target import TargetWorker
+    from tests.tiny import agreeing_pair
+
+    release = threading.Event()
+
+    def hung(ref, timeout=None):  # a stuck actor: nothing comes back before the deadline
+        release.wait(timeout)
+        raise GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr(adapters.ray, "get", hung)
+    handle = Handle()
+    target_model, _ = agreeing_pair()
+    decoder = SpeculativeDecoder(TargetWorker(target_model), ActorDraft(handle, timeout_s=30.0, prefill_chunk=256),
+                                 chain(0), first_step_alone=True)
+    out, done = {}, threading.Event()
+
+    def run():
+        out["result"] = decoder.generate(list(range(3, 40)), SamplingParams(max_tokens=4))
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        assert done.wait(10), "the request's end waited on the hung draft"
+    finally:
+        release.set()
+    assert len(out["result"].token_ids) == 4 and ("call", "finish") in handle.sent
