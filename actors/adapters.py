@@ -32,6 +32,18 @@ def prefill_timeout(timeout_s: float, tokens: int, chunk: int | None) -> float:
     return timeout_s * max(1, math.ceil(tokens / (chunk or PREFILL_TOKENS_PER_TIMEOUT)))
 
 
+def _answer(ref, timeout_s: float, step_s: float, who: str):
+    """``ray.get(ref)`` within ``timeout_s``. A timeout says what was waited for, how long and what to change (Ray's
+    own "Get timed out: some object(s) not ready." named neither the deadline nor the setting)."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError:
+        chunks = f", step_timeout_s {step_s:g} s per prefill chunk" if timeout_s > step_s else ""
+        raise GetTimeoutError(f"no answer from the {who} within {timeout_s:g} s{chunks}: the actor is hung or "
+                              "overloaded; if it is only slow, raise step_timeout_s (or lower prefill_chunk for long "
+                              "prompts)") from None
+
+
 class PrefillDeadlines:
     """Each started request's deadline for its first step — the call that prefills its prompt, the first grow or
     verify — then ``timeout_s`` for every later call. ``start`` itself forwards nothing (it makes the request's
@@ -82,7 +94,8 @@ class ActorDraft:
         self.deadlines = PrefillDeadlines(timeout_s, prefill_chunk)  # the draft prefills at the first grow
 
     def _call(self, method: str, request_id: str, *args, timeout_s: float | None = None):
-        return ray.get(self.actor.call.remote(method, request_id, *args), timeout=timeout_s or self.timeout_s)
+        return _answer(self.actor.call.remote(method, request_id, *args), timeout_s or self.timeout_s, self.timeout_s,
+                       f"draft actor to {method}")
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int) -> None:
         self._call("start", request_id, prompt, params, seed, timeout_s=self.deadlines.start(request_id, prompt))
@@ -92,7 +105,7 @@ class ActorDraft:
         done, tree = self.actor.grow.remote(request_id, plan, commits, rule)
         # the tokens the draft catches up on (steps the target ran alone) are prefilled like a prompt's
         deadline = max(self.deadlines.step(request_id), self.deadlines.catch_up(sum(len(t) for _, t, _ in commits)))
-        ray.get(done, timeout=deadline)  # raises the draft's failure; the tree itself stays remote
+        _answer(done, deadline, self.timeout_s, "draft actor to grow")  # raises the draft's failure; the tree stays
         return tree
 
     def commit(self, request_id: str, path: list[int], new_tokens: list[int], at: int | None = None) -> None:
@@ -124,7 +137,8 @@ class RanksTarget:
 
     def _call(self, method: str, *args, timeout_s: float | None = None):
         try:
-            return ray.get(self.ranks[0].call.remote(method, *args), timeout=timeout_s or self.timeout_s)
+            return _answer(self.ranks[0].call.remote(method, *args), timeout_s or self.timeout_s, self.timeout_s,
+                           f"target group to {method}")
         except (RayError, GetTimeoutError) as exc:
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError's first line is Ray's task header
             if isinstance(cause, UnknownRequest) and method != "start":

@@ -207,3 +207,25 @@ def test_a_requests_end_waits_on_neither_a_hung_drafts_start_nor_its_finish(monk
     finally:
         release.set()
     assert len(out["result"].token_ids) == 4 and ("call", "finish") in handle.sent
+
+
+def test_a_timeout_says_how_long_was_waited_and_what_to_change(monkeypatch):
+    """Ray's "Get timed out: some object(s) not ready." was all the log and the 503 said (a review: the deadline was
+    720 s, and nothing named step_timeout_s or prefill_chunk)."""
+    from ray.exceptions import GetTimeoutError
+
+    def timed_out(ref, timeout=None):
+        raise GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr(adapters.ray, "get", timed_out)
+    target = RanksTarget([Handle()], timeout_s=60.0, prefill_chunk=256)
+    target.deadlines.start("r", list(range(3000)))  # 12 chunks: the first verify's deadline is 720 s
+    with pytest.raises(adapters.TargetUnavailable, match=r"during verify: GetTimeoutError: no answer from the target "
+                       r"group to verify within 720 s, step_timeout_s 60 s per prefill chunk: .*raise step_timeout_s "
+                       r"\(or lower prefill_chunk"):
+        target.verify("r", chain(0), None)
+    draft = ActorDraft(Handle(), timeout_s=10.0, prefill_chunk=100)
+    with pytest.raises(GetTimeoutError, match=r"^no answer from the draft actor to start within 10 s: the actor is "):
+        draft.start("s", [1, 2], SamplingParams(max_tokens=8), 0)
+    with pytest.raises(GetTimeoutError, match=r"draft actor to grow within 10 s"):
+        draft.grow("s", chain(2))
