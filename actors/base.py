@@ -113,11 +113,16 @@ class ModelActor:
     def _reap(self, method: str, request_ids: list[str], stale: list[str] | None) -> list[str]:
         """Free the requests idle for too long (after marking these calls' requests alive); ``stale`` given:
         free exactly those (a TP follower frees what rank 0 decided, so every rank holds the same requests)."""
-        stale = self.reaper.due(method, request_ids) if stale is None else stale
+        stale = self.reaper.due(method, request_ids, self._waiting()) if stale is None else stale
         for rid in stale:
             self._forget(rid)
             self.worker.finish(rid)
         return stale
+
+    def _waiting(self) -> list[str]:
+        """The requests with a call queued in this actor's batcher (none without one)."""
+        batcher = getattr(self, "batcher", None)
+        return batcher.waiting() if batcher is not None else []
 
     def _forget(self, request_id: str) -> None:
         """A finished request no longer counts as computing on the other actor (``ThreadShare.forget``)."""

@@ -32,9 +32,15 @@ class Reaper:
     def done(self, request_id: str) -> None:
         self.last.pop(request_id, None)
 
-    def due(self, method: str, request_ids: list[str]) -> list[str]:
+    def due(self, method: str, request_ids: list[str], waiting: list[str] = ()) -> list[str]:
         """Mark ``request_ids`` alive (or gone, for ``finish``) FIRST — a call that waited in a queue is not
-        idle — then the requests idle for longer than ``timeout_s``, forgotten here; the caller frees them."""
+        idle — and so the held requests with a call still ``waiting`` in the queue (singles, a reap among them,
+        run before the queued forwards: a request whose verify had arrived within the timeout was freed under
+        it, and the verify failed as forgotten); then the requests idle for longer than ``timeout_s``, forgotten
+        here; the caller frees them."""
+        for rid in waiting:
+            if rid in self.last:
+                self.touch(rid)
         for rid in request_ids:
             if method == "finish":
                 self.done(rid)

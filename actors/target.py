@@ -108,7 +108,7 @@ class TargetRank(ModelActor):
     def _lead_one(self, method: str, request_id: str, *args):
         with self.tracker.running(method):
             # rank 0 decides; every rank frees the same
-            stale = self.reaper.due(method, [] if method == REAP else [request_id])
+            stale = self.reaper.due(method, [] if method == REAP else [request_id], self._waiting())
             refs = [f.step.remote(method, request_id, *args, stale=stale) for f in self.followers]
             mine = self._unsafe_run(method, request_id, *args, stale=stale)
             self._check_agree(method, [mine], [[r] for r in self._gather(refs)])
@@ -116,7 +116,7 @@ class TargetRank(ModelActor):
 
     def _lead_batch(self, method: str, calls: list[tuple], caps: dict[str, int] | None = None) -> list:
         with self.tracker.running(method):
-            stale = self.reaper.due(method, [call[0] for call in calls])
+            stale = self.reaper.due(method, [call[0] for call in calls], self._waiting())
             refs = [f.step_batch.remote(method, calls, stale, caps) for f in self.followers]
             mine = self._unsafe_run_batch(method, calls, caps, stale=stale)
             self._check_agree(method, mine, self._gather(refs))

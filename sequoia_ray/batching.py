@@ -156,6 +156,11 @@ class Batcher:
                 if not self.thread.is_alive():  # never wait for ever on a thread that is gone
                     raise RuntimeError("the batcher's thread has died; this actor must be replaced") from None
 
+    def waiting(self) -> list[str]:
+        """The requests with a call in the queue now (not yet run)."""
+        with self.cond:
+            return [c.request_id for c in self.queue]
+
     def stats(self) -> dict[int, int]:
         """Requests per forward -> forwards run so far."""
         with self.cond:

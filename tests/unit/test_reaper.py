@@ -105,3 +105,68 @@ def test_idle_reaping_sends_at_most_one_call_at_a_time_and_no_more_often_than_as
     answered.add(2)
     reaping.tick()  # answered, but only 20 s since: none
     assert sent == [(reaper.REAP, "")] * 2
+
+
+def test_a_request_whose_call_waits_in_the_queue_is_not_reaped():
+    """A review: request ``a``'s verify arrived within the idle timeout while a forward ran, and the health check's
+    reap queued behind it; singles run before the queued forwards, so the reap freed ``a`` (idle by the clock) and
+    its verify failed as forgotten (the client's 503 ``request_idle_timeout``). Queued calls now count as alive."""
+    import threading
+    import time
+
+    import torch
+
+    from actors.reaper import REAP
+    from actors.target import TargetRank, free_port
+    from sequoia_ray.draft import DraftTree
+    from sequoia_ray.engine import ROOT_ONLY
+
+    rank = TargetRank(0, 1, "127.0.0.1", free_port(), "gloo", ModelActorSpec("tiny-target", idle_timeout_s=5.0))
+    rank.lead([])
+    clock = Clock()
+    rank.reaper.clock = clock
+    params = SamplingParams(max_tokens=8, temperature=0)
+    rank.call("start", "a", [3, 4, 5], params, 1)  # t = 0
+    gate, real_start = threading.Event(), rank.worker.start
+
+    def slow_start(rid, *args):  # holds the compute thread, as a long forward does
+        if rid == "b":
+            gate.wait(30)
+        return real_start(rid, *args)
+
+    rank.worker.start = slow_start
+    out = {}
+
+    def run(key, *call):
+        try:
+            out[key] = rank.call(*call)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            out[key] = exc
+
+    def queued(rid):
+        for _ in range(300):
+            if rid in [c.request_id for c in list(rank.batcher.queue)]:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"{rid!r} never queued")
+
+    try:
+        threads = [threading.Thread(target=run, args=("b", "start", "b", [3, 4], params, 2))]
+        threads[0].start()
+        clock.now = 4.0  # a's client comes back within the timeout
+        threads.append(threading.Thread(target=run, args=("a", "verify", "a", ROOT_ONLY,
+                                                          DraftTree(torch.tensor([5]), {}))))
+        threads[-1].start()
+        queued("a")
+        threads.append(threading.Thread(target=run, args=("reap", REAP, "")))
+        threads[-1].start()
+        queued("")
+        clock.now = 6.0  # the forward in flight ends after the timeout
+        gate.set()
+        for t in threads:
+            t.join(30)
+        assert "a" not in out["reap"] and not isinstance(out["a"], Exception), out
+        assert out["a"].tokens  # its verify ran
+    finally:
+        gate.set()
+        rank.batcher.close()
