@@ -300,4 +300,23 @@ def shown_uri(location: str) -> str:
     if rest.startswith("//"):  # the authority: [user[:password]@]host[:port]
         authority, slash, path = rest[2:].partition("/")
         rest = "//" + authority.rpartition("@")[2] + slash + path
+        user, at, after = rest[2:].rpartition("@")
+        if at and ":" in user:  # a secret with a "/" in it (AWS's often have one), unescaped: its end is past the
+            rest = "//" + after  # first "/", so the user info runs to the last "@" (a path's own "@" hides more)
     return f"{scheme}:{rest}".rstrip("/")
+
+
+def without_secrets(text: str, location: str) -> str:
+    """``text`` (a library's error, say) with ``location`` and its user info and query as ``shown_uri`` hides them:
+    pyarrow's "Cannot parse URI: 's3://KEY:SECRET@bucket/p'" put the secret back into a message that began with
+    the URI shown without it."""
+    shown = shown_uri(location)
+    text = text.replace(location, shown)
+    if is_uri(location):
+        hidden = location.partition(":")[2]
+        query = hidden.partition("?")[2]
+        user = hidden[2:].split("?", 1)[0].rpartition("@")[0] if hidden.startswith("//") else ""
+        for secret in (query, user):
+            if secret:
+                text = text.replace(secret, "***")
+    return text

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from sequoia_ray.arguments import is_uri, one_line, shown_uri
+from sequoia_ray.arguments import is_uri, one_line, shown_uri, without_secrets
 from sequoia_ray.config import PLAN_FALLBACK_FILES, PLAN_KEEP_FILES, check_plan_keep
 from sequoia_ray.hardware import BATCH_BUCKETS, ID_UNSAFE, HardwareProfile, ProfileError, batch_bucket
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
@@ -175,7 +175,7 @@ class PlanStore:
             else:
                 self.fs, root = pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
         except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise StoreError(f"cannot open plan store {shown_uri(uri)!r}: {exc}") from None
+            raise StoreError(f"cannot open plan store {shown_uri(uri)!r}: {without_secrets(str(exc), uri)}") from None
         self.root = root.rstrip("/")
         self._skipped: set[str] = set()  # files that did not read, logged once each (``_newest_valid``)
         self.skips, self.last_skip = 0, None  # every skip, and why the latest was (a caller counts them as errors)

@@ -464,3 +464,23 @@ def test_a_hardware_id_that_cannot_name_a_folder_is_refused_with_the_config():
     with pytest.raises(ValidationError, match="hardware_id 'A100 80GB' may hold only letters, digits"):
         ServeConfig(hardware_id="A100 80GB")
     assert ServeConfig(hardware_id="A100-80GB").hardware_id == "A100-80GB"
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("s3://AKIAKEY:Super Secret@bucket/p", "s3://bucket/p"),  # pyarrow cannot parse it, and said it whole
+    ("s3://AKIAKEY:abc/Secret+x@bucket/p", "s3://bucket/p"),  # a "/" in the secret (AWS's often have one)
+    ("s3://AKIAKEY:abc/Sec@ret@bucket/p?region=x&secret_key=Q", "s3://bucket/p"),
+])
+def test_a_secret_pyarrow_cannot_parse_is_hidden_in_its_error_too(uri, shown):
+    """A review: "cannot open plan store 's3://bucket/p': Cannot parse URI: 's3://AKIAKEY:Super Secret@bucket/p'":
+    the message hid the secret, then pyarrow's text put it back; a secret holding a "/" was shown even in the URI
+    we hid (the user info cut at the first "/")."""
+    from sequoia_ray.arguments import shown_uri
+
+    assert shown_uri(uri) == shown
+    with pytest.raises(StoreError) as caught:
+        PlanStore(uri)
+    message = str(caught.value)
+    assert message.startswith(f"cannot open plan store {shown!r}: ")
+    for secret in ("Super", "Secret", "abc", "AKIAKEY", "secret_key=Q"):
+        assert secret not in message, message
