@@ -40,6 +40,7 @@ from deployments.config import ServeConfig
 from sequoia_ray.arguments import Parser, is_uri, nonneg_float, shown_uri
 from sequoia_ray.config import ProfileJobConfig
 from sequoia_ray.models import loading
+from sequoia_ray.paths import user_path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "config.yaml"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000  # Serve's proxy when neither the config nor the command line says
@@ -63,7 +64,7 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     if store is not None and not isinstance(store, str):
         raise ValueError(f"plan_store {store!r} must be a path or a URI (a string), e.g. plan_store=./plans")
     if store and not is_uri(store):  # actors do not share the launcher's working directory
-        args["plan_store"] = str(Path(store).expanduser().resolve())
+        args["plan_store"] = str(user_path(store).resolve())
     return args
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from sequoia_ray.config import ProfileJobConfig
 from sequoia_ray.devices import DEVICE_CHOICES
+from sequoia_ray.paths import user_path
 
 EXIT_BAD_INPUT = 2
 
@@ -47,7 +48,7 @@ def one_line(exc: Exception) -> str:
 def check_output(path: str, flag: str) -> None:
     """A file a command writes at its end, checked at its start (before the models load and the work runs):
     ValueError naming ``flag`` when it is a folder, its folder does not exist, or either cannot be written."""
-    target = Path(path).expanduser()
+    target = user_path(path)
     folder = target.parent
     if target.is_dir():
         raise ValueError(f"{flag} {path} is a folder; give a file name")
@@ -230,7 +231,7 @@ def model_source(source: str) -> str:
     in the trial's directory, and ``m`` was taken there for a hub id."""
     from sequoia_ray.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET
 
-    path = Path(source).expanduser()
+    path = user_path(source)
     if source in (DEFAULT_DRAFT, DEFAULT_TARGET, TINY_DRAFT, TINY_TARGET) or not source.strip():
         return source  # names first, as resolve reads them; "" is resolve's to refuse (Path("") is here)
     local = source.startswith(("/", ".", "~")) or path.exists()
@@ -244,7 +245,7 @@ def _recorded_model(text: str, role: str) -> str | None:
     if not text.endswith(".json"):
         return None
     try:
-        value = json.loads(Path(text).expanduser().read_text()).get(role)
+        value = json.loads(user_path(text).read_text()).get(role)
     except (OSError, ValueError, AttributeError):
         return None  # read already, by parse_recorded
     return value if isinstance(value, str) and value else None

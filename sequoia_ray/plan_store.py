@@ -42,6 +42,7 @@ import pyarrow.fs as pafs
 from sequoia_ray.arguments import is_uri, one_line, shown_uri, without_secrets
 from sequoia_ray.config import PLAN_FALLBACK_FILES, PLAN_KEEP_FILES, check_plan_keep
 from sequoia_ray.hardware import BATCH_BUCKETS, ID_UNSAFE, HardwareProfile, ProfileError, batch_bucket
+from sequoia_ray.paths import user_path
 from sequoia_ray.tree.plan_file import PlanFormatError, PlannedTree
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class PlanStore:
             if is_uri(uri):
                 self.fs, root = pafs.FileSystem.from_uri(uri)
             else:
-                self.fs, root = pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+                self.fs, root = pafs.LocalFileSystem(), str(user_path(uri).resolve())
         except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise StoreError(f"cannot open plan store {shown_uri(uri)!r}: {without_secrets(str(exc), uri)}") from None
         self.root = root.rstrip("/")

@@ -43,6 +43,7 @@ from sequoia_ray.arguments import (EXIT_BAD_INPUT, Parser, add_job_args, is_uri,
                                    model_source, one_line, positive_int, shown_uri)
 from sequoia_ray.config import ProfileJobConfig  # noqa: E402
 from sequoia_ray.hardware import SERVED_THREADS  # noqa: E402,F401 (tests import it from here too)
+from sequoia_ray.paths import user_path
 
 ACCEL_PREFIX = "accelerator_type:"
 CPU = "cpu"
@@ -114,7 +115,7 @@ def acceptance_value(text: str) -> str:
 
 
 def _local(path: str) -> str:
-    return path if is_uri(path) else str(Path(path).expanduser().resolve())
+    return path if is_uri(path) else str(user_path(path).resolve())
 
 
 def discover_hardware(resources: dict[str, float]) -> list[str]:
@@ -201,7 +202,7 @@ def join_uri(uri: str, *parts: str) -> str:
     """``parts`` under a store location: a URI keeps its query last; a local path is resolved (a ``?`` in it is part
     of a folder's name: ``plans?v2`` put Tune's results under ``plans/tune``)."""
     if not is_uri(uri):
-        return str(Path("/".join([uri.rstrip("/"), *parts])).expanduser().resolve())
+        return str(user_path("/".join([uri.rstrip("/"), *parts])).resolve())
     base, _, query = uri.partition("?")
     path = "/".join([base.rstrip("/"), *parts])
     return f"{path}?{query}" if query else path

@@ -37,6 +37,8 @@ from pathlib import Path, PurePosixPath
 
 from tqdm.auto import tqdm
 
+from sequoia_ray.paths import user_path
+
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 22  # 4 MiB read size when joining parts
@@ -108,11 +110,11 @@ Installer = Callable[[Sequence[Part], Path, bool], None]
 def default_cache_dir() -> Path:
     """`$SEQUOIA_RAY_CACHE` if set, else `~/.cache/sequoia-ray`."""
     env = os.environ.get("SEQUOIA_RAY_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sequoia-ray"
+    return user_path(env) if env else Path.home() / ".cache" / "sequoia-ray"
 
 
 def _resolve_cache(cache_dir: Path | str | None) -> Path:
-    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return user_path(cache_dir) if cache_dir is not None else default_cache_dir()
 
 
 def gguf_path(source: ModelSource, cache_dir: Path | str | None = None) -> Path:

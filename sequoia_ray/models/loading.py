@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from sequoia_ray.paths import user_path
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAFT = "default-draft"
@@ -57,7 +59,7 @@ def _resolve(source: str, progress: bool) -> tuple[str, str | None]:
         which = fetch.DEFAULT_DRAFT if source == DEFAULT_DRAFT else fetch.DEFAULT_TARGET
         return str(fetch.fetch(which, progress=progress)), None
     check_source(source)
-    path = Path(source).expanduser()
+    path = user_path(source)
     if path.suffix == ".gguf":
         return str(path.parent), path.name
     return (str(path) if path.exists() else source), None
@@ -71,7 +73,7 @@ def check_source(source: str) -> None:
     if not source.strip():
         raise ValueError(f"model source {source!r} is empty; give a checkpoint directory, a .gguf file, a hub id, "
                          f"or {DEFAULT_DRAFT} / {DEFAULT_TARGET}")
-    path = Path(source).expanduser()
+    path = user_path(source)
     if source.startswith(("/", ".", "~")) and not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; give a checkpoint directory, a .gguf file, "
                                 f"a hub id, or {DEFAULT_DRAFT} / {DEFAULT_TARGET}")

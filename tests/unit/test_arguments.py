@@ -75,3 +75,20 @@ def test_max_noise_is_a_job_option_checked_as_the_model_checks_it(capsys):
         parse("--storage", "s", "--max-noise", "25")  # meant as 25%: a bound of 2500%, the check off
     assert "'25' is over 1 (100%): a fraction, e.g. 0.25 for 25%; did you mean 0.25?" in capsys.readouterr().err
     assert job_config(parse("--storage", "s", "--max-noise", "1")).max_noise == 1.0
+
+
+@pytest.mark.parametrize("argv", [["plan", "--acceptance", "0.6", "--budget", "4", "--out", "~nouser-s65/p.json"],
+                                  ["generate", "--prompt", "hi", "--draft", "~nouser-s65/m"]])
+def test_a_home_of_no_user_is_refused_in_one_line_not_a_traceback(argv, capsys):
+    """A review: ``--storage '~plans'`` (a typo for ``~/plans``), ``--out ~nouser/p.json`` and five more ended in
+    pathlib's RuntimeError "Could not determine home directory." and a traceback."""
+    from cli.main import main
+    from sequoia_ray.paths import user_path
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'~nouser-s65' names no user with a home directory here" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match=r"^~nouser-s65/x: '~nouser-s65' names no user .*give an absolute path"):
+        user_path("~nouser-s65/x")
+    assert str(user_path("~/x")).endswith("/x") and not str(user_path("~/x")).startswith("~")
