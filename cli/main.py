@@ -42,6 +42,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path:
             check_output(path, flag)
+    profile = _profile(args.profile) if args.profile else None  # before --out is written
     # said before solving: a file `generate --plan` would refuse, and a budget past any plan's (3,000,000 nodes
     # ran for minutes, past 1 GB)
     check_plan_size(args.budget, args.max_depth, acceptance)
@@ -52,7 +53,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         from sequoia_ray.tree.plot import plot_plan
 
         plot_plan(table, planned.plan, args.plot)
-    buckets = _plan_buckets(table, args.profile, args.budget) if args.profile else None
+    buckets = _plan_buckets(table, profile, args.budget) if profile else None
     if args.json:
         print(json.dumps({**planned.to_dict(), **({"batch_buckets": buckets[0]} if buckets else {})}))
     else:
@@ -60,11 +61,23 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_buckets(table, profile_path: str, budget: int) -> tuple[list[dict], str]:
-    """The best tree per batch bucket under a profile: (JSON rows, the table as text)."""
-    from sequoia_ray.hardware import DEFAULT_BUDGETS, HardwareProfile, choose_buckets
+def _profile(path: str):
+    """``--profile``'s hardware profile; a file that does not read is a ValueError naming the flag (it was
+    "[Errno 2] No such file or directory", after ``--out`` had been written)."""
+    from sequoia_ray.hardware import HardwareProfile
 
-    prof = HardwareProfile.load(profile_path)
+    try:
+        return HardwareProfile.load(path)  # (a file that reads but is no profile: ProfileError, naming it)
+    except (OSError, UnicodeDecodeError) as exc:
+        said = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
+        raise ValueError(f"--profile {path}: {said}; give a hardware profile (JSON), as `sequoia-ray profile` "
+                         "publishes under its store's profiles/ folder") from None
+
+
+def _plan_buckets(table, prof, budget: int) -> tuple[list[dict], str]:
+    """The best tree per batch bucket under a profile: (JSON rows, the table as text)."""
+    from sequoia_ray.hardware import DEFAULT_BUDGETS, choose_buckets
+
     chosen = {b: best for b, (best, _) in choose_buckets(table, prof, sorted(set(DEFAULT_BUDGETS) | {budget})).items()}
     rows = [{"batch": b, "n": c.n, "d": c.d, "nodes": c.plan.n, "expected_tokens": c.expected_tokens,
              "step_s": c.step_cost * prof.target_step_s, "tokens_per_s": c.throughput / prof.target_step_s,

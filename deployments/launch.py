@@ -96,7 +96,13 @@ def http_options(config: Path) -> tuple[str, int]:
 def _spec(config: Path) -> dict:
     """A Serve config file's YAML ({} when it is not a mapping); a ValueError naming it when it does not parse."""
     try:
-        spec = yaml.safe_load(config.read_text())
+        text = config.read_text()
+    except (OSError, UnicodeDecodeError) as exc:  # (it said "[Errno 2] No such file or directory: ...", or named
+        said = exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split())  # no file)
+        raise ValueError(f"--config {str(config)!r}: {said}; give a Serve config file (YAML, UTF-8), e.g. "
+                         "deployments/config.yaml") from None
+    try:
+        spec = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"config {str(config)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
     return spec if isinstance(spec, dict) else {}

@@ -21,6 +21,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from sequoia_ray.config import ProfileJobConfig
 from sequoia_ray.devices import DEVICE_CHOICES
 from sequoia_ray.paths import user_path
+from sequoia_ray.prompts import load_prompts
 
 EXIT_BAD_INPUT = 2
 
@@ -97,8 +98,8 @@ def nonneg_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    if not value >= 0 or math.isinf(value):  # inf: `serve --profile-seconds inf` loaded the models, then
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")  # failed on int(inf * share)
     return value
 
 
@@ -277,6 +278,12 @@ def job_config(args: argparse.Namespace, **extra) -> ProfileJobConfig:
     cfg = ProfileJobConfig(storage=args.storage, acceptance=_acceptance_files(args.acceptance),
                            smoke_test=args.smoke_test, **fields, **extra)
     _check_acceptance(cfg)
+    if cfg.prompts and not is_uri(cfg.prompts):  # read here, before Ray (as the acceptance files): a file that does
+        # not read failed tuning/profile.py's trial, with Tune's traceback
+        try:
+            load_prompts(cfg.prompts)
+        except OSError as exc:
+            raise ValueError(f"--prompts: {exc}") from None
     return cfg
 
 

@@ -92,3 +92,16 @@ def test_a_home_of_no_user_is_refused_in_one_line_not_a_traceback(argv, capsys):
     with pytest.raises(ValueError, match=r"^~nouser-s65/x: '~nouser-s65' names no user .*give an absolute path"):
         user_path("~nouser-s65/x")
     assert str(user_path("~/x")).endswith("/x") and not str(user_path("~/x")).startswith("~")
+
+
+@pytest.mark.parametrize("text", ["inf", "1e400", "nan", "-1"])
+def test_a_non_negative_float_flag_must_be_finite(text):
+    """A review: ``serve --profile-seconds inf`` loaded the models, then profiling failed on int(inf x a share) and
+    the built-in plan was served, exit 0."""
+    import argparse
+
+    from sequoia_ray.arguments import nonneg_float
+
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number >= 0"):
+        nonneg_float(text)
+    assert nonneg_float("0") == 0.0 and nonneg_float("120") == 120.0

@@ -89,7 +89,8 @@ def test_plan_imports_neither_torch_transformers_nor_ray(tmp_path):
     (["--set", "tp_size=2", "--set", "tp_backend=nccl"], "set tp_backend: gloo"),
     (["--set", "device=tpu"], "device"),
     (["--port", "x"], "is not a TCP port"),
-    (["--profile-seconds", "-5"], "must be >= 0"),
+    (["--profile-seconds", "-5"], "must be a finite number >= 0"),
+    (["--profile-seconds", "inf"], "must be a finite number >= 0"),  # it loaded the models, then failed
 ])
 def test_serve_rejects_a_bad_config_in_one_line_before_starting_ray(args, needle, capsys):
     assert main(["serve", *args]) == 2
@@ -147,3 +148,16 @@ def test_profile_files_its_plans_under_the_threads_the_service_will_run(tmp_path
     seen.clear()
     assert main(["profile", "--storage", str(tmp_path)]) == 0
     assert [hw for hw, _ in seen] == [hardware_id(None, 1, 2)]
+
+
+def test_a_profile_that_does_not_read_is_refused_before_out_is_written(tmp_path, capsys):
+    """A review: ``--profile nofile.json`` wrote ``--out``, then said "[Errno 2] No such file or directory: ..." with
+    neither the flag nor the fix."""
+    from cli.main import main
+
+    out = tmp_path / "o.json"
+    for given, said in ((tmp_path / "nofile.json", "No such file or directory"), (tmp_path, "Is a directory")):
+        assert main(["plan", "--acceptance", "0.6,0.2", "--budget", "4", "--out", str(out), "--profile",
+                     str(given)]) == 2
+        assert f"--profile {given}: {said}; give a hardware profile" in capsys.readouterr().err
+        assert not out.exists()

@@ -64,3 +64,16 @@ def test_a_bad_config_names_the_value_and_the_fix(tmp_path, argv, message):
     paths = {"missing": tmp_path / "none.yaml", "bad": bad, "shipped": DEFAULT_CONFIG}
     with pytest.raises(SystemExit, match=message):
         load.build_config(_args(*(a.format(**paths) for a in argv)), 1)
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "not utf-8"])
+def test_a_config_file_that_does_not_read_names_config_and_the_fix(tmp_path, kind):
+    """A review: "[Errno 2] No such file or directory: ...", "[Errno 21] Is a directory" and, for a file not in
+    UTF-8, "'utf-8' codec can't decode byte 0xff in position 38" with no file named."""
+    from deployments.launch import _spec
+
+    path = {"missing": tmp_path / "nothing.yaml", "folder": tmp_path}.get(kind, tmp_path / "latin1.yaml")
+    if kind == "not utf-8":
+        path.write_bytes(b"applications:\n- args: {model_name: \"\xff\"}\n")
+    with pytest.raises(ValueError, match=rf"^--config '{path}': .*; give a Serve config file \(YAML, UTF-8\)"):
+        _spec(path)

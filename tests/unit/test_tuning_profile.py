@@ -271,3 +271,13 @@ def test_a_local_store_on_a_cluster_of_several_nodes_is_warned_about(tmp_path, c
                                                {"Alive": False, "Resources": {"CPU": 4.0}}])
     assert main(["--storage", str(tmp_path), "--temperatures", "0", "--hardware", "A"]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+def test_a_prompt_file_that_does_not_read_fails_before_ray(tmp_path):
+    """A review: ``--prompts /nonexistent`` started local Ray and Tune, whose trial printed its traceback (exit 1);
+    ``sequoia-ray profile`` refused it in one line. The job config reads the file, before Ray."""
+    with pytest.raises(ValueError, match=r"^--prompts: prompt file .*nothing\.txt: No such file or directory"):
+        parse_config(["--storage", str(tmp_path), "--prompts", str(tmp_path / "nothing.txt")])
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        parse_config(["--storage", str(tmp_path), "--prompts", str(tmp_path / "empty.txt")])
