@@ -112,7 +112,7 @@ def override(item: str) -> tuple[str, object]:
     """A ``--set KEY=VALUE`` as (KEY, VALUE read as YAML); a ValueError naming the item when it is not one."""
     key, eq, value = item.partition("=")
     if not eq or not key.strip():
-        raise ValueError(f"--set {item!r}: give KEY=VALUE (e.g. --set max_concurrent=4; KEY=null unsets it)")
+        raise ValueError(f"--set {item!r}: give KEY=VALUE (e.g. --set max_concurrent=4; KEY=null unsets an optional key, e.g. --set draft=null)")
     try:
         return key.strip(), yaml.safe_load(value)
     except yaml.YAMLError as exc:
@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo", action="store_true", help="send a demo request and print answer and speedup")
     p.add_argument("--exit", action="store_true", help="stop after starting (and the demo)")
     p.add_argument("--profile-seconds", type=nonneg_float, default=PROFILE_SECONDS,
-                   help="time budget for profiling this machine when the plan store has no plan for it")
+                   help="time budget for profiling this machine when the plan store has no plan for it (seconds "
+                        f"after the models load; default {PROFILE_SECONDS:g})")
     p.add_argument("--no-profile", action="store_true", help="never profile: serve stored or built-in plans")
     p.add_argument("--ray-default-timers", action="store_true",
                    help="start local Ray with its own idle timers (default: slowed, actors/quiet_ray.py)")
