@@ -54,6 +54,7 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     """The first application's args in a Serve config file, with ``KEY=VALUE`` overrides (VALUE read as YAML).
     A malformed file or override is a ValueError naming it."""
     spec = _spec(config)
+    _check_spec(config, spec)
     try:
         args = dict(spec["applications"][0].get("args") or {})
     except (TypeError, KeyError, IndexError, AttributeError, ValueError):  # ValueError: args: "abc"
@@ -66,6 +67,38 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     if store and not is_uri(store):  # actors do not share the launcher's working directory
         args["plan_store"] = str(user_path(store).resolve())
     return args
+
+
+SERVE_KEYS = {"proxy_location", "http_options", "grpc_options", "logging_config", "applications", "target_capacity"}
+APP_KEYS = {"name", "route_prefix", "import_path", "runtime_env", "host", "args", "deployments", "logging_config",
+            "external_scaler_enabled"}
+
+
+def _check_spec(config: Path, spec: dict) -> None:
+    """A ValueError for what a Serve config file says that this launcher would drop without a word: a key no Serve
+    config has (``http_option`` for ``http_options``: the port it gave was not used), a second application, or an
+    application name or route prefix other than the ones it serves (``APP_NAME`` at ``/``). ``serve deploy`` reads
+    the whole file, as a RayService does."""
+    def unknown(keys, known) -> list[str]:
+        return sorted(str(k) for k in keys if k not in known)
+
+    where = f"config {str(config)!r}"
+    if extra := unknown(spec, SERVE_KEYS):
+        raise ValueError(f"{where}: unknown key(s) {', '.join(extra)}; a Serve config has {', '.join(sorted(SERVE_KEYS))}")
+    apps = spec.get("applications")
+    if not isinstance(apps, list) or not apps or not isinstance(apps[0], dict):
+        return  # said by app_args, with what to give
+    if len(apps) > 1:
+        raise ValueError(f"{where}: {len(apps)} applications; `sequoia-ray serve` runs one (give one, or deploy the "
+                         "file with `serve deploy`)")
+    app = apps[0]
+    if extra := unknown(app, APP_KEYS):
+        raise ValueError(f"{where}: unknown application key(s) {', '.join(extra)}; an application has "
+                         f"{', '.join(sorted(APP_KEYS))}")
+    for key, served in (("name", APP_NAME), ("route_prefix", "/")):
+        if app.get(key, served) != served:
+            raise ValueError(f"{where}: application {key} {app[key]!r}: `sequoia-ray serve` serves {APP_NAME!r} at "
+                             f"'/'; drop it, or deploy the file with `serve deploy`")
 
 
 def check_api_key_env(cfg: ServeConfig, address: str | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -77,3 +78,20 @@ def test_a_config_file_that_does_not_read_names_config_and_the_fix(tmp_path, kin
         path.write_bytes(b"applications:\n- args: {model_name: \"\xff\"}\n")
     with pytest.raises(ValueError, match=rf"^--config '{path}': .*; give a Serve config file \(YAML, UTF-8\)"):
         _spec(path)
+
+
+@pytest.mark.parametrize("text, said", [
+    ("http_option: {port: 18999}\napplications: [{args: {}}]\n", "unknown key(s) http_option; a Serve config has"),
+    ("applications: [{args: {}, route_prefx: /api}]\n", "unknown application key(s) route_prefx"),
+    ("applications: [{args: {}, route_prefix: /api}]\n", "application route_prefix '/api': `sequoia-ray serve` "
+                                                         "serves 'sequoia' at '/'"),
+    ("applications: [{name: myapp, args: {}}]\n", "application name 'myapp'"),
+    ("applications: [{args: {}}, {args: {}}]\n", "2 applications; `sequoia-ray serve` runs one"),
+])
+def test_what_the_launcher_would_drop_from_a_config_is_refused(tmp_path, text, said):
+    """A review: a typo (``http_option``), a route prefix, an application name and a second application all passed,
+    and the launcher served app 'sequoia' at '/' on port 8000 without a word."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        app_args(path, [])
