@@ -38,11 +38,19 @@ def one_line(exc: Exception) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         try:
-            return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')} "
-                             f"(got {e.get('input')!r:.60})" for e in errors())
+            return "; ".join(_one_error(e) for e in errors())
         except (TypeError, KeyError):
             pass
     return " ".join(str(exc).split()).replace("Value error, ", "")
+
+
+def _one_error(error: dict) -> str:
+    """One pydantic error: "field: message (got value)"; an error of the whole model (a check across fields, its
+    ``loc`` empty) is its message alone (it read ": message (got {<every field>...)")."""
+    message = error["msg"].removeprefix("Value error, ")
+    if not error["loc"]:
+        return message
+    return f"{'.'.join(map(str, error['loc']))}: {message} (got {error.get('input')!r:.60})"
 
 
 # ---- argument types ------------------------------------------------------------------------------

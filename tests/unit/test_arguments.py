@@ -105,3 +105,20 @@ def test_a_non_negative_float_flag_must_be_finite(text):
     with pytest.raises(argparse.ArgumentTypeError, match="must be a finite number >= 0"):
         nonneg_float(text)
     assert nonneg_float("0") == 0.0 and nonneg_float("120") == 120.0
+
+
+def test_an_error_across_fields_is_its_message_alone():
+    """A review: a check across fields (pydantic's model validator, ``loc`` empty) read "error: : prefill_chunk 4096
+    is larger ... (got {'model_name': 'sequoia-default', ...)"."""
+    from pydantic import ValidationError
+
+    from deployments.config import ServeConfig
+    from sequoia_ray.arguments import one_line
+
+    with pytest.raises(ValidationError) as caught:
+        ServeConfig(prefill_chunk=4096)
+    said = one_line(caught.value)
+    assert said.startswith("prefill_chunk 4096 is larger than max_batch_tokens") and "(got {" not in said, said
+    with pytest.raises(ValidationError) as caught:
+        ServeConfig(max_concurrent=0)
+    assert one_line(caught.value).startswith("max_concurrent: ") and "(got 0)" in one_line(caught.value)
