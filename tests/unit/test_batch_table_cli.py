@@ -20,7 +20,7 @@ def no_models(monkeypatch):
     (["--sizes", "1,x"], "'1,x': 'x' is not an integer; give tree sizes like 1,2,4,8"),
     (["--sizes", "0,4"], "0 must be >= 1"),
     (["--repeats", "0"], "0 must be >= 1"),
-    (["--temperature", "-1"], "-1.0 must be >= 0"),
+    (["--temperature", "-1"], "-1.0 must be a finite number >= 0"),
     (["--profile", "missing.json"], "--profile missing.json: "),
     (["--profile", "list.json"], "expected a JSON object"),
     (["--acceptance", "0.8,0.7"], "sum of p is 1.5"),

@@ -61,7 +61,7 @@ def test_measure_writes_a_vector_plan_reads(pair, capsys, tmp_path):
 
 @pytest.mark.parametrize(
     "args,needle",
-    [(["--prompt", "x", "--temperature", "-1"], "must be >= 0"),
+    [(["--prompt", "x", "--temperature", "-1"], "must be a finite number >= 0"),
      (["--prompt", "x", "--top-p", "0"], "top_p"),
      (["--prompt", "x", "--plan", "/nonexistent.json"], "cannot read plan file"),
      (["--prompt", "x", "--target", "/nonexistent-dir"], "")],
