@@ -41,6 +41,7 @@ def test_local_paths_reach_the_trials_absolute(tmp_path, monkeypatch):
     read there."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "acc.json").write_text(json.dumps({"p": [0.6, 0.2]}))  # read (checked) up front
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a prompt"}) + "\n")  # so is the prompt file
     cfg, _ = parse_config(["--storage", "plans", "--prompts", "p.jsonl", "--acceptance", "0=acc.json"])
     assert (cfg.storage, cfg.prompts) == (str(tmp_path / "plans"), str(tmp_path / "p.jsonl"))
     assert cfg.acceptance == {0.0: str(tmp_path / "acc.json")}
