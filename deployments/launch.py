@@ -84,7 +84,8 @@ def _check_spec(config: Path, spec: dict) -> None:
 
     where = f"config {str(config)!r}"
     if extra := unknown(spec, SERVE_KEYS):
-        raise ValueError(f"{where}: unknown key(s) {', '.join(extra)}; a Serve config has {', '.join(sorted(SERVE_KEYS))}")
+        raise ValueError(f"{where}: unknown key(s) {', '.join(extra)}; a Serve config has "
+                         f"{', '.join(sorted(SERVE_KEYS))}")
     apps = spec.get("applications")
     if not isinstance(apps, list) or not apps or not isinstance(apps[0], dict):
         return  # said by app_args, with what to give
@@ -145,7 +146,8 @@ def override(item: str) -> tuple[str, object]:
     """A ``--set KEY=VALUE`` as (KEY, VALUE read as YAML); a ValueError naming the item when it is not one."""
     key, eq, value = item.partition("=")
     if not eq or not key.strip():
-        raise ValueError(f"--set {item!r}: give KEY=VALUE (e.g. --set max_concurrent=4; KEY=null unsets an optional key, e.g. --set draft=null)")
+        raise ValueError(f"--set {item!r}: give KEY=VALUE (e.g. --set max_concurrent=4; KEY=null unsets an optional "
+                         "key, e.g. --set draft=null)")
     try:
         return key.strip(), yaml.safe_load(value)
     except yaml.YAMLError as exc:

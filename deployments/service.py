@@ -230,10 +230,11 @@ class PlanProvider:
     def adopt(self, temperature: float, planned: dict[int, PlannedTree],
               based_on: dict[int, PlannedTree] | None = None) -> bool:
         """Serve ``planned`` (a re-plan per batch bucket) from the next step on, publishing each new tree to the
-        store as a live plan (a bucket's tree with only a new vector, ``live_acceptance.refit``, is not); buckets that were following this temperature's plans follow the new ones. ``based_on``:
-        the plans the re-plan started from (``current``); when a refresh has swapped in another since (a newer
-        store plan, found while the DP ran), nothing is adopted (False): the re-plan would overwrite it here and
-        publish itself as the store's latest over it, on every replica. The next check starts from the new one."""
+        store as a live plan (a bucket's tree with only a new vector, ``live_acceptance.refit``, is not); buckets
+        that were following this temperature's plans follow the new ones. ``based_on``: the plans the re-plan
+        started from (``current``); when a refresh has swapped in another since (a newer store plan, found while the
+        DP ran), nothing is adopted (False): the re-plan would overwrite it here and publish itself as the store's
+        latest over it, on every replica. The next check starts from the new one."""
         with self.updating:
             now = self.current(temperature)
             if based_on is not None and (now.keys() != based_on.keys()

@@ -63,10 +63,10 @@ many probes make first steps a small cost anyway). Those probes are spaced, not 
 request, which nothing begins beside, ran 32 of its first 40 steps with the target alone when they were (the main
 job's demo through Serve: 2.0 against 4.8 tokens/step with the tree, session 18).
 
-A served phase ends early when, after a probe's worth of its own measured steps, its arm's rate has fallen
-below the other arm's by more than ``LOSING_Z`` standard errors of the difference: the other arm is probed again at once, and the faster then serves. A probe's few
-steps can mislead (seen through Serve at 2 clients: the tree chosen on 6 steps, then 117 steps at 0.77x the
-target alone's rate).
+A served phase ends early when, after a probe's worth of its own measured steps, its arm's rate has fallen below
+the other arm's by more than ``LOSING_Z`` standard errors of the difference: the other arm is probed again at
+once, and the faster then serves. A probe's few steps can mislead (seen through Serve at 2 clients: the tree
+chosen on 6 steps, then 117 steps at 0.77x the target alone's rate).
 
 A served phase also ends, for a probe, once the other arm last ran ``max_age_s`` ago: the two rates are
 compared at about the same host speed and traffic. Without it a backed-off phase at 8 clients
