@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import yaml
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from deployments.config import ServeConfig
 from sequoia_ray.arguments import Parser, is_uri, nonneg_float, shown_uri
@@ -69,9 +70,8 @@ def app_args(config: Path, overrides: list[str]) -> dict:
     return args
 
 
-SERVE_KEYS = {"proxy_location", "http_options", "grpc_options", "logging_config", "applications", "target_capacity"}
-APP_KEYS = {"name", "route_prefix", "import_path", "runtime_env", "host", "args", "deployments", "logging_config",
-            "external_scaler_enabled"}
+SERVE_KEYS = set(ServeDeploySchema.model_fields)  # Ray's own: a key of a later Ray is not refused as unknown
+APP_KEYS = set(ServeApplicationSchema.model_fields)
 
 
 def _check_spec(config: Path, spec: dict) -> None:
@@ -97,7 +97,7 @@ def _check_spec(config: Path, spec: dict) -> None:
         raise ValueError(f"{where}: unknown application key(s) {', '.join(extra)}; an application has "
                          f"{', '.join(sorted(APP_KEYS))}")
     for key, served in (("name", APP_NAME), ("route_prefix", "/")):
-        if app.get(key, served) != served:
+        if app.get(key) not in (None, served):  # (None: Ray's default)
             raise ValueError(f"{where}: application {key} {app[key]!r}: `sequoia-ray serve` serves {APP_NAME!r} at "
                              f"'/'; drop it, or deploy the file with `serve deploy`")
 

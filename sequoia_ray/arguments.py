@@ -316,10 +316,23 @@ def shown_uri(location: str) -> str:
     if rest.startswith("//"):  # the authority: [user[:password]@]host[:port]
         authority, slash, path = rest[2:].partition("/")
         rest = "//" + authority.rpartition("@")[2] + slash + path
-        user, at, after = rest[2:].rpartition("@")
-        if at and ":" in user:  # a secret with a "/" in it (AWS's often have one), unescaped: its end is past the
-            rest = "//" + after  # first "/", so the user info runs to the last "@" (a path's own "@" hides more)
+        if user_info(location):  # a secret with a "/" in it (AWS's often have one), unescaped, ends past the first
+            rest = "//" + rest[2:].rpartition("@")[2]  # "/": the user info runs to the last "@"
     return f"{scheme}:{rest}".rstrip("/")
+
+
+def user_info(location: str) -> str:
+    """A URI's ``KEY:SECRET`` user info as given, up to its last "@" (a secret may hold "/" unescaped); "" when it
+    has none: no "@", or what comes before the first "/" is a host or host:port (``hdfs://nn:8020/run@2024``)."""
+    rest = location.partition(":")[2].split("?", 1)[0]
+    if not rest.startswith("//"):
+        return ""
+    user, at, _ = rest[2:].rpartition("@")
+    first = rest[2:].split("/", 1)[0]
+    if "@" in first:  # the user info within the authority: ``s3://KEY:SECRET@bucket``
+        return first.rpartition("@")[0]
+    port = first.partition(":")[2]
+    return user if at and port and not port.isdigit() else ""
 
 
 def without_secrets(text: str, location: str) -> str:
@@ -329,10 +342,8 @@ def without_secrets(text: str, location: str) -> str:
     shown = shown_uri(location)
     text = text.replace(location, shown)
     if is_uri(location):
-        hidden = location.partition(":")[2]
-        query = hidden.partition("?")[2]
-        user = hidden[2:].split("?", 1)[0].rpartition("@")[0] if hidden.startswith("//") else ""
-        for secret in (query, user):
+        query = location.partition("?")[2]
+        for secret in (query, user_info(location)):
             if secret:
                 text = text.replace(secret, "***")
     return text

@@ -95,3 +95,14 @@ def test_what_the_launcher_would_drop_from_a_config_is_refused(tmp_path, text, s
     path.write_text(text)
     with pytest.raises(ValueError, match=re.escape(said)):
         app_args(path, [])
+
+
+@pytest.mark.parametrize("text", ["tracing_config: {exporter_import_path: m:f}\napplications: [{args: {}}]\n",
+                                  "controller_options: {}\napplications: [{args: {}}]\n",
+                                  "applications: [{args: {}, autoscaling_policy: null, route_prefix: null}]\n"])
+def test_every_key_rays_serve_config_has_is_taken(tmp_path, text):
+    """The review of the check above: Ray 2.60's tracing_config, controller_options and an application's
+    autoscaling_policy were refused as keys "no Serve config has", and route_prefix null (Ray's default) too."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert app_args(path, []) == {}

@@ -484,3 +484,13 @@ def test_a_secret_pyarrow_cannot_parse_is_hidden_in_its_error_too(uri, shown):
     assert message.startswith(f"cannot open plan store {shown!r}: ")
     for secret in ("Super", "Secret", "abc", "AKIAKEY", "secret_key=Q"):
         assert secret not in message, message
+
+
+@pytest.mark.parametrize("uri", ["hdfs://host:9000/p@x", "hdfs://namenode:8020/plans/run@2024-12",
+                                 "s3://bucket/a:b@c/d", "file:///tmp/a:b@c", "s3://bucket/path@v2"])
+def test_a_uri_with_a_port_or_an_at_in_its_path_is_shown_as_it_is(uri):
+    """The review of the redaction above: a host:port before an "@" in the path read as KEY:SECRET, and
+    ``hdfs://namenode:8020/plans/run@2024-12`` was named ``hdfs://2024-12`` in every message."""
+    from sequoia_ray.arguments import shown_uri, without_secrets
+
+    assert shown_uri(uri) == uri and without_secrets(f"cannot read {uri}", uri) == f"cannot read {uri}"
